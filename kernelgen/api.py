@@ -1,0 +1,217 @@
+"""The Python API: load a built target, put numpy data in its memory, run kernels, get numpy back.
+
+    import kernelgen
+    k = kernelgen.load("out", "relaxed-simd")           # or kernelgen.compile_kernels(source, target)
+    w = k.pack("q8_0", blocks)                           # GGUF Q8_0 blocks, (rows, k // 32 * 34) uint8
+    a = k.quantize_act(x)                                # f32[k] -> quantized activations
+    y = k.qmatvec(w, a)                                  # f32[rows]
+
+Every method checks shapes and dtypes before touching memory and raises ValueError/TypeError
+saying what it expected. Inputs are copied into the module's shared memory; per-call buffers are
+freed when the call returns, packed weights stay until `reset()`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import host
+from .build import Built, compile_source
+from .errors import KernelgenError
+from .names import parse_variant
+from .parse import parse
+from .quant import QuantInfo, check_quant
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A quantized matrix in the kernels' layout, living in a module's memory."""
+
+    quant: str
+    rows: int
+    k: int
+    planes: dict[str, int]  # plane name -> address
+
+    @property
+    def args(self) -> list[int]:
+        return list(self.planes.values())
+
+
+@dataclass(frozen=True)
+class Act:
+    """Activations quantized by the module's own quantize_act: q (int8 on simd128, uint8 holding
+    q + 64 on relaxed SIMD) and one f32 scale per 32 values."""
+
+    q: np.ndarray
+    d: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return self.q.size
+
+
+def _f32(name: str, x: Any, ndim: int) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy float32 array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise TypeError(f"{name}: expected dtype float32, got {x.dtype} (convert with .astype(np.float32))")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D, got shape {x.shape}")
+    return np.ascontiguousarray(x)
+
+
+class Kernels:
+    """One built target under wasmtime. `deterministic` sets wasmtime's relaxed_simd_deterministic."""
+
+    def __init__(self, wasm: bytes, manifest: dict, deterministic: bool = True) -> None:
+        self.manifest = manifest
+        self.target: str = manifest["target"]
+        self.module = host.Module(wasm, manifest, deterministic)
+        self.quants: dict[str, QuantInfo] = {
+            name: check_quant(parse(q["source"], f"manifest:{name}").quants[0])
+            for name, q in manifest["quants"].items()
+        }
+        self._exports: dict[tuple[str, str | None], str] = {}
+        for name, e in manifest["exports"].items():
+            self._exports[(e["kernel"], e["quant"])] = name
+
+    # ---- generic access
+    def export_name(self, kernel: str, quant: str | None = None) -> str:
+        """The exported variant of `kernel` (for `quant`), e.g. qmatvec_q8_0__rows4."""
+        try:
+            return self._exports[(kernel, quant)]
+        except KeyError:
+            have = sorted({k for k, _ in self._exports})
+            raise KeyError(f"no export for kernel {kernel!r}{f' and quant {quant!r}' if quant else ''};"
+                           f" kernels: {', '.join(have)}") from None
+
+    def tune_of(self, kernel: str, quant: str | None = None) -> dict[str, int]:
+        return parse_variant(self.export_name(kernel, quant)).tune
+
+    def call(self, name: str, *args: int | float) -> Any:
+        """Run an exported function with raw arguments (addresses and scalars)."""
+        return self.module.call(name, *args)
+
+    def reset(self) -> None:
+        """Free all memory the module holds for this host, packed weights included."""
+        self.module.reset()
+
+    def _quant(self, name: str) -> QuantInfo:
+        if name not in self.quants:
+            raise KeyError(f"unknown quant type {name!r}; this build has {', '.join(self.quants)}")
+        return self.quants[name]
+
+    # ---- weights and activations
+    def pack(self, quant: str, blocks: np.ndarray) -> Packed:
+        """Pack stored blocks of shape (rows, n_blocks * stored_bytes) uint8, or the quant's structured
+        dtype (rows, n_blocks), into the module's memory."""
+        q = self._quant(quant)
+        if not isinstance(blocks, np.ndarray) or blocks.ndim != 2:
+            raise ValueError(f"pack({quant}): expected a 2-D array of blocks per row, got "
+                             f"{getattr(blocks, 'shape', type(blocks).__name__)}")
+        b = q.as_blocks(blocks)
+        planes = q.pack(b)
+        addrs = {name: self.module.put(arr) for name, arr in planes.items()}
+        return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs)
+
+    def quantize_act(self, x: np.ndarray) -> Act:
+        """f32[n] (n a multiple of 32) -> activations in this target's form (see ACT_ZERO/ACT_MAX)."""
+        x = _f32("quantize_act x", x, 1)
+        if x.size == 0 or x.size % 32:
+            raise ValueError(f"quantize_act: length must be a positive multiple of 32, got {x.size}")
+        m = self.module.mark()
+        try:
+            px = self.module.put(x)
+            pq = self.module.alloc(x.size)
+            pd = self.module.alloc(x.size // 32 * 4)
+            self.call(self.export_name("quantize_act"), px, x.size, pq, pd)
+            qtype = np.int8 if self.manifest["constants"]["ACT_ZERO"] == 0 else np.uint8
+            return Act(self.module.get(pq, qtype, x.size), self.module.get(pd, np.float32, x.size // 32))
+        finally:
+            self.module.release(m)
+
+    # ---- kernels
+    def _act_args(self, act: Act, k: int, what: str) -> list[int]:
+        if not isinstance(act, Act):
+            raise TypeError(f"{what}: activations must come from quantize_act, got {type(act).__name__}")
+        if act.n != k:
+            raise ValueError(f"{what}: activations have {act.n} values, the weights' rows have {k}")
+        return [self.module.put(act.q), self.module.put(act.d)]
+
+    def _check_packed(self, w: Any, what: str) -> Packed:
+        if not isinstance(w, Packed):
+            raise TypeError(f"{what}: weights must come from pack(), got {type(w).__name__}")
+        return w
+
+    def qdot(self, w: Packed, act: Act) -> float:
+        """Dot of a one-row packed matrix with quantized activations."""
+        w = self._check_packed(w, "qdot")
+        if w.rows != 1:
+            raise ValueError(f"qdot: expected one packed row, got {w.rows} (use qmatvec)")
+        m = self.module.mark()
+        try:
+            return float(self.call(self.export_name("qdot", w.quant), *w.args, *self._act_args(act, w.k, "qdot"), w.k))
+        finally:
+            self.module.release(m)
+
+    def qmatvec(self, w: Packed, act: Act) -> np.ndarray:
+        """y = W a, f32[rows]."""
+        w = self._check_packed(w, "qmatvec")
+        m = self.module.mark()
+        try:
+            a = self._act_args(act, w.k, "qmatvec")
+            py = self.module.alloc(4 * w.rows)
+            self.call(self.export_name("qmatvec", w.quant), *w.args, *a, py, w.rows, w.k)
+            return self.module.get(py, np.float32, w.rows)
+        finally:
+            self.module.release(m)
+
+    def dot_f32(self, x: np.ndarray, y: np.ndarray) -> float:
+        x, y = _f32("dot_f32 x", x, 1), _f32("dot_f32 y", y, 1)
+        if x.shape != y.shape:
+            raise ValueError(f"dot_f32: shapes differ, {x.shape} and {y.shape}")
+        m = self.module.mark()
+        try:
+            return float(self.call(self.export_name("dot_f32"), self.module.put(x), self.module.put(y), x.size))
+        finally:
+            self.module.release(m)
+
+    def matvec_f32(self, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+        w, x = _f32("matvec_f32 w", w, 2), _f32("matvec_f32 x", x, 1)
+        if w.shape[1] != x.size:
+            raise ValueError(f"matvec_f32: w is {w.shape}, x has {x.size} values")
+        m = self.module.mark()
+        try:
+            py = self.module.alloc(4 * w.shape[0])
+            self.call(self.export_name("matvec_f32"), self.module.put(w), self.module.put(x), py, *w.shape)
+            return self.module.get(py, np.float32, w.shape[0])
+        finally:
+            self.module.release(m)
+
+
+def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministic: bool = True) -> Kernels:
+    """Load out_dir/<target>/kernels.wasm with its manifest."""
+    d = Path(out_dir) / target
+    try:
+        manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
+        wasm = (d / "kernels.wasm").read_bytes()
+    except FileNotFoundError as e:
+        raise KernelgenError(f"{d}: no build for target {target!r} ({e.filename} is missing); run kernelgen build") from None
+    except json.JSONDecodeError as e:
+        raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
+    return Kernels(wasm, manifest, deterministic)
+
+
+def compile_kernels(source: str, target: str = "relaxed-simd", tune: dict[str, dict[str, int]] | None = None,
+                    deterministic: bool = True, filename: str = "kernels.dsl") -> Kernels:
+    """Compile DSL source in memory (no files written) and load it."""
+    (built,) = compile_source(source, filename, (target,), tune)
+    return from_built(built, deterministic)
+
+
+def from_built(built: Built, deterministic: bool = True) -> Kernels:
+    return Kernels(built.wasm, built.manifest, deterministic)

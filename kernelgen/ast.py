@@ -1,0 +1,220 @@
+"""The kernel language's syntax tree: one frozen dataclass per grammar rule, each with its source span.
+
+Nodes are plain data; meaning (types, constants, lowering) is given to them by check.py and lower.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a node stands in the DSL source: 1-based line and column of its first character."""
+
+    file: str
+    line: int
+    col: int
+    end_line: int = 0
+    end_col: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class Node:
+    span: Span = field(compare=False, repr=False)
+
+
+# ---- expressions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntLit(Node):
+    value: int
+
+
+@dataclass(frozen=True)
+class FloatLit(Node):
+    value: float
+
+
+@dataclass(frozen=True)
+class Name(Node):
+    id: str
+
+
+@dataclass(frozen=True)
+class Binary(Node):
+    op: str
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
+class Unary(Node):
+    op: str
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Attr(Node):
+    """`base.name`: a quant property (`Q.block`), a packed plane (`w.scale`) or a typed op (`f32x4.load`)."""
+
+    base: Expr
+    name: str
+
+
+@dataclass(frozen=True)
+class Index(Node):
+    """`base[i]` (a register array) or `base[A, B]` (a generic kernel's compile-time arguments)."""
+
+    base: Expr
+    indices: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class Call(Node):
+    func: Expr
+    args: tuple[Expr, ...]
+
+
+Expr = IntLit | FloatLit | Name | Binary | Unary | Attr | Index | Call
+
+
+# ---- statements --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Let(Node):
+    name: str
+    type: str | None
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Var(Node):
+    """A mutable local, or with `size` a register array of compile-time length."""
+
+    name: str
+    size: Expr | None
+    type: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Assign(Node):
+    target: Expr
+    op: str  # "=", "+=", "-=", "*="
+    value: Expr
+
+
+@dataclass(frozen=True)
+class For(Node):
+    var: str
+    start: Expr
+    stop: Expr
+    step: Expr | None
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Unroll(Node):
+    """A loop run by the compiler: the body is emitted once per value, `var` a constant in each copy."""
+
+    var: str
+    start: Expr
+    stop: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class If(Node):
+    cond: Expr
+    then: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Return(Node):
+    value: Expr | None
+
+
+@dataclass(frozen=True)
+class ExprStmt(Node):
+    expr: Expr
+
+
+Stmt = Let | Var | Assign | For | Unroll | If | Return | ExprStmt
+
+
+# ---- declarations ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Const(Node):
+    name: str
+    type: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Field(Node):
+    """One field of a stored quant block, in storage order: `d: f16`, `qs: i8[32]`."""
+
+    name: str
+    type: str
+    count: int | None
+
+
+@dataclass(frozen=True)
+class Quant(Node):
+    name: str
+    block: int | None
+    fields: tuple[Field, ...]
+    unpack: Expr | None
+    dequant: Expr | None
+
+
+@dataclass(frozen=True)
+class Generic(Node):
+    name: str
+    kind: str  # "quant" or an integer type
+
+
+@dataclass(frozen=True)
+class Param(Node):
+    name: str
+    type: str
+    packed: bool  # `w: packed Q`: the planes of a packed quantized matrix
+
+
+@dataclass(frozen=True)
+class Tune(Node):
+    name: str
+    type: str
+    domain: tuple[int, ...]
+    default: int
+
+
+@dataclass(frozen=True)
+class Kernel(Node):
+    name: str
+    mode: str  # "export", "inline" or "" (an internal function)
+    generics: tuple[Generic, ...]
+    params: tuple[Param, ...]
+    ret: str | None
+    tunes: tuple[Tune, ...]
+    body: tuple[Stmt, ...]
+
+    @property
+    def exported(self) -> bool:
+        return self.mode == "export"
+
+
+@dataclass(frozen=True)
+class Program(Node):
+    consts: tuple[Const, ...]
+    quants: tuple[Quant, ...]
+    kernels: tuple[Kernel, ...]
+    source: str = field(compare=False, repr=False, default="")

@@ -1,0 +1,116 @@
+"""The build: kernels.dsl -> for each target, kernels.wat, kernels.wasm and kernels.json in out/.
+
+Everything is compiled in memory first; files are written only when every target succeeded, each
+through a temporary file and an atomic rename, and only when its content changed. A failed build
+therefore leaves the previous out/ as it was, and two builds give identical bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__, layout
+from .assemble import assemble, wabt_version
+from .check import Checked, check, resolve_tune
+from .emit import render_module
+from .lower import lower
+from .ops import TARGETS
+from .parse import parse
+from .resources import compiler_files
+
+TARGET_NAMES = tuple(TARGETS)
+
+
+@dataclass
+class Built:
+    """One target's artifacts, in memory."""
+
+    target: str
+    wat: str
+    wasm: bytes
+    manifest: dict
+
+
+def inputs_hash(source: str, target: str, tune: dict) -> str:
+    h = hashlib.sha256()
+    for part in (source, target, json.dumps(tune, sort_keys=True), wabt_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    for f in compiler_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str) -> Built:
+    t = TARGETS[target]
+    funcs, exports = lower(checked, target, tune)
+    digest = inputs_hash(checked.source, target, tune)
+    memory = layout.describe()
+    wat, spans = render_module(funcs, file="kernels.wat", version=__version__, dsl=dsl_name, target=target,
+                               inputs_hash=digest, features=t.features, memory=memory, constants=t.constants)
+    wasm = assemble(wat, t.wat2wasm_flags, spans, checked.source)
+    manifest = {
+        "kernelgen": __version__,
+        "target": target,
+        "features": list(t.features),
+        "dsl": dsl_name,
+        "inputs_sha256": digest,
+        "tools": {"wat2wasm": wabt_version()},
+        "memory": memory,
+        "constants": dict(t.constants),
+        "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
+                   for name, q in checked.quants.items()},
+        "tune": {"source": "defaults", "values": tune},
+        "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
+                             "result": e.result, "line": e.line} for e in exports},
+        "wasm_bytes": len(wasm),
+    }
+    return Built(target, wat, wasm, manifest)
+
+
+def _source_of(span, source: str) -> str:
+    """The text of a declaration, so a manifest reader can rebuild it (kernelgen.api does)."""
+    lines = source.splitlines()[span.line - 1:span.end_line]
+    lines[-1] = lines[-1][:span.end_col - 1] if span.end_line != span.line else lines[-1][span.col - 1:span.end_col - 1]
+    if span.end_line != span.line:
+        lines[0] = lines[0][span.col - 1:]
+    return "\n".join(lines)
+
+
+def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,
+                   tune: dict[str, dict[str, int]] | None = None) -> list[Built]:
+    """Parse, check and compile `source` for `targets`; raises DslError on any user mistake."""
+    checked = check(parse(source, filename))
+    values = resolve_tune(checked, tune)
+    return [compile_target(checked, t, values, Path(filename).name) for t in targets]
+
+
+def write_outputs(built: list[Built], out_dir: Path) -> list[Path]:
+    """Write each target's files under out_dir/<target>/; returns the files that changed."""
+    changed = []
+    for b in built:
+        files = {"kernels.wat": b.wat.encode(), "kernels.wasm": b.wasm,
+                 "kernels.json": (json.dumps(b.manifest, indent=2, sort_keys=False) + "\n").encode()}
+        for name, data in files.items():
+            path = out_dir / b.target / name
+            if path.is_file() and path.read_bytes() == data:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+            changed.append(path)
+    return changed
+
+
+def build(dsl: Path, out_dir: Path, targets: tuple[str, ...] = TARGET_NAMES,
+          tune: dict[str, dict[str, int]] | None = None) -> tuple[list[Built], list[Path]]:
+    source = dsl.read_text(encoding="utf-8")
+    built = compile_source(source, str(dsl), targets, tune)
+    return built, write_outputs(built, out_dir)

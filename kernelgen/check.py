@@ -1,0 +1,199 @@
+"""Checks on a parsed program before anything is emitted: names, declarations, quant types, tune
+domains. Typing of kernel bodies happens as they are lowered for each target (lower.py applies
+the per-target rules of ops.py), so `kernelgen check` runs both.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from . import ast as A
+from . import types as T
+from .errors import DslError
+from .names import TUNE_NAME
+from .ops import TARGETS, Val, fold
+from .quant import QuantInfo, check_quant
+
+_RESERVED = set(T.SCALARS) | set(T.VECTORS) | set(T.ALIASES) | set().union(*(t.ops for t in TARGETS.values()))
+_TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values()))
+_DOC_PARAM = re.compile(r"#\s+(\w+):\s+(.*)")
+
+
+@dataclass
+class KernelInfo:
+    ast: A.Kernel
+    doc: list[str] = field(default_factory=list)  # the comment block above the kernel
+    param_docs: dict[str, str] = field(default_factory=dict)  # from "#   name: meaning" lines in it
+
+    @property
+    def name(self) -> str:
+        return self.ast.name
+
+    @property
+    def inline(self) -> bool:
+        return self.ast.mode == "inline"
+
+
+@dataclass
+class Checked:
+    program: A.Program
+    consts: dict[str, Val]
+    quants: dict[str, QuantInfo]
+    kernels: dict[str, KernelInfo]
+
+    @property
+    def source(self) -> str:
+        return self.program.source
+
+
+def check(program: A.Program) -> Checked:
+    """Validate declarations; raise DslError (with source) at the first mistake."""
+    try:
+        return _check(program)
+    except DslError as e:
+        raise e.with_source(program.source) from None
+
+
+def _check(program: A.Program) -> Checked:
+    seen: dict[str, A.Node] = {}
+
+    def declare(name: str, node: A.Node, what: str) -> None:
+        if name in _RESERVED or name in _TARGET_CONSTS:
+            raise DslError(node.span, f"{what} name {name!r} is reserved (a type, an op or a target constant)")
+        if name in seen:
+            raise DslError(node.span, f"{name!r} is already declared at line {seen[name].span.line}")
+        seen[name] = node
+
+    consts: dict[str, Val] = {}
+    for c in program.consts:
+        declare(c.name, c, "const")
+        t = T.resolve(c.type)
+        if t is None or not T.is_scalar(t):
+            raise DslError(c.span, f"const {c.name}: type must be a scalar type, not {c.type!r}")
+        v = _const_value(c.value, consts)
+        if T.is_int(t) and isinstance(v, float):
+            raise DslError(c.value.span, f"const {c.name}: {t} cannot hold {v}")
+        consts[c.name] = Val(None, t, float(v) if T.is_float(t) else v)
+
+    quants: dict[str, QuantInfo] = {}
+    for q in program.quants:
+        declare(q.name, q, "quant")
+        quants[q.name] = check_quant(q)
+
+    kernels: dict[str, KernelInfo] = {}
+    lines = program.source.splitlines()
+    for k in program.kernels:
+        declare(k.name, k, "kernel")
+        _check_kernel(k, quants)
+        kernels[k.name] = _with_docs(k, lines)
+    if not any(k.exported for k in program.kernels):
+        raise DslError(program.span, "no exported kernel: mark at least one 'export kernel'")
+    return Checked(program, consts, quants, kernels)
+
+
+def _const_value(e: A.Expr, consts: dict[str, Val]) -> int | float:
+    if isinstance(e, (A.IntLit, A.FloatLit)):
+        return e.value
+    if isinstance(e, A.Name):
+        if e.id not in consts:
+            raise DslError(e.span, f"unknown constant {e.id!r}")
+        return consts[e.id].const
+    if isinstance(e, A.Unary) and e.op == "-":
+        return -_const_value(e.operand, consts)
+    if isinstance(e, A.Binary):
+        a, b = _const_value(e.left, consts), _const_value(e.right, consts)
+        lit = lambda x: Val(None, T.FLOAT_LIT if isinstance(x, float) else T.INT_LIT, x)  # noqa: E731
+        r = fold(e.op, lit(a), lit(b))
+        if r is not None:
+            return r.const
+    raise DslError(e.span, "a const must be a compile-time number")
+
+
+def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
+    names: dict[str, A.Node] = {}
+
+    def local(name: str, node: A.Node) -> None:
+        if name in names:
+            raise DslError(node.span, f"{k.name}: {name!r} is declared twice")
+        if name in _RESERVED:
+            raise DslError(node.span, f"{k.name}: {name!r} is reserved (a type or an op)")
+        names[name] = node
+
+    generic_kinds = {}
+    for g in k.generics:
+        local(g.name, g)
+        if g.kind != "quant" and g.kind != "i32":
+            raise DslError(g.span, f"{k.name}: a compile-time parameter is 'quant' or 'i32', not {g.kind!r}")
+        generic_kinds[g.name] = g.kind
+    if k.exported and (len(k.generics) > 1 or any(g.kind != "quant" for g in k.generics)):
+        raise DslError(k.span, f"exported kernel {k.name}: only one [Q: quant] parameter is allowed; "
+                               "it is built for every quant type")
+    if k.exported and k.generics and not quants:
+        raise DslError(k.span, f"exported kernel {k.name} is generic over quant types, but none is declared")
+    for p in k.params:
+        local(p.name, p)
+        if p.packed:
+            if generic_kinds.get(p.type) != "quant":
+                raise DslError(p.span, f"{k.name}: 'packed {p.type}' needs {p.type} to be a [{p.type}: quant] parameter")
+        elif T.resolve(p.type) is None:
+            raise DslError(p.span, f"{k.name}: unknown parameter type {p.type!r}")
+        elif T.is_vector(T.resolve(p.type)) and k.exported:
+            raise DslError(p.span, f"{k.name}: exported kernels take scalars and pointers, not {p.type}")
+    if k.ret is not None and T.resolve(k.ret) is None:
+        raise DslError(k.span, f"{k.name}: unknown return type {k.ret!r}")
+    for t in k.tunes:
+        if not k.exported:
+            raise DslError(t.span, f"{k.name}: tune parameters belong on exported kernels (pass values down in [...])")
+        local(t.name, t)
+        if not TUNE_NAME.fullmatch(t.name):
+            raise DslError(t.span, f"tune parameter {t.name!r}: use lowercase letters only (it becomes part of export names)")
+        if t.type != "i32":
+            raise DslError(t.span, f"tune parameter {t.name}: type must be i32")
+        if len(set(t.domain)) != len(t.domain):
+            raise DslError(t.span, f"tune parameter {t.name}: a value is listed twice")
+        if t.default not in t.domain:
+            raise DslError(t.span, f"tune parameter {t.name}: default {t.default} is not in its domain {set(t.domain)}")
+    if k.mode == "inline":
+        _check_inline_returns(k, k.body, top=True)
+
+
+def _check_inline_returns(k: A.Kernel, body: tuple[A.Stmt, ...], top: bool) -> None:
+    for i, s in enumerate(body):
+        if isinstance(s, A.Return) and not (top and i == len(body) - 1):
+            raise DslError(s.span, f"inline kernel {k.name}: 'return' may only be its last statement")
+        for sub in (getattr(s, "body", ()), getattr(s, "then", ()), getattr(s, "orelse", ())):
+            _check_inline_returns(k, sub, top=False)
+
+
+def _with_docs(k: A.Kernel, lines: list[str]) -> KernelInfo:
+    doc: list[str] = []
+    n = k.span.line - 2
+    while n >= 0 and lines[n].lstrip().startswith("#"):
+        doc.insert(0, lines[n].strip())
+        n -= 1
+    params = {m.group(1): m.group(2).strip() for d in doc if (m := _DOC_PARAM.fullmatch(d))}
+    text = [d.lstrip("#").strip() for d in doc if not _DOC_PARAM.fullmatch(d)]
+    return KernelInfo(k, [t for t in text if t], params)
+
+
+def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None = None,
+                 where: str = "--tune") -> dict[str, dict[str, int]]:
+    """Each exported kernel's tune values: declared defaults, replaced by `overrides` (checked)."""
+    overrides = overrides or {}
+    result: dict[str, dict[str, int]] = {}
+    for name, values in overrides.items():
+        k = checked.kernels.get(name)
+        if k is None or not k.ast.exported:
+            raise DslError(None, f"{where}: no exported kernel {name!r}")
+        declared = {t.name: t for t in k.ast.tunes}
+        for p, v in values.items():
+            if p not in declared:
+                raise DslError(None, f"{where}: kernel {name} has no tune parameter {p!r}"
+                                     f" (it has: {', '.join(declared) or 'none'})")
+            if v not in declared[p].domain:
+                raise DslError(declared[p].span, f"{where}: {name}.{p}={v} is outside its domain {list(declared[p].domain)}",
+                               checked.source)
+    for k in checked.kernels.values():
+        if k.ast.exported:
+            result[k.name] = {t.name: overrides.get(k.name, {}).get(t.name, t.default) for t in k.ast.tunes}
+    return result

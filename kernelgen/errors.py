@@ -1,0 +1,34 @@
+"""User-facing errors. Every mistake in a kernel file is reported as `file:line:col: message`, the
+source line and a caret, so an editor can jump to it; the CLI turns these into exit code 2."""
+from __future__ import annotations
+
+from .ast import Span
+
+
+class KernelgenError(Exception):
+    """An error the user can fix (bad input, not a bug in kernelgen); the CLI prints it and exits 2."""
+
+
+class DslError(KernelgenError):
+    """A mistake at a place in the DSL source."""
+
+    def __init__(self, span: Span | None, message: str, source: str = "") -> None:
+        super().__init__(message)
+        self.span = span
+        self.message = message
+        self.source = source
+
+    def with_source(self, source: str) -> DslError:
+        if not self.source:
+            self.source = source
+        return self
+
+    def __str__(self) -> str:
+        if self.span is None:
+            return self.message
+        text = f"{self.span}: {self.message}"
+        lines = self.source.splitlines()
+        if 1 <= self.span.line <= len(lines):
+            line = lines[self.span.line - 1].rstrip()
+            text += f"\n    {line}\n    {' ' * (self.span.col - 1)}^"
+        return text

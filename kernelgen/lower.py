@@ -1,0 +1,671 @@
+"""Lowering: checked AST -> WAT functions for one target and one assignment of tune values.
+
+Kernels are monomorphized: a generic kernel becomes one function per quant type (exported) or per
+distinct compile-time arguments (internal); `inline` kernels are expanded at each call. Names bound
+to compile-time values (consts, tune parameters, unroll indices, generic integers, target
+constants, lets of constant expressions) are folded, so unrolled and specialized code is straight
+WAT. Types are computed here as the code is built; the rules for ops live in ops.py per target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import ast as A
+from . import types as T
+from .check import Checked, KernelInfo
+from .errors import DslError
+from .names import variant_name
+from .ops import TARGETS, Target, Val, fold, wrap
+from .quant import QuantInfo
+from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
+
+_QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits"}
+_ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
+
+
+@dataclass(frozen=True)
+class Local:
+    name: str  # the wasm local
+    type: str
+    mutable: bool
+
+
+@dataclass(frozen=True)
+class Array:
+    """A register array: one wasm local per element, indexed by compile-time integers only."""
+
+    names: tuple[str, ...]
+    type: str
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed quantized matrix parameter: one pointer local per plane of its quant type."""
+
+    quant: QuantInfo
+    planes: dict[str, str]
+
+
+Binding = Val | Local | Array | Packed | QuantInfo
+
+
+@dataclass
+class Export:
+    """One exported function of the module, as the manifest describes it."""
+
+    name: str
+    kernel: str
+    quant: str | None
+    tune: dict[str, int]
+    params: list[dict]
+    result: str | None
+    line: int
+
+
+class _Return(Exception):
+    """Raised past a non-inline `return` to skip dead code after it in the same block."""
+
+
+@dataclass
+class _Frame:
+    """The state of the wasm function being emitted."""
+
+    locals: list[tuple[str, str]] = field(default_factory=list)
+    live: set[str] = field(default_factory=set)
+    labels: set[str] = field(default_factory=set)
+    temps: list[str] = field(default_factory=list)
+    result: str | None = None
+    body: list[Stmt] = field(default_factory=list)
+
+
+class Lowerer:
+    """Lowers every exported kernel of a checked program for one target."""
+
+    def __init__(self, checked: Checked, target: Target, tune: dict[str, dict[str, int]]) -> None:
+        self.c = checked
+        self.target = target
+        self.tune = tune
+        self.funcs: list[Func] = []
+        self.exports: list[Export] = []
+        self._instances: dict[tuple, str] = {}
+        self._pending: list[tuple[KernelInfo, dict[str, Binding], str]] = []
+        self._span: A.Span | None = None
+        self._frame = _Frame()
+        self._scopes: list[dict[str, Binding]] = []
+
+    # ---- module ----------------------------------------------------------------------------------
+    def run(self) -> list[Func]:
+        for k in self.c.kernels.values():
+            if not k.ast.exported:
+                continue
+            for quant in self._quant_instances(k):
+                generics: dict[str, Binding] = {}
+                if quant is not None:
+                    generics[k.ast.generics[0].name] = quant
+                tune = self.tune.get(k.name, {})
+                name = variant_name(k.name, quant.name if quant else None, tune)
+                self.exports.append(self._export(k, quant, tune, name))
+                self._lower_func(k, {**generics, **{n: Val(None, "i32", v) for n, v in tune.items()}}, name, True)
+        while self._pending:
+            k, generics, name = self._pending.pop(0)
+            self._lower_func(k, generics, name, False)
+        return self.funcs
+
+    def _quant_instances(self, k: KernelInfo) -> list[QuantInfo | None]:
+        if not k.ast.generics:
+            return [None]
+        return list(self.c.quants.values())
+
+    def _export(self, k: KernelInfo, quant: QuantInfo | None, tune: dict[str, int], name: str) -> Export:
+        params = []
+        for p in k.ast.params:
+            meaning = k.param_docs.get(p.name, "")
+            if p.packed:
+                assert quant is not None
+                for plane, (dtype, per_block) in quant.planes.items():
+                    params.append({"name": f"{p.name}_{plane}", "type": "i32",
+                                   "meaning": f"{meaning} [{quant.name} plane {plane!r}: {per_block} bytes per block]".strip()})
+            else:
+                params.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"),
+                               "dsl_type": p.type, "meaning": meaning})
+        return Export(name, k.name, quant.name if quant else None, dict(tune), params,
+                      T.resolve(k.ast.ret) if k.ast.ret else None, k.ast.span.line)
+
+    # ---- scopes and locals -----------------------------------------------------------------------
+    def error(self, message: str) -> DslError:
+        return DslError(self._span, message)
+
+    def _lookup(self, name: str) -> Binding | None:
+        for scope in reversed(self._scopes):
+            if name in scope:
+                return scope[name]
+        if name in self.c.consts:
+            return self.c.consts[name]
+        if name in self.target.constants:  # untyped: adapts to the operand it meets, like a literal
+            return Val(None, T.INT_LIT, self.target.constants[name])
+        return None
+
+    def _new_local(self, name: str, type_: str) -> str:
+        """A wasm local for a new binding: reuse one of the same name and type that is out of scope."""
+        wt = T.wasm_type(type_)
+        for k in range(len(self._frame.locals) + 1):
+            cand = name if k == 0 else f"{name}_{k}"
+            entry = next((t for n, t in self._frame.locals if n == cand), None)
+            if entry is None:
+                self._frame.locals.append((cand, wt))
+                break
+            if entry == wt and cand not in self._frame.live:
+                break
+        self._frame.live.add(cand)
+        return cand
+
+    def _label(self, base: str) -> str:
+        k = 0
+        while (label := base if k == 0 else f"{base}_{k}") in self._frame.labels:
+            k += 1
+        self._frame.labels.add(label)
+        return label
+
+    def _bind(self, name: str, b: Binding) -> None:
+        self._scopes[-1][name] = b
+
+    def _push(self) -> None:
+        self._scopes.append({})
+
+    def _pop(self) -> None:
+        for b in self._scopes.pop().values():
+            for n in (b.names if isinstance(b, Array) else (b.name,) if isinstance(b, Local) else ()):
+                self._frame.live.discard(n)
+
+    def emit(self, s: Stmt) -> None:
+        self._frame.body.append(s)
+
+    # ---- ops.Ctx ---------------------------------------------------------------------------------
+    def materialize(self, v: Val, type_: str | None = None) -> Instr:
+        """The code of `v` as a value of `type_` (a literal takes the type it is given)."""
+        t = type_ or v.type
+        if v.type in (T.INT_LIT, T.FLOAT_LIT) or (v.code is None and v.const is not None):
+            if t in (T.INT_LIT, "void"):
+                t = "i32"
+            if t == T.FLOAT_LIT:
+                t = "f32"
+            if T.is_vector(t):
+                return self.target.ops["splat"](self, t, [v]).code
+            if T.is_int(t) and not isinstance(v.const, int):
+                raise self.error(f"a float constant cannot be used as {t}")
+            return I(f"{t}.const", number(float(v.const) if T.is_float(t) else v.const))
+        if type_ and v.type != type_:
+            raise self.error(f"expected {type_}, got {v.type}")
+        assert v.code is not None
+        return v.code
+
+    def reuse(self, v: Val) -> tuple[Instr, Instr]:
+        """Code for `v` twice: a constant or local read repeats, anything else goes through a temp."""
+        code = self.materialize(v)
+        if code.op in ("local.get",) or code.op.endswith(".const"):
+            return code, code
+        tmp = self._new_local("t", v.type)
+        self._frame.temps.append(tmp)  # live until the end of the current statement
+        return I("local.tee", f"${tmp}", code), I("local.get", f"${tmp}")
+
+    # ---- functions -------------------------------------------------------------------------------
+    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, exported: bool) -> None:
+        saved = (self._frame, self._scopes, self._span)
+        self._frame = _Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
+        self._scopes = [dict(generics)]
+        self._span = k.ast.span
+        params: list[tuple[str, str]] = []
+        self._push()
+        for p in k.ast.params:
+            self._span = p.span
+            if p.packed:
+                quant = self._quant_of(p)
+                planes = {plane: f"{p.name}_{plane}" for plane in quant.planes}
+                params += [(n, "i32") for n in planes.values()]
+                self._bind(p.name, Packed(quant, planes))
+            else:
+                t = T.resolve(p.type)
+                params.append((p.name, T.wasm_type(t)))
+                self._bind(p.name, Local(p.name, t, False))
+        self._frame.locals = [(n, t) for n, t in params]  # params and locals share one namespace
+        self._frame.live = {n for n, _ in params}
+        try:
+            self._block(k.ast.body)
+        except _Return:
+            pass
+        self._pop()
+        frame = self._frame
+        where = f"{Path(k.ast.span.file).name}:{k.ast.span.line}"
+        doc = [f"{k.ast.name}{'[' + ', '.join(_show(v) for v in generics.values()) + ']' if generics else ''}"
+               f" -- {where}"] + [f"  {d}" for d in k.doc]
+        self.funcs.append(Func(name, params, frame.result, frame.locals[len(params):], frame.body,
+                               export=name if exported else None, doc=doc, span=k.ast.span))
+        self._frame, self._scopes, self._span = saved
+
+    def _quant_of(self, p: A.Param) -> QuantInfo:
+        b = self._lookup(p.type)
+        if not isinstance(b, QuantInfo):
+            raise DslError(p.span, f"'packed {p.type}': {p.type} is not a quant type parameter")
+        return b
+
+    # ---- statements ------------------------------------------------------------------------------
+    def _block(self, stmts: tuple[A.Stmt, ...]) -> None:
+        self._push()
+        try:
+            for s in stmts:
+                self._stmt(s)
+        finally:
+            self._pop()
+
+    def _comment(self, s: A.Node) -> None:
+        line = self.c.source.splitlines()[s.span.line - 1].strip() if s.span.line else ""
+        if len(line) > 90:
+            line = line[:87] + "..."
+        self.emit(Comment(f"{Path(s.span.file).name}:{s.span.line}: {line}", s.span))
+
+    def _stmt(self, s: A.Stmt) -> None:
+        self._span = s.span
+        outer_temps = len(self._frame.temps)
+        try:
+            self._stmt_inner(s)
+        finally:
+            for t in self._frame.temps[outer_temps:]:
+                self._frame.live.discard(t)
+            del self._frame.temps[outer_temps:]
+
+    def _stmt_inner(self, s: A.Stmt) -> None:
+        if isinstance(s, A.Let):
+            v = self._expr(s.value)
+            t = self._declared(s.type, v)
+            if v.const is not None and v.code is None:
+                self._bind(s.name, Val(None, t, v.const))
+                return
+            self._comment(s)
+            local = self._new_local(s.name, t)
+            self.emit(I("local.set", f"${local}", self.materialize(v, t)))
+            self._bind(s.name, Local(local, t, False))
+        elif isinstance(s, A.Var):
+            self._comment(s)
+            v = self._expr(s.value)
+            t = self._declared(s.type, v)
+            if s.size is None:
+                local = self._new_local(s.name, t)
+                self.emit(I("local.set", f"${local}", self.materialize(v, t)))
+                self._bind(s.name, Local(local, t, True))
+                return
+            n = self._const_int(s.size, "an array size")
+            if not 1 <= n <= 64:
+                raise self.error(f"array size must be 1..64, got {n}")
+            names = tuple(self._new_local(f"{s.name}_{k}", t) for k in range(n))
+            code = self.materialize(v, t)
+            for local in names:
+                self.emit(I("local.set", f"${local}", code))
+            self._bind(s.name, Array(names, t))
+        elif isinstance(s, A.Assign):
+            self._comment(s)
+            self._assign(s)
+        elif isinstance(s, A.For):
+            self._for(s)
+        elif isinstance(s, A.Unroll):
+            start = self._const_int(s.start, "an unroll bound")
+            stop = self._const_int(s.stop, "an unroll bound")
+            if stop - start > 256:
+                raise self.error(f"unroll of {stop - start} copies; at most 256")
+            for k in range(start, stop):
+                self._push()
+                self._bind(s.var, Val(None, "i32", k))
+                self._block(s.body)
+                self._pop()
+        elif isinstance(s, A.If):
+            self._if(s)
+        elif isinstance(s, A.Return):
+            self._return(s)
+        elif isinstance(s, A.ExprStmt):
+            self._comment(s)
+            v = self._expr(s.expr)
+            if v.type == "void":
+                self.emit(v.code)
+            elif v.code is not None:
+                self.emit(I("drop", v.code))
+
+    def _declared(self, type_name: str | None, v: Val) -> str:
+        if type_name is None:
+            if v.type == "void":
+                raise self.error("this expression has no value")
+            return {T.INT_LIT: "i32", T.FLOAT_LIT: "f32"}.get(v.type, v.type)
+        t = T.resolve(type_name)
+        if t is None:
+            raise self.error(f"unknown type {type_name!r}")
+        if v.type in (T.INT_LIT, T.FLOAT_LIT):
+            if v.type == T.FLOAT_LIT and T.is_int(t):
+                raise self.error(f"a float value cannot initialize a {t}")
+            return t
+        if v.type != t:
+            raise self.error(f"type mismatch: declared {t}, value is {v.type}")
+        return t
+
+    def _assign(self, s: A.Assign) -> None:
+        tgt = s.target
+        if isinstance(tgt, A.Name):
+            b = self._lookup(tgt.id)
+            if not isinstance(b, Local) or not b.mutable:
+                raise DslError(tgt.span, f"cannot assign to {tgt.id!r}: only 'var' locals can change")
+            local, t = b.name, b.type
+        elif isinstance(tgt, A.Index) and isinstance(tgt.base, A.Name):
+            b = self._lookup(tgt.base.id)
+            if not isinstance(b, Array):
+                raise DslError(tgt.span, f"{tgt.base.id!r} is not a register array")
+            local, t = b.names[self._array_index(b, tgt)], b.type
+        else:
+            raise DslError(tgt.span, "can only assign to a var or an element of a register array")
+        v = self._expr(s.value)
+        if s.op != "=":
+            v = self._binop(s.op[0], Val(I("local.get", f"${local}"), t), v)
+        self.emit(I("local.set", f"${local}", self.materialize(v, t)))
+
+    def _array_index(self, b: Array, node: A.Index) -> int:
+        if len(node.indices) != 1:
+            raise DslError(node.span, "a register array takes one index")
+        k = self._const_int(node.indices[0], "a register array index")
+        if not 0 <= k < len(b.names):
+            raise DslError(node.span, f"index {k} out of range 0..{len(b.names) - 1}")
+        return k
+
+    def _for(self, s: A.For) -> None:
+        self._comment(s)
+        start = self._expr(s.start)
+        stop = self._expr(s.stop)
+        for v, what in ((start, "start"), (stop, "end")):
+            if v.type not in ("i32", T.INT_LIT):
+                raise self.error(f"loop {what} must be i32, not {v.type}")
+        step = 1 if s.step is None else self._const_int(s.step, "a loop step")
+        if step <= 0:
+            raise self.error(f"loop step must be a positive constant, got {step}")
+        self._push()
+        var = self._new_local(s.var, "i32")
+        end = self.materialize(stop, "i32")
+        if not (end.op == "local.get" or end.op.endswith(".const")):
+            end_local = self._new_local(f"{s.var}_end", "i32")
+            self.emit(I("local.set", f"${end_local}", end))
+            end = I("local.get", f"${end_local}")
+        self.emit(I("local.set", f"${var}", self.materialize(start, "i32")))
+        done, again = self._label(f"{s.var}_done"), self._label(f"{s.var}_loop")
+        outer, inner = Block("block", done), Block("loop", again)
+        outer.body.append(inner)
+        self.emit(outer)
+        saved = self._frame.body
+        self._frame.body = inner.body
+        inner.body.append(I("br_if", f"${done}", I("i32.ge_s", I("local.get", f"${var}"), end)))
+        self._bind(s.var, Local(var, "i32", False))
+        try:
+            self._block(s.body)
+        except _Return:
+            pass
+        inner.body.append(I("local.set", f"${var}", I("i32.add", I("local.get", f"${var}"), I("i32.const", step))))
+        inner.body.append(I("br", f"${again}"))
+        self._frame.body = saved
+        self._pop()
+
+    def _if(self, s: A.If) -> None:
+        cond = self._expr(s.cond)
+        if cond.type not in ("i32", T.INT_LIT):
+            raise DslError(s.cond.span, f"a condition must be i32, not {cond.type}")
+        if cond.const is not None and cond.code is None:  # decided at compile time: emit one arm
+            self._block(s.then if cond.const else s.orelse)
+            return
+        self._comment(s)
+        node = If(self.materialize(cond, "i32"), [], [])
+        self.emit(node)
+        saved = self._frame.body
+        for arm, target in ((s.then, node.then), (s.orelse, node.orelse)):
+            self._frame.body = target
+            try:
+                self._block(arm)
+            except _Return:
+                pass
+        self._frame.body = saved
+
+    def _return(self, s: A.Return) -> None:
+        self._comment(s)
+        want = self._frame.result
+        if s.value is None:
+            if want is not None:
+                raise self.error(f"this kernel returns {want}; 'return' needs a value")
+            self.emit(I("return"))
+        else:
+            if want is None:
+                raise self.error("this kernel returns nothing; remove the value or declare '-> TYPE'")
+            self.emit(I("return", self.materialize(self._coerce(self._expr(s.value), want), want)))
+        raise _Return()
+
+    # ---- expressions -----------------------------------------------------------------------------
+    def _const_int(self, e: A.Expr, what: str) -> int:
+        v = self._expr(e)
+        if not isinstance(v.const, int) or v.code is not None:
+            raise DslError(e.span, f"{what} must be a compile-time integer")
+        return v.const
+
+    def _coerce(self, v: Val, t: str) -> Val:
+        if v.type == t:
+            return v
+        if v.type == T.INT_LIT and (T.is_int(t) or T.is_float(t)) or v.type == T.FLOAT_LIT and T.is_float(t):
+            return Val(None, t, v.const) if T.is_scalar(t) else Val(self.materialize(v, t), t)
+        raise self.error(f"expected {t}, got {v.type}")
+
+    def _expr(self, e: A.Expr) -> Val:
+        saved = self._span
+        self._span = e.span
+        try:
+            return self._expr_inner(e)
+        finally:
+            self._span = saved
+
+    def _expr_inner(self, e: A.Expr) -> Val:
+        if isinstance(e, A.IntLit):
+            return Val(None, T.INT_LIT, e.value)
+        if isinstance(e, A.FloatLit):
+            return Val(None, T.FLOAT_LIT, e.value)
+        if isinstance(e, A.Name):
+            b = self._lookup(e.id)
+            if isinstance(b, Val):
+                return b
+            if isinstance(b, Local):
+                return Val(I("local.get", f"${b.name}"), b.type)
+            if b is None:
+                raise self.error(f"unknown name {e.id!r}")
+            what = {Array: "a register array (index it)", Packed: "a packed matrix (use a plane, e.g. .q)",
+                    QuantInfo: "a quant type"}[type(b)]
+            raise self.error(f"{e.id!r} is {what}, not a value")
+        if isinstance(e, A.Binary):
+            return self._binop(e.op, self._expr(e.left), self._expr(e.right))
+        if isinstance(e, A.Unary):
+            v = self._expr(e.operand)
+            if v.const is not None and v.code is None:
+                return Val(None, v.type, wrap(-v.const if e.op == "-" else ~v.const, v.type))
+            if e.op == "-":
+                if T.is_scalar(v.type) and T.is_int(v.type):
+                    return self._binop("-", Val(None, v.type, 0), v)
+                return self.target.ops["neg"](self, None, [v])
+            if T.is_vector(v.type):
+                return Val(I("v128.not", self.materialize(v)), v.type)
+            return self._binop("^", v, Val(None, v.type, -1))
+        if isinstance(e, A.Attr):
+            return self._attr(e)
+        if isinstance(e, A.Index):
+            if isinstance(e.base, A.Name) and isinstance(b := self._lookup(e.base.id), Array):
+                return Val(I("local.get", f"${b.names[self._array_index(b, e)]}"), b.type)
+            raise self.error("only register arrays can be indexed")
+        if isinstance(e, A.Call):
+            return self._call(e)
+        raise self.error(f"unsupported expression {type(e).__name__}")
+
+    def _binop(self, op: str, a: Val, b: Val) -> Val:
+        lits = (T.INT_LIT, T.FLOAT_LIT)
+        shift = op in ("<<", ">>")
+        if a.type in lits and b.type not in lits and not shift:
+            a = self._coerce(a, b.type)
+        elif b.type in lits and a.type not in lits and not shift:
+            b = self._coerce(b, a.type)
+        if a.const is not None and b.const is not None and a.code is None and b.code is None:
+            folded = fold(op, a, b)
+            if folded is not None:
+                return folded
+        if a.type in lits:
+            a = self._coerce(a, "i32" if a.type == T.INT_LIT else "f32")
+        if T.is_int(a.type) and b.const == 0 and b.code is None and op in ("+", "-", "|", "^", "<<", ">>"):
+            return a  # x + 0 and friends: common after target constants fold (ACT_ZERO on simd128)
+        t = a.type
+        if "void" in (a.type, b.type):
+            raise self.error("an expression without a value cannot be an operand")
+        if shift:
+            if not T.is_int(t):
+                raise self.error(f"shift of a non-integer {t}")
+            want = "i32" if T.is_vector(t) else t
+            if b.type not in (want, T.INT_LIT):
+                raise self.error(f"shift amount must be {want}, not {b.type}")
+        elif b.type not in lits and b.type != t:
+            raise self.error(f"type mismatch: {t} {op} {b.type}")
+        return self.target.ops[op](self, None, [a, b])
+
+    def _attr(self, e: A.Attr) -> Val:
+        if isinstance(e.base, A.Name):
+            b = self._lookup(e.base.id)
+            if isinstance(b, QuantInfo):
+                props = {"block": b.block, "bytes": b.bytes, "has_offset": int(b.offset is not None)}
+                if e.name not in props:
+                    raise self.error(f"quant types have {', '.join(props)} and unpack(); not {e.name!r}")
+                return Val(None, "i32", props[e.name])
+            if isinstance(b, Packed):
+                if e.name not in b.planes:
+                    raise self.error(f"{b.quant.name} has planes {', '.join(b.planes)}; not {e.name!r}")
+                return Val(I("local.get", f"${b.planes[e.name]}"), "i32")
+            if T.resolve(e.base.id) is not None and b is None:
+                raise self.error(f"{e.base.id}.{e.name} is an operation: call it")
+        raise self.error(f"no attribute {e.name!r} here")
+
+    def _call(self, e: A.Call) -> Val:
+        f = e.func
+        if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and self._lookup(f.base.id) is None:
+            t = T.resolve(f.base.id)
+            if t is None:
+                raise self.error(f"unknown name {f.base.id!r}")
+            if f.name not in _QUALIFIABLE:
+                raise self.error(f"{f.base.id}.{f.name} is not an operation (typed ops: {', '.join(sorted(_QUALIFIABLE))})")
+            return self._op(f.name, t, e.args)
+        if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and isinstance(q := self._lookup(f.base.id), QuantInfo):
+            if f.name != "unpack" or len(e.args) != 2:
+                raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j)")
+            base = self.materialize(self._coerce(self._expr(e.args[0]), "i32"), "i32")
+            j = self._const_int(e.args[1], "the lane group of unpack()")
+            return Val(q.unpack_lanes(base, j, self.error), "i8x16")
+        generic_args: tuple[A.Expr, ...] = ()
+        if isinstance(f, A.Index):
+            generic_args, f = f.indices, f.base
+        if not isinstance(f, A.Name):
+            raise self.error("cannot call this expression")
+        if f.id in self.c.kernels and self._lookup(f.id) is None:
+            return self._call_kernel(self.c.kernels[f.id], generic_args, e)
+        if generic_args:
+            raise self.error(f"{f.id!r} is not a generic kernel")
+        if f.id in _QUALIFIABLE:
+            raise self.error(f"{f.id}() needs a type, e.g. f32x4.{f.id}(...)")
+        if f.id in _ALL_OPS:
+            return self._op(f.id, None, e.args)
+        raise self.error(f"unknown function {f.id!r}")
+
+    def _op(self, name: str, qualifier: str | None, arg_nodes: tuple[A.Expr, ...]) -> Val:
+        op = self.target.ops.get(name)
+        if op is None:
+            raise self.error(f"op {name!r} is not available on target {self.target.name}")
+        args = [self._expr(a) for a in arg_nodes]
+        if any(a.type == "void" for a in args):
+            raise self.error(f"an argument of {name}() has no value")
+        return op(self, qualifier, args)
+
+    def _call_kernel(self, k: KernelInfo, generic_args: tuple[A.Expr, ...], e: A.Call) -> Val:
+        if len(generic_args) != len(k.ast.generics):
+            raise self.error(f"{k.name} takes {len(k.ast.generics)} compile-time argument(s) in [...],"
+                             f" got {len(generic_args)}")
+        if k.ast.exported and k.ast.tunes:
+            raise self.error(f"{k.name} has tune parameters; call an internal kernel instead")
+        generics: dict[str, Binding] = {}
+        for g, arg in zip(k.ast.generics, generic_args):
+            if g.kind == "quant":
+                q = self._lookup(arg.id) if isinstance(arg, A.Name) else None
+                if not isinstance(q, QuantInfo):
+                    raise DslError(arg.span, f"{k.name}: {g.name} must be a quant type")
+                generics[g.name] = q
+            else:
+                generics[g.name] = Val(None, "i32", self._const_int(arg, f"{k.name}'s {g.name}"))
+        if len(e.args) != len(k.ast.params):
+            raise self.error(f"{k.name} takes {len(k.ast.params)} argument(s), got {len(e.args)}")
+        args: list[Binding] = []
+        for p, a in zip(k.ast.params, e.args):
+            if p.packed:
+                b = self._lookup(a.id) if isinstance(a, A.Name) else None
+                want = generics.get(p.type)
+                if not isinstance(b, Packed) or b.quant is not want:
+                    raise DslError(a.span, f"{k.name}: {p.name} must be a packed {_show(want)} matrix")
+                args.append(b)
+            else:
+                args.append(self._coerce(self._expr(a), T.resolve(p.type)))
+        if k.inline:
+            return self._inline(k, generics, args)
+        key = (k.name, tuple(_show(v) for v in generics.values()))
+        name = self._instances.get(key)
+        if name is None:
+            name = "__".join([k.name, *key[1]]) if key[1] else k.name
+            self._instances[key] = name
+            self._pending.append((k, generics, name))
+        flat: list[Instr] = []
+        for p, a in zip(k.ast.params, args):
+            if isinstance(a, Packed):
+                flat += [I("local.get", f"${n}") for n in a.planes.values()]
+            else:
+                flat.append(self.materialize(a, T.resolve(p.type)))
+        ret = T.resolve(k.ast.ret) if k.ast.ret else "void"
+        return Val(I("call", f"${name}", *flat), ret)
+
+    def _inline(self, k: KernelInfo, generics: dict[str, Binding], args: list[Binding]) -> Val:
+        """Expand an inline kernel here: its statements go before the current one, its final
+        `return` value is the call's value."""
+        saved_scopes, saved_span = self._scopes, self._span
+        self._scopes = [dict(generics)]
+        self._push()
+        for p, a in zip(k.ast.params, args):
+            if isinstance(a, Val) and a.code is not None and a.code.op != "local.get":
+                local = self._new_local(p.name, a.type)
+                self.emit(I("local.set", f"${local}", a.code))
+                a = Local(local, a.type, False)
+            self._bind(p.name, a)
+        body, last = k.ast.body, None
+        if body and isinstance(body[-1], A.Return):
+            body, last = body[:-1], body[-1]
+        result = Val(None, "void")
+        try:
+            for s in body:
+                self._stmt(s)
+            if last is not None and last.value is not None:
+                self._span = last.span
+                ret = T.resolve(k.ast.ret)
+                v = self._coerce(self._expr(last.value), ret)
+                result = Val(self.materialize(v, ret), ret)
+        finally:
+            self._pop()
+            self._scopes, self._span = saved_scopes, saved_span
+        return result
+
+
+def _show(b: Binding | None) -> str:
+    if isinstance(b, QuantInfo):
+        return b.name
+    if isinstance(b, Val):
+        return str(b.const)
+    return "?"
+
+
+def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]]) -> tuple[list[Func], list[Export]]:
+    lw = Lowerer(checked, TARGETS[target_name], tune)
+    funcs = lw.run()
+    return funcs, lw.exports

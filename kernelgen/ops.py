@@ -1,0 +1,444 @@
+"""Per-target lowering tables: what each operator and built-in becomes in WAT.
+
+`SIMD128` is the baseline table; `RELAXED` is `{**SIMD128, ...}` with the few entries relaxed SIMD
+does better. Where an op is lowered for a target is therefore one dict entry. An op missing from a
+target's table, or given types its entry does not accept, is a checked error at the call's span.
+
+Every entry is `fn(c, q, args) -> Val`: `c` gives access to the lowerer (errors, temporaries),
+`q` is the type qualifier of a qualified call (`f32x4.load` -> "f32x4") or None, `args` are the
+lowered operands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from . import types as T
+from .wat import I, Instr, number
+
+
+@dataclass(frozen=True)
+class Val:
+    """A lowered expression: its code, its type, and its value when known at compile time."""
+
+    code: Instr | None
+    type: str
+    const: int | float | None = None
+
+
+class Ctx(Protocol):
+    def error(self, message: str) -> Exception: ...
+    def materialize(self, v: Val, type_: str | None = None) -> Instr: ...
+    def reuse(self, v: Val) -> tuple[Instr, Instr]: ...
+
+
+Op = Callable[[Ctx, "str | None", list[Val]], Val]
+
+_INT = {"+": "add", "-": "sub", "*": "mul", "/": "div_s", "%": "rem_s", "&": "and", "|": "or",
+        "^": "xor", "<<": "shl", ">>": "shr_s"}
+_FLOAT = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
+_CMP_INT = {"==": "eq", "!=": "ne", "<": "lt_s", "<=": "le_s", ">": "gt_s", ">=": "ge_s"}
+_CMP_FLOAT = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
+_VEC_INT = {"+": "add", "-": "sub", "*": "mul", "<<": "shl", ">>": "shr_s"}
+_VEC_BITS = {"&": "and", "|": "or", "^": "xor"}
+# Lane widths that lack an instruction wasm SIMD does not have (no i8x16.mul, no i8 division).
+_VEC_MISSING = {("i8", "*")}
+
+
+def _binary(op: str) -> Op:
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        a, b = args
+        t = a.type
+        if T.is_scalar(t):
+            table = {**_INT, **_CMP_INT} if T.is_int(t) else {**_FLOAT, **_CMP_FLOAT}
+            if op not in table:
+                raise c.error(f"operator '{op}' is not defined for {t}")
+            rt = "i32" if op in _CMP_INT else t
+            return Val(I(f"{t}.{table[op]}", c.materialize(a), c.materialize(b)), rt)
+        v = T.VECTORS[t]
+        if op in _VEC_BITS and not v.is_float:
+            return Val(I(f"v128.{_VEC_BITS[op]}", c.materialize(a), c.materialize(b)), t)
+        if op in _CMP_INT:
+            name = _CMP_FLOAT[op] if v.is_float or op in ("==", "!=") else _CMP_INT[op][:-1] + v.sign
+            return Val(I(f"{v.prefix}.{name}", c.materialize(a), c.materialize(b)), T.mask_type(t))
+        table = _FLOAT if v.is_float else _VEC_INT
+        if op not in table or (v.lane, op) in _VEC_MISSING:
+            raise c.error(f"operator '{op}' is not available for {t} (wasm SIMD has no such instruction)")
+        name = table[op]
+        if op == ">>" and v.unsigned:
+            name = "shr_u"
+        rhs = c.materialize(b, "i32" if op in ("<<", ">>") else t)
+        return Val(I(f"{v.prefix}.{name}", c.materialize(a), rhs), t)
+
+    return lower
+
+
+def _unary_float_or_vec(name: str, ints: bool = False) -> Op:
+    """abs, sqrt, nearest, floor, ...: one wasm instruction named after the op, on any float type
+    (and integer vectors too when `ints`)."""
+
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        (a,) = _arity(c, args, 1, name)
+        t = a.type
+        ok = T.is_float(t) or (ints and T.is_vector(t) and not T.VECTORS[t].unsigned)
+        if not ok or t == T.FLOAT_LIT:
+            raise c.error(f"{name}() takes a float {'or signed integer vector ' if ints else ''}value, not {t}")
+        prefix = T.VECTORS[t].prefix if T.is_vector(t) else t
+        return Val(I(f"{prefix}.{name}", c.materialize(a)), t)
+
+    return lower
+
+
+def _minmax(name: str) -> Op:
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        a, b = _same(c, _arity(c, args, 2, name), name)
+        t = a.type
+        if T.is_float(t):
+            prefix = T.VECTORS[t].prefix if T.is_vector(t) else t
+            return Val(I(f"{prefix}.{name}", c.materialize(a), c.materialize(b)), t)
+        if T.is_vector(t) and T.VECTORS[t].lane != "i64":
+            v = T.VECTORS[t]
+            return Val(I(f"{v.prefix}.{name}_{v.sign}", c.materialize(a), c.materialize(b)), t)
+        raise c.error(f"{name}() is not available for {t}")
+
+    return lower
+
+
+def _horizontal(name: str, combine: str) -> Op:
+    """hsum / hmax: fold the lanes of a 4-lane vector into a scalar, pairs first ((0,1),(2,3))."""
+
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        (a,) = _arity(c, args, 1, name)
+        if a.type not in ("f32x4", "i32x4") or (a.type == "i32x4" and combine != "add"):
+            raise c.error(f"{name}() takes an f32x4{' or i32x4' if combine == 'add' else ''}, not {a.type}")
+        lane = T.VECTORS[a.type].lane
+        first, again = c.reuse(a)
+        ext = [I(f"{a.type}.extract_lane", k, first if k == 0 else again) for k in range(4)]
+        op = f"{lane}.{combine}"
+        return Val(I(op, I(op, ext[0], ext[1]), I(op, ext[2], ext[3])), lane)
+
+    return lower
+
+
+def _arity(c: Ctx, args: list[Val], n: int, name: str) -> list[Val]:
+    if len(args) != n:
+        raise c.error(f"{name}() takes {n} argument{'s' if n != 1 else ''}, got {len(args)}")
+    return args
+
+
+def _same(c: Ctx, args: list[Val], name: str) -> list[Val]:
+    types = {a.type for a in args} - {T.INT_LIT, T.FLOAT_LIT}
+    if len(types) > 1:
+        raise c.error(f"{name}() needs operands of one type, got {', '.join(a.type for a in args)}")
+    return args
+
+
+def _need(c: Ctx, v: Val, want: str, what: str) -> None:
+    if v.type != want:
+        raise c.error(f"{what} must be {want}, not {v.type}")
+
+
+def _qualified(c: Ctx, q: str | None, name: str) -> str:
+    if q is None:
+        raise c.error(f"{name}() needs a type, e.g. f32x4.{name}(...)")
+    return q
+
+
+def _const_int(c: Ctx, v: Val, what: str) -> int:
+    if not isinstance(v.const, int):
+        raise c.error(f"{what} must be a compile-time integer")
+    return v.const
+
+
+def _offset(c: Ctx, args: list[Val], n_before: int, name: str) -> int:
+    if len(args) == n_before:
+        return 0
+    off = _const_int(c, args[n_before], f"the offset of {name}()")
+    if off < 0:
+        raise c.error(f"the offset of {name}() must not be negative, got {off}")
+    return off
+
+
+def _load(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    t = _qualified(c, q, "load")
+    if len(args) not in (1, 2):
+        raise c.error(f"{t}.load(ptr[, offset]) takes 1 or 2 arguments, got {len(args)}")
+    off = _offset(c, args, 1, "load")
+    op = "v128.load" if T.is_vector(t) else f"{t}.load"
+    imms = (f"offset={off}",) if off else ()
+    return Val(Instr(op, imms, (c.materialize(args[0], "i32"),)), t)
+
+
+def _store(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    t = _qualified(c, q, "store")
+    if len(args) not in (2, 3):
+        raise c.error(f"{t}.store(ptr[, offset], value) takes 2 or 3 arguments, got {len(args)}")
+    off = _offset(c, args[:-1], 1, "store")
+    value = args[-1]
+    op = "v128.store" if T.is_vector(t) else f"{t}.store"
+    imms = (f"offset={off}",) if off else ()
+    return Val(Instr(op, imms, (c.materialize(args[0], "i32"), c.materialize(value, t))), "void")
+
+
+def _splat(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    t = _qualified(c, q, "splat")
+    if not T.is_vector(t):
+        raise c.error(f"splat makes a vector; {t} is not a vector type")
+    (a,) = _arity(c, args, 1, "splat")
+    v = T.VECTORS[t]
+    scalar = "i32" if v.lane in ("i8", "i16") else v.lane
+    if a.const is not None:
+        value = a.const if v.is_float else int(a.const)
+        return Val(I("v128.const", v.prefix, *([number(value)] * v.lanes)), t)
+    return Val(I(f"{v.prefix}.splat", c.materialize(a, scalar)), t)
+
+
+def _convert(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    t = _qualified(c, q, "convert")
+    (a,) = _arity(c, args, 1, "convert")
+    table = {("f32x4", "i32x4"): "f32x4.convert_i32x4_s", ("f64x2", "i32x4"): "f64x2.convert_low_i32x4_s"}
+    if (t, a.type) not in table:
+        raise c.error(f"{t}.convert() does not take {a.type}")
+    return Val(I(table[(t, a.type)], c.materialize(a)), t)
+
+
+def _trunc_sat(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    t = _qualified(c, q, "trunc_sat")
+    (a,) = _arity(c, args, 1, "trunc_sat")
+    if (t, a.type) != ("i32x4", "f32x4"):
+        raise c.error(f"{t}.trunc_sat() does not take {a.type}")
+    return Val(I("i32x4.trunc_sat_f32x4_s", c.materialize(a)), t)
+
+
+def _narrow(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """Two vectors of wide lanes -> one of half-width lanes, saturating (signed or unsigned by q)."""
+    t = _qualified(c, q, "narrow")
+    a, b = _arity(c, args, 2, "narrow")
+    wide = {"i16x8": "i32x4", "i8x16": "i16x8", "u8x16": "i16x8"}.get(t)
+    if wide is None or a.type != wide or b.type != wide:
+        raise c.error(f"{t}.narrow() takes two {wide or 'wider vectors'}, got {a.type}, {b.type}")
+    v, w = T.VECTORS[t], T.VECTORS[wide]
+    return Val(I(f"{v.prefix}.narrow_{w.prefix}_{v.sign}", c.materialize(a), c.materialize(b)), t)
+
+
+def _extend(half: str) -> Op:
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        t = _qualified(c, q, f"extend_{half}")
+        (a,) = _arity(c, args, 1, f"extend_{half}")
+        narrow = {"i16x8": ("i8x16", "u8x16"), "i32x4": ("i16x8",)}.get(t, ())
+        if a.type not in narrow:
+            raise c.error(f"{t}.extend_{half}() does not take {a.type}")
+        src = T.VECTORS[a.type]
+        return Val(I(f"{T.VECTORS[t].prefix}.extend_{half}_{src.prefix}_{src.sign}", c.materialize(a)), t)
+
+    return lower
+
+
+def _bits(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """Reinterpret: free between vector types; i32<->f32, i64<->f64 for scalars."""
+    t = _qualified(c, q, "bits")
+    (a,) = _arity(c, args, 1, "bits")
+    if T.is_vector(t) and T.is_vector(a.type):
+        return Val(c.materialize(a), t)
+    pairs = {("i32", "f32"), ("f32", "i32"), ("i64", "f64"), ("f64", "i64")}
+    if (t, a.type) not in pairs:
+        raise c.error(f"{t}.bits() cannot reinterpret {a.type}")
+    return Val(I(f"{t}.reinterpret_{a.type}", c.materialize(a)), t)
+
+
+def _extract(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    v_, lane_ = _arity(c, args, 2, "extract")
+    if not T.is_vector(v_.type):
+        raise c.error(f"extract() takes a vector, not {v_.type}")
+    v = T.VECTORS[v_.type]
+    lane = _const_int(c, lane_, "the lane of extract()")
+    if not 0 <= lane < v.lanes:
+        raise c.error(f"lane {lane} is out of range for {v_.type} (0..{v.lanes - 1})")
+    suffix = f"_{v.sign}" if v.lane in ("i8", "i16") else ""
+    scalar = "i32" if v.lane in ("i8", "i16") else v.lane
+    return Val(I(f"{v.prefix}.extract_lane{suffix}", lane, c.materialize(v_)), scalar)
+
+
+def _select(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """select(cond, a, b): a where cond is set. Lane-wise (bitselect) for vector masks."""
+    m, a, b = _arity(c, args, 3, "select")
+    a, b = _same(c, [a, b], "select")
+    t = a.type if a.type not in (T.INT_LIT, T.FLOAT_LIT) else b.type
+    if T.is_vector(t):
+        _need(c, m, T.mask_type(t), "the mask of select()")
+        return Val(I("v128.bitselect", c.materialize(a, t), c.materialize(b, t), c.materialize(m)), t)
+    _need(c, m, "i32", "the condition of select()")
+    return Val(I("select", c.materialize(a, t), c.materialize(b, t), c.materialize(m)), t)
+
+
+def _cast(to: str) -> Op:
+    """`f32(x)`, `i32(x)`, ...: numeric conversion between scalars; float -> int saturates."""
+
+    table = {
+        ("f32", "i32"): "f32.convert_i32_s", ("f32", "i64"): "f32.convert_i64_s", ("f32", "f64"): "f32.demote_f64",
+        ("f64", "i32"): "f64.convert_i32_s", ("f64", "i64"): "f64.convert_i64_s", ("f64", "f32"): "f64.promote_f32",
+        ("i32", "f32"): "i32.trunc_sat_f32_s", ("i32", "f64"): "i32.trunc_sat_f64_s", ("i32", "i64"): "i32.wrap_i64",
+        ("i64", "i32"): "i64.extend_i32_s", ("i64", "f32"): "i64.trunc_sat_f32_s", ("i64", "f64"): "i64.trunc_sat_f64_s",
+    }
+
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        (a,) = _arity(c, args, 1, to)
+        if a.type == to:
+            return a
+        if a.const is not None and a.type in (T.INT_LIT, T.FLOAT_LIT):
+            value = float(a.const) if to.startswith("f") else int(a.const)
+            return Val(None, to, value)
+        if (to, a.type) not in table:
+            raise c.error(f"cannot convert {a.type} to {to}")
+        return Val(I(table[(to, a.type)], c.materialize(a)), to)
+
+    return lower
+
+
+def wrap(x: int | float, t: str) -> int | float:
+    if isinstance(x, float) or t not in ("i32", "i64"):
+        return x
+    bits = 32 if t == "i32" else 64
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >> (bits - 1) else x
+
+
+def fold(op: str, a: Val, b: Val) -> Val | None:
+    """Evaluate an operator on two compile-time values (C semantics for / and %), or None."""
+    x, y = a.const, b.const
+    t = a.type if a.type not in (T.INT_LIT, T.FLOAT_LIT) else b.type
+    cmp = {"==": x == y, "!=": x != y, "<": x < y, "<=": x <= y, ">": x > y, ">=": x >= y}
+    if isinstance(x, float) or isinstance(y, float):
+        # Only untyped literals fold in Python; typed floats are left to wasm (f32 rounding).
+        if t not in (T.INT_LIT, T.FLOAT_LIT):
+            return None
+        if op in cmp:
+            return Val(None, "i32", int(cmp[op]))
+        if op in ("+", "-", "*") or op == "/" and y:
+            return Val(None, T.FLOAT_LIT, float({"+": x + y, "-": x - y, "*": x * y, "/": x / (y or 1)}[op]))
+        return None
+    if op in ("/", "%") and y == 0:
+        return None
+    if op in cmp:
+        return Val(None, "i32", int(cmp[op]))
+    if op == "/":
+        r = abs(x) // abs(y) * (1 if (x >= 0) == (y >= 0) else -1)
+    elif op == "%":
+        r = x - (abs(x) // abs(y) * (1 if (x >= 0) == (y >= 0) else -1)) * y
+    elif op in ("<<", ">>") and not 0 <= y < 64:
+        return None
+    else:
+        r = {"+": x + y, "-": x - y, "*": x * y, "&": x & y, "|": x | y, "^": x ^ y,
+             "<<": x << y, ">>": x >> y}[op]
+    return Val(None, t, wrap(r, t))
+
+
+
+# ---- ops whose lowering differs by target ------------------------------------------------------
+
+
+def _idot_check(c: Ctx, args: list[Val]) -> list[Val]:
+    acc, w, a = _arity(c, args, 3, "idot")
+    _need(c, acc, "i32x4", "idot's accumulator")
+    _need(c, w, "i8x16", "idot's weights")
+    _need(c, a, "i8x16", "idot's activations")
+    return [acc, w, a]
+
+
+def _idot_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """acc + w.a with lanes of 4 products each: sign-extend to i16 and use i32x4.dot_i16x8_s twice."""
+    acc, w, a = _idot_check(c, args)
+    w1, w2 = c.reuse(w)
+    a1, a2 = c.reuse(a)
+    lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), I("i16x8.extend_low_i8x16_s", a1))
+    hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), I("i16x8.extend_high_i8x16_s", a2))
+    return Val(I("i32x4.add", c.materialize(acc), I("i32x4.add", lo, hi)), "i32x4")
+
+
+def _idot_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """One relaxed dot. The activation operand is the 7-bit one: the kernels keep it in [0, 127]
+    (ACT_ZERO = 64), where x86's pmaddubsw and ARM's sdot agree and nothing saturates."""
+    acc, w, a = _idot_check(c, args)
+    code = I("i32x4.relaxed_dot_i8x16_i7x16_add_s", c.materialize(w), c.materialize(a), c.materialize(acc))
+    return Val(code, "i32x4")
+
+
+def _madd_check(c: Ctx, args: list[Val]) -> list[Val]:
+    return _same(c, _arity(c, args, 3, "madd"), "madd")
+
+
+def _madd_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    a, b, acc = _madd_check(c, args)
+    t = next(x.type for x in (a, b, acc) if x.type not in (T.INT_LIT, T.FLOAT_LIT))
+    mul = _binary("*")(c, None, [Val(c.materialize(a, t), t), Val(c.materialize(b, t), t)])
+    return _binary("+")(c, None, [mul, Val(c.materialize(acc, t), t)])
+
+
+def _madd_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """a*b + acc as one relaxed madd on float vectors (fused or not, as the engine chooses: kernels
+    using it are verified with a tolerance, and both of wasmtime's modes are tested)."""
+    a, b, acc = _madd_check(c, args)
+    t = next(x.type for x in (a, b, acc) if x.type not in (T.INT_LIT, T.FLOAT_LIT))
+    if t not in ("f32x4", "f64x2"):
+        return _madd_simd128(c, q, args)
+    return Val(I(f"{t}.relaxed_madd", c.materialize(a, t), c.materialize(b, t), c.materialize(acc, t)), t)
+
+
+SIMD128: dict[str, Op] = {
+    **{op: _binary(op) for op in [*_INT, *_CMP_INT]},
+    "abs": _unary_float_or_vec("abs", ints=True),
+    "neg": _unary_float_or_vec("neg", ints=True),
+    "sqrt": _unary_float_or_vec("sqrt"),
+    "nearest": _unary_float_or_vec("nearest"),
+    "floor": _unary_float_or_vec("floor"),
+    "ceil": _unary_float_or_vec("ceil"),
+    "trunc": _unary_float_or_vec("trunc"),
+    "min": _minmax("min"),
+    "max": _minmax("max"),
+    "hsum": _horizontal("hsum", "add"),
+    "hmax": _horizontal("hmax", "max"),
+    "load": _load,
+    "store": _store,
+    "splat": _splat,
+    "convert": _convert,
+    "trunc_sat": _trunc_sat,
+    "narrow": _narrow,
+    "extend_low": _extend("low"),
+    "extend_high": _extend("high"),
+    "bits": _bits,
+    "extract": _extract,
+    "select": _select,
+    **{t: _cast(t) for t in T.SCALARS},
+    "idot": _idot_simd128,
+    "madd": _madd_simd128,
+}
+
+RELAXED: dict[str, Op] = {
+    **SIMD128,
+    "idot": _idot_relaxed,
+    "madd": _madd_relaxed,
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A compilation target: its lowering table, the constants kernels read to adapt to it, and
+    the wasm features its module uses (wat2wasm flags follow from them)."""
+
+    name: str
+    ops: dict[str, Op]
+    constants: dict[str, int]
+    features: tuple[str, ...]
+    wat2wasm_flags: tuple[str, ...] = field(default=())
+
+
+# ACT_ZERO / ACT_MAX: how activations are quantized for the integer dot on this target. SIMD128
+# takes int8 in [-127, 127]; relaxed SIMD's dot wants its second operand 7-bit and non-negative,
+# so activations are quantized to [-63, 63] and stored offset by 64, in [1, 127]. Kernels remove
+# the offset exactly with the per-block weight sums of the packed layout.
+TARGETS: dict[str, Target] = {
+    "simd128": Target("simd128", SIMD128, {"ACT_ZERO": 0, "ACT_MAX": 127},
+                      ("simd", "threads"), ("--enable-threads", "--disable-relaxed-simd")),
+    "relaxed-simd": Target("relaxed-simd", RELAXED, {"ACT_ZERO": 64, "ACT_MAX": 63},
+                           ("simd", "relaxed-simd", "threads"), ("--enable-threads",)),
+}

@@ -1,0 +1,208 @@
+"""Parser: kernels.dsl text -> ast.Program. Lark (LALR) does the grammar; this module only builds
+nodes with spans and turns lark's exceptions into `file:line:col` errors."""
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import lark
+from lark import Token, Transformer, v_args
+
+from . import ast as A
+from .errors import DslError
+
+
+@cache
+def _parser() -> lark.Lark:
+    grammar = resources.files("kernelgen").joinpath("grammar.lark").read_text(encoding="utf-8")
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+# Terminal names lark reports in "expected ..." lists, spelled as the user would type them.
+_TERMINAL_TEXT = {
+    "SEMICOLON": "';'", "COLON": "':'", "COMMA": "','", "DOT": "'.'", "LPAR": "'('", "RPAR": "')'",
+    "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'", "EQUAL": "'='", "MORETHAN": "'>'",
+    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "__ANON_0": "'->'", "__ANON_1": "'..'",
+    "CMP_OP": "a comparison", "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/' or '%'", "ASSIGN_OP": "'='",
+    "UNARY_OP": "'-' or '~'", "SHIFT_OP": "'<<' or '>>'", "OR_OP": "'|'", "AND_OP": "'&'", "XOR_OP": "'^'",
+    "$END": "end of file",
+}
+
+
+def _describe(expected: set[str]) -> str:
+    words = sorted({_TERMINAL_TEXT.get(t, repr(t.lower()) if t.isupper() else t) for t in expected})
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
+    """Parse DSL source; raise DslError (with the source attached) on any syntax error."""
+    try:
+        tree = _parser().parse(source)
+    except lark.UnexpectedCharacters as e:
+        span = A.Span(filename, e.line, e.column)
+        raise DslError(span, f"unexpected character {source[e.pos_in_stream]!r}", source) from None
+    except lark.UnexpectedToken as e:
+        tok = e.token
+        if tok.type == "$END":
+            lines = source.splitlines() or [""]
+            span = A.Span(filename, len(lines), len(lines[-1]) + 1)
+            raise DslError(span, f"unexpected end of file, expected {_describe(e.expected)}", source) from None
+        span = A.Span(filename, tok.line, tok.column)
+        raise DslError(span, f"unexpected {tok.value!r}, expected {_describe(e.expected)}", source) from None
+    except lark.UnexpectedEOF as e:
+        lines = source.splitlines() or [""]
+        span = A.Span(filename, len(lines), len(lines[-1]) + 1)
+        raise DslError(span, f"unexpected end of file, expected {_describe(set(e.expected))}", source) from None
+    try:
+        return _Build(filename, source).transform(tree)
+    except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, DslError):
+            raise e.orig_exc.with_source(source) from None
+        raise
+
+
+def _int(tok: Token) -> int:
+    return int(str(tok), 0)
+
+
+@v_args(meta=True, inline=True)
+class _Build(Transformer):
+    """Thin tree -> dataclass transformer; semantic checks live in check.py."""
+
+    def __init__(self, filename: str, source: str) -> None:
+        super().__init__()
+        self.filename = filename
+        self.source = source
+
+    def _span(self, meta: Any) -> A.Span:
+        if getattr(meta, "empty", True):
+            return A.Span(self.filename, 1, 1)
+        return A.Span(self.filename, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    # ---- expressions
+    def int_lit(self, meta, tok):
+        return A.IntLit(self._span(meta), _int(tok))
+
+    def float_lit(self, meta, tok):
+        return A.FloatLit(self._span(meta), float(tok))
+
+    def name(self, meta, tok):
+        return A.Name(self._span(meta), str(tok))
+
+    def binary(self, meta, left, op, right):
+        return A.Binary(self._span(meta), str(op), left, right)
+
+    def unary(self, meta, op, operand):
+        return A.Unary(self._span(meta), str(op), operand)
+
+    def attr(self, meta, base, name):
+        return A.Attr(self._span(meta), base, str(name))
+
+    def index(self, meta, base, *indices):
+        return A.Index(self._span(meta), base, tuple(indices))
+
+    def call(self, meta, func, *args):
+        return A.Call(self._span(meta), func, tuple(a for a in args if a is not None))
+
+    # ---- statements
+    def block(self, meta, *stmts):
+        return tuple(stmts)
+
+    def let_stmt(self, meta, name, type_, value):
+        return A.Let(self._span(meta), str(name), str(type_) if type_ is not None else None, value)
+
+    def array_size(self, meta, expr):
+        return expr
+
+    def var_stmt(self, meta, name, size, type_, value):
+        return A.Var(self._span(meta), str(name), size, str(type_), value)
+
+    def assign_stmt(self, meta, target, op, value):
+        return A.Assign(self._span(meta), target, str(op), value)
+
+    def for_stmt(self, meta, var, start, stop, step, body):
+        return A.For(self._span(meta), str(var), start, stop, step, body)
+
+    def unroll_stmt(self, meta, var, start, stop, body):
+        return A.Unroll(self._span(meta), str(var), start, stop, body)
+
+    def if_stmt(self, meta, cond, then, orelse):
+        if isinstance(orelse, A.If):
+            orelse = (orelse,)
+        return A.If(self._span(meta), cond, then, orelse or ())
+
+    def return_stmt(self, meta, value):
+        return A.Return(self._span(meta), value)
+
+    def expr_stmt(self, meta, expr):
+        return A.ExprStmt(self._span(meta), expr)
+
+    # ---- declarations
+    def const_decl(self, meta, name, type_, value):
+        return A.Const(self._span(meta), str(name), str(type_), value)
+
+    def block_decl(self, meta, size):
+        return ("block", _int(size), self._span(meta))
+
+    def array_len(self, meta, n):
+        return _int(n)
+
+    def field_decl(self, meta, name, type_, count):
+        return ("field", A.Field(self._span(meta), str(name), str(type_), count), self._span(meta))
+
+    def unpack_decl(self, meta, expr):
+        return ("unpack", expr, self._span(meta))
+
+    def dequant_decl(self, meta, expr):
+        return ("dequant", expr, self._span(meta))
+
+    def quant_decl(self, meta, name, *items):
+        parts: dict[str, Any] = {"block": None, "unpack": None, "dequant": None}
+        fields = []
+        for kind, value, span in items:
+            if kind == "field":
+                fields.append(value)
+            elif parts[kind] is not None:
+                raise DslError(span, f"quant {name}: '{kind}' given twice")
+            else:
+                parts[kind] = value
+        return A.Quant(self._span(meta), str(name), parts["block"], tuple(fields), parts["unpack"], parts["dequant"])
+
+    def mode(self, meta, tok):
+        return str(tok)
+
+    def packed(self, meta):
+        return True
+
+    def generics(self, meta, *gs):
+        return tuple(gs)
+
+    def generic(self, meta, name, kind):
+        return A.Generic(self._span(meta), str(name), str(kind))
+
+    def param(self, meta, name, packed, type_):
+        return A.Param(self._span(meta), str(name), str(type_), bool(packed))
+
+    def ret(self, meta, type_):
+        return str(type_)
+
+    def tune_decl(self, meta, name, type_, *values):
+        *domain, default = (_int(v) for v in values)
+        return A.Tune(self._span(meta), str(name), str(type_), tuple(domain), default)
+
+    def kernel_decl(self, meta, mode, name, generics, *rest):
+        params = tuple(r for r in rest if isinstance(r, A.Param))
+        ret = next((r for r in rest if isinstance(r, str)), None)
+        tunes = tuple(r for r in rest if isinstance(r, A.Tune))
+        body = tuple(r for r in rest if isinstance(r, A.Node) and not isinstance(r, (A.Param, A.Tune)))
+        return A.Kernel(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body)
+
+    def start(self, meta, *items):
+        return A.Program(
+            self._span(meta),
+            consts=tuple(i for i in items if isinstance(i, A.Const)),
+            quants=tuple(i for i in items if isinstance(i, A.Quant)),
+            kernels=tuple(i for i in items if isinstance(i, A.Kernel)),
+            source=self.source,
+        )

@@ -1,0 +1,71 @@
+"""numpy references, written from the formats' definitions and not from the emitter.
+
+GGUF Q8_0 here follows llama.cpp's reference quantizer (d = amax / 127 stored as f16, values
+rounded half away from zero); tests check that the reference derived from the kernels.dsl
+declaration (quant.py) agrees with it. Activation quantization mirrors the kernel's float32
+operations one for one, so its integers must match exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """f32[rows, k] (k a multiple of 32) -> GGUF Q8_0 blocks, structured (rows, k // 32)."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[:-1] + (-1, 32))
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    v = xb * inv[..., None]
+    q = np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8)  # roundf: half away from zero
+    out = np.empty(xb.shape[:-1], Q8_0)
+    out["d"] = d.astype(np.float16)
+    out["qs"] = q
+    return out
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks (rows, n) -> f32[rows, n * 32]."""
+    v = blocks["d"].astype(np.float32)[..., None] * blocks["qs"].astype(np.float32)
+    return v.reshape(blocks.shape[:-1] + (-1,))
+
+
+def quantize_act(x: np.ndarray, act_max: int, act_zero: int) -> tuple[np.ndarray, np.ndarray]:
+    """The activation quantization of kernels.dsl in float32: per 32 values d = amax / act_max,
+    q = nearest(clamp(x * (1 / d), +-act_max)), NaN -> 0, stored as q + act_zero (int8 when
+    act_zero is 0, else uint8)."""
+    xb = np.asarray(x, np.float32).reshape(-1, 32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        amax = np.abs(xb).max(axis=1)
+        d = (amax / np.float32(act_max)).astype(np.float32)
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        v = xb * inv[:, None]
+        lim = np.float32(act_max)
+        v = np.clip(v, -lim, lim)  # NaN passes through, as with wasm's f32x4.min/max
+        q = np.nan_to_num(np.rint(v), nan=0.0).astype(np.int32)
+    return (q + act_zero).astype(np.int8 if act_zero == 0 else np.uint8).reshape(-1), d
+
+
+def int_dots(w_int: np.ndarray, a_bytes: np.ndarray, act_zero: int, block: int) -> np.ndarray:
+    """Exact per-block integer dots: w_int (rows, k) unpacked weights, a_bytes (k,) activation
+    (int8 or uint8) holding q + act_zero -> int64 (rows, k // block)."""
+    a = a_bytes.astype(np.int64).reshape(-1) - act_zero
+    prod = w_int.astype(np.int64) * a[None, :]
+    return prod.reshape(prod.shape[0], -1, block).sum(axis=-1)
+
+
+def qmatvec(scale: np.ndarray, w_int: np.ndarray, a_bytes: np.ndarray, a_d: np.ndarray, act_zero: int,
+            block: int, offset: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """y = sum over blocks of scale * d_a * int_dot (+ offset * d_a * sum(a)), in float64, and the
+    sum of the terms' magnitudes (the scale of float rounding error) for the tolerance."""
+    isum = int_dots(w_int, a_bytes, act_zero, block).astype(np.float64)
+    ad = a_d.astype(np.float64)
+    terms = scale.astype(np.float64) * ad[None, :] * isum
+    if offset is not None:
+        asum = (a_bytes.astype(np.int64) - act_zero).reshape(-1, block).sum(axis=1).astype(np.float64)
+        terms = terms + offset.astype(np.float64) * ad[None, :] * asum[None, :]
+    return terms.sum(axis=1), np.abs(terms).sum(axis=1)

@@ -1,0 +1,147 @@
+"""WAT as data, and the one writer that prints it.
+
+Lowering builds instructions as objects (folded S-expressions); only `write_func` turns them into
+text, so indentation, line breaks and source comments are decided in one place. The writer also
+records which DSL span each output line came from, so assembler errors map back to kernels.dsl.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ast import Span
+
+WIDTH = 100  # fold an instruction onto several lines past this many columns
+INDENT = "  "
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction with its immediates and its folded operands: `(op imm... arg...)`."""
+
+    op: str
+    imms: tuple[str, ...] = ()
+    args: tuple[Instr, ...] = ()
+
+
+def I(op: str, *rest: str | int | Instr) -> Instr:  # noqa: E743 - reads like the WAT it builds
+    """Shorthand: strings and ints are immediates, Instr values are operands."""
+    imms = tuple(str(r) for r in rest if not isinstance(r, Instr))
+    args = tuple(r for r in rest if isinstance(r, Instr))
+    return Instr(op, imms, args)
+
+
+@dataclass
+class Comment:
+    """`;; text`, marking the DSL statement the following code comes from."""
+
+    text: str
+    span: Span | None = None
+
+
+@dataclass
+class Block:
+    """`block` or `loop` with a label."""
+
+    kind: str
+    label: str
+    body: list[Stmt] = field(default_factory=list)
+
+
+@dataclass
+class If:
+    cond: Instr
+    then: list[Stmt]
+    orelse: list[Stmt] = field(default_factory=list)
+
+
+Stmt = Instr | Comment | Block | If
+
+
+@dataclass
+class Func:
+    name: str
+    params: list[tuple[str, str]]
+    result: str | None
+    locals: list[tuple[str, str]]
+    body: list[Stmt]
+    export: str | None = None
+    doc: list[str] = field(default_factory=list)
+    span: Span | None = None
+
+
+def number(x: int | float) -> str:
+    """A numeric immediate as WAT reads it: decimal where that round-trips, nan/inf spelled out."""
+    if isinstance(x, int):
+        return str(x)
+    if x != x:
+        return "nan"
+    if x in (float("inf"), float("-inf")):
+        return "inf" if x > 0 else "-inf"
+    return repr(float(x))
+
+
+def _flat(ins: Instr) -> str:
+    parts = [ins.op, *ins.imms, *(_flat(a) for a in ins.args)]
+    return "(" + " ".join(parts) + ")"
+
+
+class Writer:
+    """Accumulates lines and, for each, the DSL span it was emitted under."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.spans: list[Span | None] = []
+        self._span: Span | None = None
+
+    def line(self, depth: int, text: str) -> None:
+        self.lines.append(INDENT * depth + text)
+        self.spans.append(self._span)
+
+    def instr(self, depth: int, ins: Instr, close: str = "") -> None:
+        flat = _flat(ins)
+        if len(INDENT * depth) + len(flat) + len(close) <= WIDTH or not ins.args:
+            self.line(depth, flat + close)
+            return
+        self.line(depth, "(" + " ".join([ins.op, *ins.imms]))
+        for i, arg in enumerate(ins.args):
+            self.instr(depth + 1, arg, ")" + close if i == len(ins.args) - 1 else "")
+
+    def stmts(self, depth: int, body: list[Stmt]) -> None:
+        for s in body:
+            if isinstance(s, Comment):
+                self._span = s.span or self._span
+                self.line(depth, f";; {s.text}")
+            elif isinstance(s, Instr):
+                self.instr(depth, s)
+            elif isinstance(s, Block):
+                self.line(depth, f"({s.kind} ${s.label}")
+                self.stmts(depth + 1, s.body)
+                self.lines[-1] += ")"
+            elif isinstance(s, If):
+                self.instr(depth, Instr("if", (), (s.cond,)), "")
+                self.lines[-1] = self.lines[-1][:-1]  # reopen "(if (cond)" to add its arms
+                self.line(depth + 1, "(then")
+                self.stmts(depth + 2, s.then or [Instr("nop")])
+                self.lines[-1] += ")"
+                if s.orelse:
+                    self.line(depth + 1, "(else")
+                    self.stmts(depth + 2, s.orelse)
+                    self.lines[-1] += ")"
+                self.lines[-1] += ")"
+
+    def func(self, depth: int, f: Func) -> None:
+        self._span = f.span
+        for d in f.doc:
+            self.line(depth, f";; {d}".rstrip())
+        head = f"(func ${f.name}"
+        if f.export:
+            head += f' (export "{f.export}")'
+        self.line(depth, head)
+        for i in range(0, len(f.params), 6):
+            self.line(depth + 1, " ".join(f"(param ${n} {t})" for n, t in f.params[i:i + 6]))
+        if f.result:
+            self.line(depth + 1, f"(result {f.result})")
+        for i in range(0, len(f.locals), 6):
+            self.line(depth + 1, " ".join(f"(local ${n} {t})" for n, t in f.locals[i:i + 6]))
+        self.stmts(depth + 1, f.body)
+        self.lines[-1] += ")"

@@ -1,0 +1,164 @@
+# kernels.dsl -- the kernel library kernelgen builds for SIMD128 and relaxed SIMD.
+#
+# Pointers are byte addresses in the one shared memory. Target constants differ per target:
+#   ACT_ZERO, ACT_MAX  how activations are quantized for the integer dot: int8 in [-127, 127]
+#                      on simd128 (0, 127); 7-bit in [-63, 63] stored +64 on relaxed SIMD (64, 63)
+
+# ---- quantization types: stored layouts are llama.cpp's GGUF blocks, byte for byte -------------
+
+# Q8_0: 32 int8 values and one f16 scale.
+quant q8_0 {
+    block 32;
+    field d: f16;
+    field qs: i8[32];
+    unpack qs[i];
+    dequant d * q;
+}
+
+# ---- f32 ---------------------------------------------------------------------------------------
+
+# Dot product of n f32 values, `U` vector accumulators, a scalar loop for the tail.
+inline kernel fdot[U: i32](x: ptr, y: ptr, n: i32) -> f32 {
+    var acc[U]: f32x4 = f32x4.splat(0.0);
+    let body = n - n % (4 * U);
+    for i in 0..body step 4 * U {
+        unroll u in 0..U {
+            acc[u] = madd(f32x4.load(x + i * 4, u * 16), f32x4.load(y + i * 4, u * 16), acc[u]);
+        }
+    }
+    unroll u in 1..U {
+        acc[0] = acc[0] + acc[u];
+    }
+    var s: f32 = hsum(acc[0]);
+    for i in body..n {
+        s = s + f32.load(x + i * 4) * f32.load(y + i * 4);
+    }
+    return s;
+}
+
+# x . y over n f32 values.
+#   x: f32[n]
+#   y: f32[n]
+#   n: element count, any value >= 0
+export kernel dot_f32(x: ptr, y: ptr, n: i32) -> f32 {
+    tune unroll: i32 in {1, 2, 4} = 2;
+    return fdot[unroll](x, y, n);
+}
+
+# y = W x for a row-major f32 matrix.
+#   w: f32[rows, k], row-major
+#   x: f32[k]
+#   y: f32[rows], written
+#   rows: row count
+#   k: row length, any value >= 0
+export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
+    tune unroll: i32 in {1, 2, 4} = 2;
+    for r in 0..rows {
+        f32.store(y + r * 4, fdot[unroll](w + r * k * 4, x, k));
+    }
+}
+
+# ---- activations -------------------------------------------------------------------------------
+
+# Quantize activations per block of 32 for the integer dot: d = amax / ACT_MAX,
+# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO.
+#   x: f32[n]
+#   n: element count, a multiple of 32
+#   q: i8[n], written (u8 in [1, 127] on relaxed SIMD)
+#   d: f32[n / 32], written: the block scales
+export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
+    for b in 0..n / 32 {
+        let xb = x + b * 128;
+        var m: f32x4 = f32x4.splat(0.0);
+        unroll j in 0..8 {
+            m = max(m, abs(f32x4.load(xb, j * 16)));
+        }
+        let scale = hmax(m) / f32(ACT_MAX);
+        f32.store(d + b * 4, scale);
+        var inv: f32 = 0.0;
+        if scale != 0.0 {
+            inv = 1.0 / scale;
+        }
+        let vinv = f32x4.splat(inv);
+        let lim = f32x4.splat(f32(ACT_MAX));
+        unroll h in 0..2 {
+            var v[4]: i32x4 = i32x4.splat(0);
+            unroll j in 0..4 {
+                let s = f32x4.load(xb, h * 64 + j * 16) * vinv;
+                v[j] = i32x4.trunc_sat(nearest(min(max(s, -lim), lim)));
+            }
+            let lo = i16x8.narrow(v[0], v[1]);
+            let hi = i16x8.narrow(v[2], v[3]);
+            i8x16.store(q + b * 32, h * 16, i8x16.narrow(lo, hi) + ACT_ZERO);
+        }
+    }
+}
+
+# ---- quantized dot products and mat-vec, generic over quant types -------------------------------
+#
+# Weights are packed once (kernelgen.pack) into planes: w.q (values), w.scale (f32 per block),
+# w.sum (i32 per block) and, for types with an offset term, w.offset.
+
+# One block's integer dot w . a, exact in i32 lanes whose sum is the dot. On relaxed SIMD the
+# activations carry +ACT_ZERO; sum(w * (a + 64)) - 64 * sum(w) removes it exactly.
+inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
+    var acc: i32x4 = i32x4.splat(0);
+    if ACT_ZERO != 0 {
+        acc = i32x4.splat(i32.load(w.sum + blk * 4) * -(ACT_ZERO / 4));
+    }
+    let wq = w.q + blk * Q.bytes;
+    unroll j in 0..Q.block / 16 {
+        acc = idot(acc, Q.unpack(wq, j), i8x16.load(a, j * 16));
+    }
+    return acc;
+}
+
+# Dot of one packed row with quantized activations.
+#   w: packed row of k / Q.block blocks
+#   aq: activations from quantize_act, k bytes
+#   ad: activation scales from quantize_act, k / 32 f32
+#   k: row length, a multiple of Q.block
+export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
+    var acc: f32x4 = f32x4.splat(0.0);
+    for b in 0..k / Q.block {
+        let s = f32x4.splat(f32.load(w.scale + b * 4) * f32.load(ad + b * 4));
+        acc = madd(f32x4.convert(qblock[Q](w, b, aq + b * Q.block)), s, acc);
+    }
+    return hsum(acc);
+}
+
+# Rows r0 .. r0 + N - 1 of y = W a, their accumulators in registers side by side.
+kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, nb: i32) {
+    var acc[N]: f32x4 = f32x4.splat(0.0);
+    for b in 0..nb {
+        let ab = aq + b * Q.block;
+        let da = f32.load(ad + b * 4);
+        unroll r in 0..N {
+            let blk = (r0 + r) * nb + b;
+            let s = f32x4.splat(f32.load(w.scale + blk * 4) * da);
+            acc[r] = madd(f32x4.convert(qblock[Q](w, blk, ab)), s, acc[r]);
+        }
+    }
+    unroll r in 0..N {
+        f32.store(y + (r0 + r) * 4, hsum(acc[r]));
+    }
+}
+
+# y = W a for a packed quantized matrix and quantized activations.
+#   w: packed matrix, n rows of k / Q.block blocks
+#   aq: activations from quantize_act, k bytes
+#   ad: activation scales from quantize_act, k / 32 f32
+#   y: f32[n], written
+#   n: row count
+#   k: row length, a multiple of Q.block
+export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
+    tune rows: i32 in {1, 2, 4} = 4;
+    let nb = k / Q.block;
+    let full = n - n % rows;
+    for r in 0..full step rows {
+        qrows[Q, rows](w, aq, ad, y, r, nb);
+    }
+    for r in full..n {
+        qrows[Q, 1](w, aq, ad, y, r, nb);
+    }
+}

