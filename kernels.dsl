@@ -152,7 +152,7 @@ kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, n
 #   n: row count
 #   k: row length, a multiple of Q.block
 export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
-    tune rows: i32 in {1, 2, 4} = 4;
+    tune rows: i32 in {1, 2, 4} = 1;
     let nb = k / Q.block;
     let full = n - n % rows;
     for r in 0..full step rows {

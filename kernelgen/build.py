@@ -20,7 +20,6 @@ from .emit import render_module
 from .lower import lower
 from .ops import TARGETS
 from .parse import parse
-from .resources import compiler_files
 
 TARGET_NAMES = tuple(TARGETS)
 
@@ -36,12 +35,12 @@ class Built:
 
 
 def inputs_hash(source: str, target: str, tune: dict) -> str:
+    """What a build depends on besides the compiler's own code (whose changes the out/ freshness
+    test catches by comparing bytes): the DSL text, target, tune values and tool versions."""
     h = hashlib.sha256()
-    for part in (source, target, json.dumps(tune, sort_keys=True), wabt_version()):
+    for part in (source, target, json.dumps(tune, sort_keys=True), __version__, wabt_version()):
         h.update(part.encode())
         h.update(b"\0")
-    for f in compiler_files():
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 

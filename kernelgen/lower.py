@@ -20,7 +20,8 @@ from .ops import TARGETS, Target, Val, fold, wrap
 from .quant import QuantInfo
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
 
-_QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits"}
+_QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
+                "shuffle"}
 _ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
 
 
@@ -259,10 +260,14 @@ class Lowerer:
             self._pop()
 
     def _comment(self, s: A.Node) -> None:
-        line = self.c.source.splitlines()[s.span.line - 1].strip() if s.span.line else ""
+        self._comment_at(s.span)
+
+    def _comment_at(self, span: A.Span) -> None:
+        """`;; kernels.dsl:LINE: source text` before the code of the statement at `span`."""
+        line = self.c.source.splitlines()[span.line - 1].strip()
         if len(line) > 90:
             line = line[:87] + "..."
-        self.emit(Comment(f"{Path(s.span.file).name}:{s.span.line}: {line}", s.span))
+        self.emit(Comment(f"{Path(span.file).name}:{span.line}: {line}", span))
 
     def _stmt(self, s: A.Stmt) -> None:
         self._span = s.span
@@ -654,6 +659,8 @@ class Lowerer:
         finally:
             self._pop()
             self._scopes, self._span = saved_scopes, saved_span
+        if body:
+            self._comment_at(saved_span)  # the calling statement's own code follows the inlined body
         return result
 
 

@@ -259,6 +259,26 @@ def _extract(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(I(f"{v.prefix}.extract_lane{suffix}", lane, c.materialize(v_)), scalar)
 
 
+def _shuffle(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """T.shuffle(a, b, l0, ..., l{n-1}): lane k of the result is lane l_k of a ++ b (0..2n-1),
+    lowered to i8x16.shuffle with the byte indices of those lanes."""
+    t = _qualified(c, q, "shuffle")
+    if not T.is_vector(t):
+        raise c.error(f"shuffle takes a vector type, not {t}")
+    n = T.VECTORS[t].lanes
+    if len(args) != 2 + n:
+        raise c.error(f"{t}.shuffle(a, b, ...) takes two vectors and {n} lane indices, got {len(args)} arguments")
+    a, b, *lanes = args
+    for v in (a, b):
+        _need(c, v, t, "a shuffle operand")
+    width = 16 // n
+    idx = [_const_int(c, lane, "a shuffle lane") for lane in lanes]
+    if any(not 0 <= i < 2 * n for i in idx):
+        raise c.error(f"shuffle lanes of {t} must be in 0..{2 * n - 1}, got {idx}")
+    byte_idx = [str(i * width + k) for i in idx for k in range(width)]
+    return Val(I("i8x16.shuffle", *byte_idx, c.materialize(a), c.materialize(b)), t)
+
+
 def _select(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """select(cond, a, b): a where cond is set. Lane-wise (bitselect) for vector masks."""
     m, a, b = _arity(c, args, 3, "select")
@@ -407,6 +427,7 @@ SIMD128: dict[str, Op] = {
     "extend_high": _extend("high"),
     "bits": _bits,
     "extract": _extract,
+    "shuffle": _shuffle,
     "select": _select,
     **{t: _cast(t) for t in T.SCALARS},
     "idot": _idot_simd128,

@@ -13,8 +13,3 @@ def template_dir() -> Path:
     shipped = PACKAGE / "templates"
     return shipped if shipped.is_dir() else PACKAGE.parent / "templates"
 
-
-def compiler_files() -> list[Path]:
-    """Everything whose change changes the output: hashed into each manifest's inputs hash."""
-    files = sorted(PACKAGE.glob("*.py")) + [PACKAGE / "grammar.lark"] + sorted(template_dir().glob("*.j2"))
-    return [f for f in files if f.is_file()]
