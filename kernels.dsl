@@ -15,6 +15,37 @@ quant q8_0 {
     dequant d * q;
 }
 
+# Q4_0: 32 4-bit values, elements 0-15 in the low nibbles and 16-31 in the high; value d * (q - 8).
+quant q4_0 {
+    block 32;
+    field d: f16;
+    field qs: u8[16];
+    unpack nib(qs, i) - 8;
+    dequant d * q;
+}
+
+# Q4_1: like Q4_0's nibbles, unsigned, with a minimum: value d * q + m.
+quant q4_1 {
+    block 32;
+    field d: f16;
+    field m: f16;
+    field qs: u8[16];
+    unpack nib(qs, i);
+    dequant d * q + m;
+}
+
+# ONNX 4-bit, as blocked DequantizeLinear stores it (block 32 along K): an f32 scale, a UINT4 zero
+# point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
+# kernelgen.formats.onnx_uint4_blocks gathers these blocks from the ONNX tensors.
+quant q4_onnx {
+    block 32;
+    field d: f32;
+    field z: u8;
+    field qs: u8[16];
+    unpack nibi(qs, i) - z;
+    dequant d * q;
+}
+
 # ---- f32 ---------------------------------------------------------------------------------------
 
 # Dot product of n f32 values, `U` vector accumulators, a scalar loop for the tail.
@@ -96,8 +127,9 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
 #
-# Weights are packed once (kernelgen.pack) into planes: w.q (values), w.scale (f32 per block),
-# w.sum (i32 per block) and, for types with an offset term, w.offset.
+# Weights are packed once (Kernels.pack) into planes: w.q (values), w.scale (f32 per block),
+# w.sum (i32 per block) and, for types with an offset term, w.offset. Activations come in blocks
+# of 32 (quantize_act), so these kernels take quant types whose block is 32.
 
 # One block's integer dot w . a, exact in i32 lanes whose sum is the dot. On relaxed SIMD the
 # activations carry +ACT_ZERO; sum(w * (a + 64)) - 64 * sum(w) removes it exactly.
@@ -113,6 +145,15 @@ inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
     return acc;
 }
 
+# One activation block's sum (lanes sum to it), for quant types with an offset term (S * q + M).
+inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
+    var acc: i32x4 = i32x4.splat(-(ACT_ZERO * Q.block / 4));
+    unroll j in 0..Q.block / 16 {
+        acc = idot(acc, i8x16.splat(1), i8x16.load(a, j * 16));
+    }
+    return acc;
+}
+
 # Dot of one packed row with quantized activations.
 #   w: packed row of k / Q.block blocks
 #   aq: activations from quantize_act, k bytes
@@ -121,8 +162,13 @@ inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
 export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
     var acc: f32x4 = f32x4.splat(0.0);
     for b in 0..k / Q.block {
-        let s = f32x4.splat(f32.load(w.scale + b * 4) * f32.load(ad + b * 4));
-        acc = madd(f32x4.convert(qblock[Q](w, b, aq + b * Q.block)), s, acc);
+        let ab = aq + b * Q.block;
+        let da = f32.load(ad + b * 4);
+        let s = f32x4.splat(f32.load(w.scale + b * 4) * da);
+        acc = madd(f32x4.convert(qblock[Q](w, b, ab)), s, acc);
+        static if Q.has_offset {
+            acc = madd(f32x4.convert(ablock[Q](ab)), f32x4.splat(f32.load(w.offset + b * 4) * da), acc);
+        }
     }
     return hsum(acc);
 }
@@ -133,10 +179,16 @@ kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, n
     for b in 0..nb {
         let ab = aq + b * Q.block;
         let da = f32.load(ad + b * 4);
+        static if Q.has_offset {
+            let asum = f32x4.convert(ablock[Q](ab));
+        }
         unroll r in 0..N {
             let blk = (r0 + r) * nb + b;
             let s = f32x4.splat(f32.load(w.scale + blk * 4) * da);
             acc[r] = madd(f32x4.convert(qblock[Q](w, blk, ab)), s, acc[r]);
+            static if Q.has_offset {
+                acc[r] = madd(asum, f32x4.splat(f32.load(w.offset + blk * 4) * da), acc[r]);
+            }
         }
     }
     unroll r in 0..N {

@@ -130,9 +130,12 @@ class Unroll(Node):
 
 @dataclass(frozen=True)
 class If(Node):
+    """`if`, or with `static` a compile-time choice whose taken arm shares the enclosing scope."""
+
     cond: Expr
     then: tuple[Stmt, ...]
     orelse: tuple[Stmt, ...]
+    static: bool = False
 
 
 @dataclass(frozen=True)

@@ -416,7 +416,14 @@ class Lowerer:
         cond = self._expr(s.cond)
         if cond.type not in ("i32", T.INT_LIT):
             raise DslError(s.cond.span, f"a condition must be i32, not {cond.type}")
-        if cond.const is not None and cond.code is None:  # decided at compile time: emit one arm
+        known = cond.const is not None and cond.code is None
+        if s.static:
+            if not known:
+                raise DslError(s.cond.span, "'static if' needs a compile-time condition")
+            for stmt in s.then if cond.const else s.orelse:
+                self._stmt(stmt)
+            return
+        if known:  # decided at compile time: emit one arm
             self._block(s.then if cond.const else s.orelse)
             return
         self._comment(s)

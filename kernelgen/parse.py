@@ -127,10 +127,13 @@ class _Build(Transformer):
     def unroll_stmt(self, meta, var, start, stop, body):
         return A.Unroll(self._span(meta), str(var), start, stop, body)
 
-    def if_stmt(self, meta, cond, then, orelse):
+    def if_stmt(self, meta, cond, then, orelse, static=False):
         if isinstance(orelse, A.If):
             orelse = (orelse,)
-        return A.If(self._span(meta), cond, then, orelse or ())
+        return A.If(self._span(meta), cond, then, orelse or (), static)
+
+    def static_if(self, meta, cond, then, orelse):
+        return self.if_stmt(meta, cond, then, orelse, static=True)
 
     def return_stmt(self, meta, value):
         return A.Return(self._span(meta), value)

@@ -51,6 +51,7 @@ class QuantInfo:
     scale: A.Expr
     offset: A.Expr | None
     value_fields: tuple[str, ...]  # fields `unpack` reads, stored in plane q in this order
+    interleaved: tuple[str, ...]  # nibble fields read with nibi(): repacked to split order in plane q
     span: A.Span
 
     # ---- layout
@@ -142,13 +143,24 @@ class QuantInfo:
         if blocks.ndim != 2:
             raise ValueError(f"{self.name}: pack takes blocks of shape (rows, n_blocks), got {blocks.shape}")
         raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
-        parts = [raw[..., f.offset:f.offset + f.nbytes] for f in (self.field(n) for n in self.value_fields)]
+        parts = [self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
+                 for f in (self.field(n) for n in self.value_fields)]
         planes = {"q": np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1),
                   "scale": self.scale_ref(blocks).reshape(-1)}
         if self.offset is not None:
             planes["offset"] = self.offset_ref(blocks).reshape(-1)
         planes["sum"] = self.unpack_ref(blocks).sum(axis=-1, dtype=np.int32).reshape(-1)
         return planes
+
+    def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:
+        """A value field's bytes as plane q holds them: interleaved nibbles (element 2i low, 2i+1
+        high: ONNX's UINT4) become split nibbles (byte b holds elements b and b + n: GGUF's order),
+        so both unpack with the same two SIMD instructions."""
+        if name not in self.interleaved:
+            return part
+        n = part.shape[-1]
+        elems = np.stack([part & 0x0F, part >> 4], axis=-1).reshape(part.shape[:-1] + (2 * n,))
+        return (elems[..., :n] | (elems[..., n:] << 4)).astype(np.uint8)
 
     # ---- SIMD unpack, for `Q.unpack(p, j)` in kernels
     def unpack_lanes(self, base: Instr, j: int, error: Callable[[str], Exception]) -> Instr:
@@ -160,7 +172,10 @@ class QuantInfo:
 
 # ---- checking a declaration --------------------------------------------------------------------
 
-_UNPACK_FUNCS = {"nib": 2, "bit": 2}
+# nib(f, i): element i is the low nibble of byte i for the first half, the high nibble of byte
+# i - n for the second (GGUF); nibi(f, i): low nibble of byte i/2 for even i, high for odd (ONNX
+# UINT4); bit(f, i): bit i of the little-endian bit mask f.
+_UNPACK_FUNCS = {"nib": 2, "nibi": 2, "bit": 2}
 
 
 def check_quant(q: A.Quant) -> QuantInfo:
@@ -190,21 +205,27 @@ def check_quant(q: A.Quant) -> QuantInfo:
         fields.append(FieldInfo(f.name, f.type, f.count, offset))
         offset += fields[-1].nbytes
     byname = {f.name: f for f in fields}
-    used: list[str] = []
+    used: list[tuple[str, str]] = []  # (field, how it is read)
     _check_unpack(q, q.unpack, byname, used)
+    for name in {f for f, _ in used}:
+        hows = {h for f, h in used if f == name}
+        if len(hows) > 1:
+            raise DslError(q.unpack.span, f"quant {q.name}: unpack reads {name} in two ways ({', '.join(sorted(hows))})")
     scale, off = _split_dequant(q)
     for expr in (scale, off):
         if expr is not None:
             _check_scalar_formula(q, expr, byname)
-    value_fields = tuple(f.name for f in fields if f.name in used)
-    return QuantInfo(q.name, q.block, tuple(fields), q.unpack, scale, off, value_fields, q.span)
+    used_names = {f for f, _ in used}
+    value_fields = tuple(f.name for f in fields if f.name in used_names)
+    interleaved = tuple(dict.fromkeys(f for f, how in used if how == "nibi"))
+    return QuantInfo(q.name, q.block, tuple(fields), q.unpack, scale, off, value_fields, interleaved, q.span)
 
 
-def _check_unpack(q: A.Quant, e: A.Expr, fields: dict[str, FieldInfo], used: list[str]) -> None:
+def _check_unpack(q: A.Quant, e: A.Expr, fields: dict[str, FieldInfo], used: list[tuple[str, str]]) -> None:
     def err(node: A.Node, msg: str) -> DslError:
         return DslError(node.span, f"quant {q.name}: unpack: {msg}")
 
-    def array_field(node: A.Expr, want: int, how: str) -> FieldInfo:
+    def array_field(node: A.Expr, want: int, how: str, kind: str) -> FieldInfo:
         if not isinstance(node, A.Name) or node.id not in fields:
             raise err(node, f"{how} needs a field name")
         f = fields[node.id]
@@ -212,7 +233,7 @@ def _check_unpack(q: A.Quant, e: A.Expr, fields: dict[str, FieldInfo], used: lis
             raise err(node, f"{how} reads a byte array field; {f.name} is {f.type}{f'[{f.count}]' if f.count else ''}")
         if f.count != want:
             raise err(node, f"{how}: {f.name} must have {want} bytes for a block of {q.block}, has {f.count}")
-        used.append(f.name)
+        used.append((f.name, kind))
         return f
 
     def is_i(node: A.Expr) -> bool:
@@ -223,21 +244,21 @@ def _check_unpack(q: A.Quant, e: A.Expr, fields: dict[str, FieldInfo], used: lis
     if isinstance(e, A.Index):
         if len(e.indices) != 1 or not is_i(e.indices[0]):
             raise err(e, "index a field with the element index: field[i]")
-        array_field(e.base, q.block, "field[i]")
+        array_field(e.base, q.block, "field[i]", "index")
         return
     if isinstance(e, A.Call) and isinstance(e.func, A.Name) and e.func.id in _UNPACK_FUNCS:
         name = e.func.id
         if len(e.args) != 2 or not is_i(e.args[1]):
             raise err(e, f"write {name}(field, i)")
-        array_field(e.args[0], q.block // 2 if name == "nib" else q.block // 8, f"{name}(field, i)")
-        if name == "nib" and (q.block // 2) % LANES:
+        array_field(e.args[0], q.block // 8 if name == "bit" else q.block // 2, f"{name}(field, i)", name)
+        if name != "bit" and (q.block // 2) % LANES:
             raise err(e, f"nib() needs a block of a multiple of {2 * LANES}")
         return
     if isinstance(e, A.Name):
         f = fields.get(e.id)
         if f is None or f.count is not None or f.type not in ("i8", "u8"):
             raise err(e, f"{e.id!r} is not a byte-sized scalar field (use field[i], nib(field, i) or bit(field, i))")
-        used.append(f.name)
+        used.append((f.name, "scalar"))
         return
     if isinstance(e, A.Binary) and e.op in ("+", "-", "|", "&"):
         _check_unpack(q, e.left, fields, used)
@@ -246,8 +267,8 @@ def _check_unpack(q: A.Quant, e: A.Expr, fields: dict[str, FieldInfo], used: lis
     if isinstance(e, A.Binary) and e.op == "<<" and isinstance(e.right, A.IntLit) and 0 <= e.right.value < 8:
         _check_unpack(q, e.left, fields, used)
         return
-    raise err(e, "only field[i], nib(field, i), bit(field, i), byte fields, integers, + - | & and << by a "
-                 "constant are allowed")
+    raise err(e, "only field[i], nib(field, i), nibi(field, i), bit(field, i), byte fields, integers, + - | & "
+                 "and << by a constant are allowed")
 
 
 def _split_dequant(q: A.Quant) -> tuple[A.Expr, A.Expr | None]:
@@ -313,6 +334,9 @@ def _eval_np(e: A.Expr, blocks: np.ndarray, i: np.ndarray | None, q: np.ndarray 
             n = f.shape[-1]
             byte = f[..., i % n].astype(np.int32)
             return np.where(i < n, byte & 0x0F, byte >> 4)
+        if e.func.id == "nibi":
+            byte = f[..., i // 2].astype(np.int32)
+            return (byte >> (4 * (i % 2))) & 0x0F
         bits = np.unpackbits(f.astype(np.uint8), axis=-1, bitorder="little")
         return bits[..., i].astype(np.int32)
     if isinstance(e, A.Unary):
@@ -339,7 +363,7 @@ def _lower_unpack(qi: QuantInfo, e: A.Expr, base: Instr, j: int) -> Instr:
         return I("i8x16.splat", load)
     if isinstance(e, A.Index):
         return I("v128.load", *_off(qi.value_offset(e.base.id) + LANES * j), base)
-    if isinstance(e, A.Call) and e.func.id == "nib":
+    if isinstance(e, A.Call) and e.func.id in ("nib", "nibi"):  # plane q holds both in split order
         f = qi.field(e.args[0].id)
         n = f.count or 0
         first = LANES * j

@@ -69,3 +69,85 @@ def qmatvec(scale: np.ndarray, w_int: np.ndarray, a_bytes: np.ndarray, a_d: np.n
         asum = (a_bytes.astype(np.int64) - act_zero).reshape(-1, block).sum(axis=1).astype(np.float64)
         terms = terms + offset.astype(np.float64) * ad[None, :] * asum[None, :]
     return terms.sum(axis=1), np.abs(terms).sum(axis=1)
+
+
+Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+Q4_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))])
+
+
+def _split_nibbles(q: np.ndarray) -> np.ndarray:
+    """32 values 0..15 per block -> 16 bytes, element j in the low nibble of byte j, j+16 in the high."""
+    return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q4_0: d = (the value of largest magnitude) / -8,
+    q = min(15, trunc(x / d + 8.5)); value d * (q - 8)."""
+    xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
+    idx = np.abs(xb).argmax(axis=-1)
+    vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+    d = vmax / np.float32(-8)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.minimum(15, np.trunc(xb * inv[..., None] + np.float32(8.5)).astype(np.int32))
+    out = np.empty(xb.shape[:-1], Q4_0)
+    out["d"] = d.astype(np.float16)
+    out["qs"] = _split_nibbles(q)
+    return out
+
+
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q4_1: m = min, d = (max - min) / 15, q = min(15, trunc((x - m) / d + 0.5))."""
+    xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
+    lo, hi = xb.min(axis=-1), xb.max(axis=-1)
+    d = (hi - lo) / np.float32(15)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.minimum(15, np.trunc((xb - lo[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32))
+    out = np.empty(xb.shape[:-1], Q4_1)
+    out["d"] = d.astype(np.float16)
+    out["m"] = lo.astype(np.float16)
+    out["qs"] = _split_nibbles(q)
+    return out
+
+
+def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
+    """Q4_0 or Q4_1 blocks -> f32, from the GGUF definitions."""
+    qs = blocks["qs"].astype(np.int32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+    d = blocks["d"].astype(np.float32)[..., None]
+    v = d * (q - 8) if "m" not in blocks.dtype.names else d * q + blocks["m"].astype(np.float32)[..., None]
+    return v.reshape(blocks.shape[:-1] + (-1,))
+
+
+def quantize_onnx_uint4(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric UINT4 per block of `block` along K of w[K, N] (the layout of a MatMul's B), as
+    ONNX's blocked DequantizeLinear stores it: (packed uint8 [K * N / 2], element 2i low nibble;
+    f32 scales [K / block, N]; packed uint4 zero points [K / block * N / 2])."""
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    wb = w.reshape(k // block, block, n)
+    lo = np.minimum(wb.min(axis=1), 0)
+    hi = np.maximum(wb.max(axis=1), 0)
+    scale = ((hi - lo) / np.float32(15)).astype(np.float32)
+    safe = np.where(scale == 0, np.float32(1), scale)
+    zp = np.clip(np.rint(-lo / safe), 0, 15).astype(np.int32)
+    q = np.clip(np.rint(wb / safe[:, None, :]) + zp[:, None, :], 0, 15).astype(np.uint8).reshape(k, n)
+    return _pack_uint4(q.reshape(-1)), scale, _pack_uint4(zp.reshape(-1).astype(np.uint8))
+
+
+def dequantize_onnx_uint4(packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, k: int, n: int,
+                          block: int = 32) -> np.ndarray:
+    """DequantizeLinear (blocked along axis 0): w[k, n] = scale[k // block, n] * (q[k, n] - zp[k // block, n])."""
+    q = _unpack_uint4(packed, k * n).reshape(k, n).astype(np.float32)
+    zp = _unpack_uint4(zero_point, scale.size).reshape(scale.shape).astype(np.float32)
+    return np.repeat(scale, block, axis=0) * (q - np.repeat(zp, block, axis=0))
+
+
+def _pack_uint4(v: np.ndarray) -> np.ndarray:
+    v = np.concatenate([v, np.zeros(v.size % 2, np.uint8)])
+    return (v[0::2] | (v[1::2] << 4)).astype(np.uint8)
+
+
+def _unpack_uint4(p: np.ndarray, count: int) -> np.ndarray:
+    return np.stack([p & 0x0F, p >> 4], axis=-1).reshape(-1)[:count]
