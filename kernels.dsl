@@ -214,3 +214,143 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
         qrows[Q, 1](w, aq, ad, y, r, nb);
     }
 }
+
+# ---- exp, softmax, SiLU ------------------------------------------------------------------------
+
+# Cephes-style expf constants: ln 2 split so that k * EXP_C1 is exact for the k that occur.
+const LOG2E: f32 = 1.44269504088896341;
+const EXP_C1: f32 = 0.693359375;
+const EXP_C2: f32 = -0.000212194440;
+const EXP_HI: f32 = 88.8;      # above ln(FLT_MAX): the result is +inf
+const EXP_LO: f32 = -104.0;    # below ln(smallest subnormal / 2): the result is 0
+const EXP_P0: f32 = 0.000198756915;
+const EXP_P1: f32 = 0.00139819995;
+const EXP_P2: f32 = 0.00833345190;
+const EXP_P3: f32 = 0.0416657959;
+const EXP_P4: f32 = 0.166666655;
+const EXP_P5: f32 = 0.500000012;
+
+# exp of four f32 lanes: x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^k
+# built in the exponent bits as 2^(k/2) * 2^(k - k/2) so that k from -150 to 128 (subnormal
+# results and the last binade before overflow) needs no special case. NaN propagates (min/max
+# keep it), +inf -> inf, -inf -> 0.
+inline kernel exp4(x: f32x4) -> f32x4 {
+    let xc = max(min(x, f32x4.splat(EXP_HI)), f32x4.splat(EXP_LO));
+    let k = floor(madd(xc, f32x4.splat(LOG2E), f32x4.splat(0.5)));
+    let r = madd(k, f32x4.splat(-EXP_C2), madd(k, f32x4.splat(-EXP_C1), xc));
+    var p: f32x4 = f32x4.splat(EXP_P0);
+    p = madd(p, r, f32x4.splat(EXP_P1));
+    p = madd(p, r, f32x4.splat(EXP_P2));
+    p = madd(p, r, f32x4.splat(EXP_P3));
+    p = madd(p, r, f32x4.splat(EXP_P4));
+    p = madd(p, r, f32x4.splat(EXP_P5));
+    let er = madd(p, r * r, r) + f32x4.splat(1.0);
+    let ki = i32x4.trunc_sat(k);
+    let k1 = ki >> 1;
+    let s1 = f32x4.bits((k1 + 127) << 23);
+    let s2 = f32x4.bits((ki - k1 + 127) << 23);
+    return er * s1 * s2;
+}
+
+# A lane mask of the first `m` lanes (0 <= m <= 4): where a partial last vector is valid.
+inline kernel first_lanes(m: i32) -> i32x4 {
+    return i32x4.iota() < i32x4.splat(m);
+}
+
+# y = exp(x) over n f32 values.
+#   x: f32[n]
+#   y: f32[n], written; may be x
+#   n: element count; the last partial vector is read whole but only its first n % 4 lanes are written
+export kernel exp_f32(x: ptr, y: ptr, n: i32) {
+    let full = n - n % 4;
+    for i in 0..full step 4 {
+        f32x4.store(y + i * 4, exp4(f32x4.load(x + i * 4)));
+    }
+    if full < n {
+        let old = f32x4.load(y + full * 4);
+        f32x4.store(y + full * 4, select(first_lanes(n - full), exp4(f32x4.load(x + full * 4)), old));
+    }
+}
+
+# Softmax of each row's first t scores, in place. Rows are `stride` floats apart, stride a multiple
+# of 4 and >= t: the padding after a row's scores is where the vector code reads past the last
+# score; it is written back unchanged, so the next row (perhaps another thread's) is never touched.
+# A row of all -inf (fully masked) becomes all zeros; a NaN makes its row NaN.
+#   x: f32[rows, stride], softmax over x[r, 0:t] in place
+#   rows: row count
+#   t: valid scores per row, >= 1
+#   stride: row pitch in floats, a multiple of 4, >= t
+export kernel softmax_f32(x: ptr, rows: i32, t: i32, stride: i32) {
+    let full = t - t % 4;
+    let tail = first_lanes(t - full);
+    for r in 0..rows {
+        let row = x + r * stride * 4;
+        var vmax: f32x4 = f32x4.splat(-1.0 / 0.0);
+        for i in 0..full step 4 {
+            vmax = max(vmax, f32x4.load(row + i * 4));
+        }
+        var m: f32 = hmax(vmax);
+        for i in full..t {
+            m = max(m, f32.load(row + i * 4));
+        }
+        if m == -1.0 / 0.0 {
+            m = 0.0;
+        }
+        let vm = f32x4.splat(m);
+        var vsum: f32x4 = f32x4.splat(0.0);
+        for i in 0..full step 4 {
+            let e = exp4(f32x4.load(row + i * 4) - vm);
+            f32x4.store(row + i * 4, e);
+            vsum = vsum + e;
+        }
+        let old = f32x4.load(row + full * 4);
+        let last = select(tail, exp4(old - vm), f32x4.splat(0.0));
+        vsum = vsum + last;
+        let s = hsum(vsum);
+        var inv: f32 = 0.0;
+        if s > 0.0 {
+            inv = 1.0 / s;
+        }
+        let vinv = f32x4.splat(inv);
+        for i in 0..full step 4 {
+            f32x4.store(row + i * 4, f32x4.load(row + i * 4) * vinv);
+        }
+        f32x4.store(row + full * 4, select(tail, last * vinv, old));
+    }
+}
+
+# silu(x) = x * sigmoid(x) = x / (1 + exp(-x)) for four lanes.
+inline kernel silu4(x: f32x4) -> f32x4 {
+    return x / (exp4(-x) + f32x4.splat(1.0));
+}
+
+# y = silu(x) * g over n values (SwiGLU's gate; g = 1 everywhere is plain SiLU, see silu_f32).
+#   x: f32[n], the gate projection
+#   g: f32[n], the up projection
+#   y: f32[n], written; may be x or g
+#   n: element count; a partial last vector is read whole, only its valid lanes written
+export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
+    let full = n - n % 4;
+    for i in 0..full step 4 {
+        f32x4.store(y + i * 4, silu4(f32x4.load(x + i * 4)) * f32x4.load(g + i * 4));
+    }
+    if full < n {
+        let v = silu4(f32x4.load(x + full * 4)) * f32x4.load(g + full * 4);
+        f32x4.store(y + full * 4, select(first_lanes(n - full), v, f32x4.load(y + full * 4)));
+    }
+}
+
+# y = silu(x) over n values.
+#   x: f32[n]
+#   y: f32[n], written; may be x
+#   n: element count; a partial last vector is read whole, only its valid lanes written
+export kernel silu_f32(x: ptr, y: ptr, n: i32) {
+    let full = n - n % 4;
+    for i in 0..full step 4 {
+        f32x4.store(y + i * 4, silu4(f32x4.load(x + i * 4)));
+    }
+    if full < n {
+        let v = silu4(f32x4.load(x + full * 4));
+        f32x4.store(y + full * 4, select(first_lanes(n - full), v, f32x4.load(y + full * 4)));
+    }
+}

@@ -21,7 +21,7 @@ from .quant import QuantInfo
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
 
 _QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
-                "shuffle"}
+                "shuffle", "iota"}
 _ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
 
 

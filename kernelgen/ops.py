@@ -10,6 +10,7 @@ lowered operands.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -54,7 +55,7 @@ def _binary(op: str) -> Op:
             if op not in table:
                 raise c.error(f"operator '{op}' is not defined for {t}")
             rt = "i32" if op in _CMP_INT else t
-            return Val(I(f"{t}.{table[op]}", c.materialize(a), c.materialize(b)), rt)
+            return Val(I(f"{t}.{table[op]}", c.materialize(a), c.materialize(b, t)), rt)
         v = T.VECTORS[t]
         if op in _VEC_BITS and not v.is_float:
             return Val(I(f"v128.{_VEC_BITS[op]}", c.materialize(a), c.materialize(b)), t)
@@ -259,6 +260,16 @@ def _extract(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(I(f"{v.prefix}.extract_lane{suffix}", lane, c.materialize(v_)), scalar)
 
 
+def _iota(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """T.iota(): the lane indices 0, 1, ..., n-1 (for lane masks: `i32x4.iota() < i32x4.splat(k)`)."""
+    t = _qualified(c, q, "iota")
+    _arity(c, args, 0, "iota")
+    if not T.is_vector(t):
+        raise c.error(f"iota makes a vector; {t} is not a vector type")
+    v = T.VECTORS[t]
+    return Val(I("v128.const", v.prefix, *(number(float(k) if v.is_float else k) for k in range(v.lanes))), t)
+
+
 def _shuffle(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """T.shuffle(a, b, l0, ..., l{n-1}): lane k of the result is lane l_k of a ++ b (0..2n-1),
     lowered to i8x16.shuffle with the byte indices of those lanes."""
@@ -334,7 +345,10 @@ def fold(op: str, a: Val, b: Val) -> Val | None:
             return None
         if op in cmp:
             return Val(None, "i32", int(cmp[op]))
-        if op in ("+", "-", "*") or op == "/" and y:
+        if op == "/" and y == 0:  # IEEE: +-inf, or NaN for 0/0 (`-1.0 / 0.0` spells -inf)
+            r = float("nan") if x == 0 or x != x else math.copysign(float("inf"), x) * math.copysign(1.0, y)
+            return Val(None, T.FLOAT_LIT, r)
+        if op in ("+", "-", "*", "/"):
             return Val(None, T.FLOAT_LIT, float({"+": x + y, "-": x - y, "*": x * y, "/": x / (y or 1)}[op]))
         return None
     if op in ("/", "%") and y == 0:
@@ -428,6 +442,7 @@ SIMD128: dict[str, Op] = {
     "bits": _bits,
     "extract": _extract,
     "shuffle": _shuffle,
+    "iota": _iota,
     "select": _select,
     **{t: _cast(t) for t in T.SCALARS},
     "idot": _idot_simd128,
