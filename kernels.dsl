@@ -354,3 +354,244 @@ export kernel silu_f32(x: ptr, y: ptr, n: i32) {
         f32x4.store(y + full * 4, select(first_lanes(n - full), v, f32x4.load(y + full * 4)));
     }
 }
+
+# ---- f64 sin, cos, exp, log (wasm has none) and RoPE -------------------------------------------
+
+# pi/2 in three parts of 33, 33 and 53 bits: n * PIO2_1 and n * PIO2_2 are exact for |n| < 2^20,
+# so x - n pi/2 keeps its accuracy for |x| up to about 1.6e6 (RoPE angles reach 8192).
+const INV_PIO2: f64 = 0.636619772367581382433;
+const PIO2_1: f64 = 1.57079632673412561417;
+const PIO2_2: f64 = 0.0000000000607710050630396597660;
+const PIO2_3: f64 = 0.00000000000000000000202226624879595063154;
+# Minimax polynomials for sin and cos on [-pi/4, pi/4].
+const SIN_1: f64 = -0.166666666666666324348;
+const SIN_2: f64 = 0.00833333333332248946124;
+const SIN_3: f64 = -0.000198412698298579493134;
+const SIN_4: f64 = 0.00000275573137070700676789;
+const SIN_5: f64 = -0.0000000250507602534068634195;
+const SIN_6: f64 = 0.000000000158969099521155010221;
+const COS_1: f64 = 0.0416666666666666019037;
+const COS_2: f64 = -0.00138888888888741095749;
+const COS_3: f64 = 0.0000248015872894767294178;
+const COS_4: f64 = -0.000000275573143513906633035;
+const COS_5: f64 = 0.00000000208757232129817482790;
+const COS_6: f64 = -0.0000000000113596475577881948265;
+
+# sin(r + rl) for |r| <= pi/4, rl a correction far below r's last bit.
+inline kernel sin_kernel(r: f64, rl: f64) -> f64 {
+    let z = r * r;
+    let p = SIN_2 + z * (SIN_3 + z * (SIN_4 + z * (SIN_5 + z * SIN_6)));
+    let v = z * r;
+    return r - ((z * (0.5 * rl - v * p) - rl) - v * SIN_1);
+}
+
+# cos(r + rl) for |r| <= pi/4.
+inline kernel cos_kernel(r: f64, rl: f64) -> f64 {
+    let z = r * r;
+    let p = z * (COS_1 + z * (COS_2 + z * (COS_3 + z * (COS_4 + z * (COS_5 + z * COS_6)))));
+    let hz = 0.5 * z;
+    let w = 1.0 - hz;
+    return w + (((1.0 - w) - hz) + (z * p - r * rl));
+}
+
+# sin (want_cos = 0) or cos (1) of x: x = n pi/2 + (r + rl) by three-part Cody-Waite reduction,
+# then the kernel of the quadrant (n + want_cos) mod 4.
+inline kernel sincos64[WANT_COS: i32](x: f64) -> f64 {
+    let n = nearest(x * INV_PIO2);
+    let r1 = x - n * PIO2_1;
+    let w = n * PIO2_2;
+    let r2 = r1 - w;
+    let rl = ((r1 - r2) - w) - n * PIO2_3;
+    let r = r2 + rl;
+    let lo = (r2 - r) + rl;
+    let quadrant = (i32(i64(n)) + WANT_COS) & 3;
+    var y: f64 = 0.0;
+    if quadrant & 1 == 0 {
+        y = sin_kernel(r, lo);
+    } else {
+        y = cos_kernel(r, lo);
+    }
+    if quadrant >= 2 {
+        y = -y;
+    }
+    return y;
+}
+
+const LN2_HI: f64 = 0.693147180369123816490;
+const LN2_LO: f64 = 0.000000000190821492927058770002;
+const INV_LN2: f64 = 1.44269504088896338700;
+const EXP64_1: f64 = 0.166666666666666019037;
+const EXP64_2: f64 = -0.00277777777770155933842;
+const EXP64_3: f64 = 0.0000661375632143793436117;
+const EXP64_4: f64 = -0.00000165339022054652515390;
+const EXP64_5: f64 = 0.0000000413813679705723846039;
+
+# exp(x) in f64: x = k ln2 + r, e^r by a rational approximation, 2^k in two halves (as exp4).
+inline kernel exp64(x: f64) -> f64 {
+    let xc = max(min(x, 709.9), -746.0);
+    let k = nearest(xc * INV_LN2);
+    let hi = xc - k * LN2_HI;
+    let lo = k * LN2_LO;
+    let r = hi - lo;
+    let t = r * r;
+    let c = r - t * (EXP64_1 + t * (EXP64_2 + t * (EXP64_3 + t * (EXP64_4 + t * EXP64_5))));
+    let y = 1.0 - ((lo - (r * c) / (2.0 - c)) - hi);
+    let ki = i64(k);
+    let k1 = ki >> 1;
+    return y * f64.bits((k1 + 1023) << 52) * f64.bits((ki - k1 + 1023) << 52);
+}
+
+const LOG_1: f64 = 0.6666666666666735130;
+const LOG_2: f64 = 0.3999999999940941908;
+const LOG_3: f64 = 0.2857142874366239149;
+const LOG_4: f64 = 0.2222219843214978396;
+const LOG_5: f64 = 0.1818357216161805012;
+const LOG_6: f64 = 0.1531383769920937332;
+const LOG_7: f64 = 0.1479819860511658591;
+
+# log(x) in f64: x = 2^k (1 + f) with 1 + f in [sqrt(2)/2, sqrt(2)), log(1 + f) from s = f / (2 + f)
+# and a polynomial in s^2. Subnormals are scaled up first; x < 0 or NaN -> NaN, 0 -> -inf, inf -> inf.
+inline kernel log64(x: f64) -> f64 {
+    var v: f64 = x;
+    var k: i64 = 0;
+    if v < 2.2250738585072014e-308 {
+        v = v * 18014398509481984.0;
+        k = -54;
+    }
+    let bits = i64.bits(v);
+    k = k + ((bits >> 52) & 2047) - 1023;
+    var m: f64 = f64.bits((bits & 4503599627370495) | 4607182418800017408);
+    if m > 1.4142135623730951 {
+        m = m * 0.5;
+        k = k + 1;
+    }
+    let f = m - 1.0;
+    let s = f / (2.0 + f);
+    let z = s * s;
+    let w = z * z;
+    let t1 = w * (LOG_2 + w * (LOG_4 + w * LOG_6));
+    let t2 = z * (LOG_1 + w * (LOG_3 + w * (LOG_5 + w * LOG_7)));
+    let hfsq = 0.5 * f * f;
+    let kf = f64(k);
+    var y: f64 = kf * LN2_HI - ((hfsq - (s * (hfsq + t1 + t2) + kf * LN2_LO)) - f);
+    if x == 0.0 {
+        y = -1.0 / 0.0;
+    }
+    if (x < 0.0) | (x != x) {
+        y = 0.0 / 0.0;
+    }
+    if x == 1.0 / 0.0 {
+        y = x;
+    }
+    return y;
+}
+
+# y[i] = sin(x[i]) over n f64 values.
+#   x: f64[n]
+#   y: f64[n], written
+#   n: element count
+export kernel sin_f64(x: ptr, y: ptr, n: i32) {
+    for i in 0..n {
+        f64.store(y + i * 8, sincos64[0](f64.load(x + i * 8)));
+    }
+}
+
+# y[i] = cos(x[i]) over n f64 values.
+#   x: f64[n]
+#   y: f64[n], written
+#   n: element count
+export kernel cos_f64(x: ptr, y: ptr, n: i32) {
+    for i in 0..n {
+        f64.store(y + i * 8, sincos64[1](f64.load(x + i * 8)));
+    }
+}
+
+# y[i] = exp(x[i]) over n f64 values.
+#   x: f64[n]
+#   y: f64[n], written
+#   n: element count
+export kernel exp_f64(x: ptr, y: ptr, n: i32) {
+    for i in 0..n {
+        f64.store(y + i * 8, exp64(f64.load(x + i * 8)));
+    }
+}
+
+# y[i] = log(x[i]) over n f64 values.
+#   x: f64[n]
+#   y: f64[n], written
+#   n: element count
+export kernel log_f64(x: ptr, y: ptr, n: i32) {
+    for i in 0..n {
+        f64.store(y + i * 8, log64(f64.load(x + i * 8)));
+    }
+}
+
+# RoPE tables: for positions pos0 .. pos0 + npos - 1 and pairs i < dim / 2, the angle
+# (pos0 + p) * theta^(-2i / dim), computed in f64, its cos and sin stored as f32.
+#   cos: f32[npos, dim / 2], written
+#   sin: f32[npos, dim / 2], written
+#   pos0: first position
+#   npos: position count
+#   dim: head dimension, even
+#   theta: the RoPE base, e.g. 10000 or 1e6
+export kernel rope_table(cos: ptr, sin: ptr, pos0: i32, npos: i32, dim: i32, theta: f64) {
+    let half = dim / 2;
+    let lt = log64(theta);
+    for i in 0..half {
+        let freq = exp64(-(f64(2 * i) / f64(dim)) * lt);
+        for p in 0..npos {
+            let angle = f64(pos0 + p) * freq;
+            let at = (p * half + i) * 4;
+            f32.store(cos + at, f32(sincos64[1](angle)));
+            f32.store(sin + at, f32(sincos64[0](angle)));
+        }
+    }
+}
+
+# Rotate heads in place, pairs (x[i], x[i + dim/2]) (the half-split convention of GPT-NeoX and
+# Hugging Face Llama) by the table row of one position.
+#   x: f32[heads, dim], rotated in place
+#   cos: f32[dim / 2], the position's row of rope_table's cos
+#   sin: f32[dim / 2], its row of sin
+#   heads: head count
+#   dim: head dimension, a multiple of 8
+export kernel rope_halves_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) {
+    let half = dim / 2;
+    for h in 0..heads {
+        let a = x + h * dim * 4;
+        let b = a + half * 4;
+        for i in 0..half step 4 {
+            let c = f32x4.load(cos + i * 4);
+            let s = f32x4.load(sin + i * 4);
+            let x0 = f32x4.load(a + i * 4);
+            let x1 = f32x4.load(b + i * 4);
+            f32x4.store(a + i * 4, x0 * c - x1 * s);
+            f32x4.store(b + i * 4, x0 * s + x1 * c);
+        }
+    }
+}
+
+# Rotate heads in place, adjacent pairs (x[2i], x[2i + 1]) (the interleaved convention of the
+# original RoPE and GPT-J), by the table row of one position.
+#   x: f32[heads, dim], rotated in place
+#   cos: f32[dim / 2], the position's row of rope_table's cos
+#   sin: f32[dim / 2], its row of sin
+#   heads: head count
+#   dim: head dimension, a multiple of 8
+export kernel rope_pairs_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) {
+    for h in 0..heads {
+        let a = x + h * dim * 4;
+        for i in 0..dim / 2 step 4 {
+            let c = f32x4.load(cos + i * 4);
+            let s = f32x4.load(sin + i * 4);
+            let u = f32x4.load(a + i * 8);
+            let v = f32x4.load(a + i * 8, 16);
+            let even = f32x4.shuffle(u, v, 0, 2, 4, 6);
+            let odd = f32x4.shuffle(u, v, 1, 3, 5, 7);
+            let e = even * c - odd * s;
+            let o = even * s + odd * c;
+            f32x4.store(a + i * 8, f32x4.shuffle(e, o, 0, 4, 1, 5));
+            f32x4.store(a + i * 8, 16, f32x4.shuffle(e, o, 2, 6, 3, 7));
+        }
+    }
+}

@@ -93,13 +93,13 @@ def _unary_float_or_vec(name: str, ints: bool = False) -> Op:
 def _minmax(name: str) -> Op:
     def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
         a, b = _same(c, _arity(c, args, 2, name), name)
-        t = a.type
+        t = _common_type(a, b)
         if T.is_float(t):
             prefix = T.VECTORS[t].prefix if T.is_vector(t) else t
-            return Val(I(f"{prefix}.{name}", c.materialize(a), c.materialize(b)), t)
+            return Val(I(f"{prefix}.{name}", c.materialize(a, t), c.materialize(b, t)), t)
         if T.is_vector(t) and T.VECTORS[t].lane != "i64":
             v = T.VECTORS[t]
-            return Val(I(f"{v.prefix}.{name}_{v.sign}", c.materialize(a), c.materialize(b)), t)
+            return Val(I(f"{v.prefix}.{name}_{v.sign}", c.materialize(a, t), c.materialize(b, t)), t)
         raise c.error(f"{name}() is not available for {t}")
 
     return lower
@@ -132,6 +132,14 @@ def _same(c: Ctx, args: list[Val], name: str) -> list[Val]:
     if len(types) > 1:
         raise c.error(f"{name}() needs operands of one type, got {', '.join(a.type for a in args)}")
     return args
+
+
+def _common_type(*args: Val) -> str:
+    """The type operands share: the first that is not a literal, else the literal's default."""
+    typed = [a.type for a in args if a.type not in (T.INT_LIT, T.FLOAT_LIT)]
+    if typed:
+        return typed[0]
+    return "f32" if any(a.type == T.FLOAT_LIT for a in args) else "i32"
 
 
 def _need(c: Ctx, v: Val, want: str, what: str) -> None:
@@ -294,7 +302,7 @@ def _select(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """select(cond, a, b): a where cond is set. Lane-wise (bitselect) for vector masks."""
     m, a, b = _arity(c, args, 3, "select")
     a, b = _same(c, [a, b], "select")
-    t = a.type if a.type not in (T.INT_LIT, T.FLOAT_LIT) else b.type
+    t = _common_type(a, b)
     if T.is_vector(t):
         _need(c, m, T.mask_type(t), "the mask of select()")
         return Val(I("v128.bitselect", c.materialize(a, t), c.materialize(b, t), c.materialize(m)), t)
@@ -403,7 +411,7 @@ def _madd_check(c: Ctx, args: list[Val]) -> list[Val]:
 
 def _madd_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     a, b, acc = _madd_check(c, args)
-    t = next(x.type for x in (a, b, acc) if x.type not in (T.INT_LIT, T.FLOAT_LIT))
+    t = _common_type(a, b, acc)
     mul = _binary("*")(c, None, [Val(c.materialize(a, t), t), Val(c.materialize(b, t), t)])
     return _binary("+")(c, None, [mul, Val(c.materialize(acc, t), t)])
 
@@ -412,7 +420,7 @@ def _madd_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """a*b + acc as one relaxed madd on float vectors (fused or not, as the engine chooses: kernels
     using it are verified with a tolerance, and both of wasmtime's modes are tested)."""
     a, b, acc = _madd_check(c, args)
-    t = next(x.type for x in (a, b, acc) if x.type not in (T.INT_LIT, T.FLOAT_LIT))
+    t = _common_type(a, b, acc)
     if t not in ("f32x4", "f64x2"):
         return _madd_simd128(c, q, args)
     return Val(I(f"{t}.relaxed_madd", c.materialize(a, t), c.materialize(b, t), c.materialize(acc, t)), t)
