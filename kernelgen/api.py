@@ -193,6 +193,110 @@ class Kernels:
             self.module.release(m)
 
 
+    # ---- elementwise, softmax, RoPE
+    def _map(self, kernel: str, dtype: type, *arrays: np.ndarray) -> np.ndarray:
+        """Run an elementwise kernel `kernel(in..., out, n)` over 1-D arrays of one length."""
+        n = arrays[0].size
+        for a in arrays:
+            if a.shape != arrays[0].shape:
+                raise ValueError(f"{kernel}: shapes differ, {[x.shape for x in arrays]}")
+        m = self.module.mark()
+        try:
+            # The vector code reads a partial last vector whole: round the buffers up to 16 bytes.
+            ins = [self.module.put(a, pad=16) for a in arrays]
+            out = self.module.alloc(n * np.dtype(dtype).itemsize + 16)
+            self.call(self.export_name(kernel), *ins, out, n)
+            return self.module.get(out, dtype, n)
+        finally:
+            self.module.release(m)
+
+    def exp_f32(self, x: np.ndarray) -> np.ndarray:
+        return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1))
+
+    def silu_f32(self, x: np.ndarray) -> np.ndarray:
+        return self._map("silu_f32", np.float32, _f32("silu_f32 x", x, 1))
+
+    def swiglu_f32(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """silu(x) * g."""
+        return self._map("swiglu_f32", np.float32, _f32("swiglu_f32 x", x, 1), _f32("swiglu_f32 g", g, 1))
+
+    def _f64_map(self, kernel: str, x: np.ndarray) -> np.ndarray:
+        if not isinstance(x, np.ndarray) or x.dtype != np.float64 or x.ndim != 1:
+            raise TypeError(f"{kernel}: expected a 1-D float64 array, got {getattr(x, 'dtype', type(x).__name__)}")
+        return self._map(kernel, np.float64, np.ascontiguousarray(x))
+
+    def sin_f64(self, x: np.ndarray) -> np.ndarray:
+        return self._f64_map("sin_f64", x)
+
+    def cos_f64(self, x: np.ndarray) -> np.ndarray:
+        return self._f64_map("cos_f64", x)
+
+    def exp_f64(self, x: np.ndarray) -> np.ndarray:
+        return self._f64_map("exp_f64", x)
+
+    def log_f64(self, x: np.ndarray) -> np.ndarray:
+        return self._f64_map("log_f64", x)
+
+    def softmax_f32(self, x: np.ndarray, t: int | None = None) -> np.ndarray:
+        """Softmax over the first `t` columns of each row of x[rows, stride] (stride a multiple of 4,
+        the padding after column t kept as it is); returns the whole array as the kernel left it."""
+        x = _f32("softmax_f32 x", x, 2)
+        rows, stride = x.shape
+        t = stride if t is None else t
+        if stride % 4 or not 1 <= t <= stride:
+            raise ValueError(f"softmax_f32: need 1 <= t <= stride and stride a multiple of 4, got t={t}, "
+                             f"shape {x.shape} (pad rows with kernelgen.api.padded_rows)")
+        m = self.module.mark()
+        try:
+            p = self.module.put(x)
+            self.call(self.export_name("softmax_f32"), p, rows, t, stride)
+            return self.module.get(p, np.float32, x.size).reshape(x.shape)
+        finally:
+            self.module.release(m)
+
+    def rope_table(self, npos: int, dim: int, theta: float = 10000.0, pos0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin tables, f32[npos, dim / 2], of angles (pos0 + p) * theta^(-2i / dim)."""
+        if dim <= 0 or dim % 2 or npos < 0 or pos0 < 0 or not theta > 0:
+            raise ValueError(f"rope_table: need even dim > 0, npos >= 0, pos0 >= 0, theta > 0; got "
+                             f"dim={dim}, npos={npos}, pos0={pos0}, theta={theta}")
+        m = self.module.mark()
+        try:
+            n = npos * (dim // 2)
+            pc, ps = self.module.alloc(4 * n), self.module.alloc(4 * n)
+            self.call(self.export_name("rope_table"), pc, ps, pos0, npos, dim, float(theta))
+            shape = (npos, dim // 2)
+            return (self.module.get(pc, np.float32, n).reshape(shape), self.module.get(ps, np.float32, n).reshape(shape))
+        finally:
+            self.module.release(m)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False) -> np.ndarray:
+        """Rotate x[heads, dim] by one position's table rows (cos, sin: f32[dim / 2]); `interleaved`
+        pairs (x[2i], x[2i+1]), else (x[i], x[i + dim/2]). Returns the rotated copy."""
+        x = _f32("rope x", x, 2)
+        cos, sin = _f32("rope cos", cos, 1), _f32("rope sin", sin, 1)
+        heads, dim = x.shape
+        if dim % 8 or cos.size != dim // 2 or sin.size != dim // 2:
+            raise ValueError(f"rope: dim must be a multiple of 8 and cos/sin hold dim / 2 values; got x {x.shape},"
+                             f" cos {cos.shape}, sin {sin.shape}")
+        m = self.module.mark()
+        try:
+            p = self.module.put(x)
+            kernel = "rope_pairs_f32" if interleaved else "rope_halves_f32"
+            self.call(self.export_name(kernel), p, self.module.put(cos), self.module.put(sin), heads, dim)
+            return self.module.get(p, np.float32, x.size).reshape(x.shape)
+        finally:
+            self.module.release(m)
+
+
+def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
+    """x[rows, t] -> f32[rows, stride] with stride rounded up to a multiple of 4 (the vector width):
+    the layout softmax_f32 needs, so a row's last vector never reaches into the next row."""
+    rows, t = x.shape
+    out = np.full((rows, -(-t // 4) * 4), fill, np.float32)
+    out[:, :t] = x
+    return out
+
+
 def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministic: bool = True) -> Kernels:
     """Load out_dir/<target>/kernels.wasm with its manifest."""
     d = Path(out_dir) / target
