@@ -75,6 +75,8 @@ class Kernels:
             name: check_quant(parse(q["source"], f"manifest:{name}").quants[0])
             for name, q in manifest["quants"].items()
         }
+        # Activation bytes are int8 where they are stored as is, uint8 where offset by ACT_ZERO.
+        self._act_dtype = np.int8 if manifest["constants"]["ACT_ZERO"] == 0 else np.uint8
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
             self._exports[(e["kernel"], e["quant"])] = name
@@ -129,8 +131,7 @@ class Kernels:
             pq = self.module.alloc(x.size)
             pd = self.module.alloc(x.size // 32 * 4)
             self.call(self.export_name("quantize_act"), px, x.size, pq, pd)
-            qtype = np.int8 if self.manifest["constants"]["ACT_ZERO"] == 0 else np.uint8
-            return Act(self.module.get(pq, qtype, x.size), self.module.get(pd, np.float32, x.size // 32))
+            return Act(self.module.get(pq, self._act_dtype, x.size), self.module.get(pd, np.float32, x.size // 32))
         finally:
             self.module.release(m)
 
@@ -140,6 +141,11 @@ class Kernels:
             raise TypeError(f"{what}: activations must come from quantize_act, got {type(act).__name__}")
         if act.n != k:
             raise ValueError(f"{what}: activations have {act.n} values, the weights' rows have {k}")
+        if act.q.dtype != self._act_dtype:
+            raise TypeError(f"{what}: activation values must be {np.dtype(self._act_dtype)} on {self.target}, "
+                            f"got {act.q.dtype}")
+        if act.d.dtype != np.float32 or act.d.shape != (k // 32,):
+            raise ValueError(f"{what}: activation scales must be float32[{k // 32}], got {act.d.dtype}{list(act.d.shape)}")
         return [self.module.put(act.q), self.module.put(act.d)]
 
     def _check_packed(self, w: Any, what: str) -> Packed:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -77,7 +77,7 @@ def mode(request: pytest.FixtureRequest) -> Mode:
 
 
 @pytest.fixture
-def kgen(mode: Mode, module_cache: ModuleCache) -> Callable[..., Kernels]:
+def kgen(mode: Mode, module_cache: ModuleCache) -> Iterator[Callable[..., Kernels]]:
     """Factory for the test's mode: kgen(tune=None, deterministic=None) -> cached Kernels."""
     used: list[Kernels] = []
 
@@ -99,7 +99,7 @@ def kernels(kgen: Callable[..., Kernels]) -> Kernels:
 
 
 @pytest.fixture
-def any_module(module_cache: ModuleCache) -> Callable[..., Kernels]:
+def any_module(module_cache: ModuleCache) -> Iterator[Callable[..., Kernels]]:
     """Factory for modules of any target/mode (for tests that pick their own), reset afterwards."""
     used: list[Kernels] = []
 

@@ -1,0 +1,755 @@
+"""End-to-end tests of the kernels in kernels.dsl, compiled for simd128 and relaxed SIMD and run
+under wasmtime, against the independent numpy references in kernelgen.reference.
+
+Every kernel test runs in three modes (see conftest.py): simd128, relaxed SIMD with wasmtime's
+relaxed_simd_deterministic on, and off. In the "off" mode each test also reruns the same work on
+the deterministic module and requires bit-identical outputs.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from kernelgen import reference
+from kernelgen.api import Act, Kernels
+from kernelgen.parse import parse
+from kernelgen.quant import check_quant
+
+from conftest import TARGETS, Mode
+
+UNROLLS = (1, 2, 4)
+ROW_TUNES = (1, 2, 4)
+F32_N = (0, 1, 3, 4, 7, 8, 31, 32, 33, 100, 257)
+F32_ROWS = (1, 2, 3, 5, 7)
+Q_K = (32, 64, 96, 160, 4096 + 32)  # one block ... not a multiple of 128
+Q_ROWS = (1, 2, 3, 5, 7, 9, 33)
+QBLOCK = 32
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def rng_for(*key: Any) -> np.random.Generator:
+    """A generator with a fixed seed derived from `key` (stable across runs and processes)."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def consts(k: Kernels) -> tuple[int, int]:
+    c = k.manifest["constants"]
+    return c["ACT_ZERO"], c["ACT_MAX"]
+
+
+def act_dtype(k: Kernels) -> type:
+    return np.int8 if consts(k)[0] == 0 else np.uint8
+
+
+def f32_tune(unroll: int) -> dict:
+    return {"dot_f32": {"unroll": unroll}, "matvec_f32": {"unroll": unroll}}
+
+
+def rows_tune(rows: int) -> dict:
+    return {"qmatvec": {"rows": rows}}
+
+
+def bits(x: Any) -> np.ndarray:
+    """The raw bit patterns of float32 results (scalars or arrays)."""
+    return np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32)
+
+
+def assert_bitwise_equal(a: Any, b: Any, what: str) -> None:
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{what}[{i}]")
+        return
+    if isinstance(a, Act):
+        assert_bitwise_equal(a.q.view(np.uint8), b.q.view(np.uint8), f"{what}.q")
+        assert_bitwise_equal(a.d, b.d, f"{what}.d")
+        return
+    if isinstance(a, np.ndarray) and a.dtype.kind in "iu":
+        np.testing.assert_array_equal(a, b, err_msg=what)
+        assert a.dtype == b.dtype
+        return
+    fa, fb = np.atleast_1d(np.asarray(a, np.float32)), np.atleast_1d(np.asarray(b, np.float32))
+    nan = np.isnan(fa)  # NaN payloads are not specified: NaN must stay NaN, every other bit must match
+    np.testing.assert_array_equal(nan, np.isnan(fb), err_msg=f"{what}: NaN positions differ")
+    np.testing.assert_array_equal(bits(fa[~nan]), bits(fb[~nan]), err_msg=f"{what}: bits differ")
+
+
+def same_as_deterministic(mode: Mode, kgen: Callable[..., Kernels], tune: dict | None,
+                          run: Callable[[Kernels], Any], got: Any) -> None:
+    """In the relaxed non-deterministic mode, rerun on the deterministic module: bit-identical."""
+    if mode.relaxed_nondet:
+        assert_bitwise_equal(got, run(kgen(tune, deterministic=True)), "relaxed det vs nondet")
+
+
+def dot64(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """float64 x . y and sum |x*y|."""
+    with np.errstate(all="ignore"):
+        p = x.astype(np.float64) * y.astype(np.float64)
+        return float(p.sum()), float(np.abs(p).sum())
+
+
+def assert_f32_close(got: float, ref: float, mag: float, what: str) -> None:
+    # f32 accumulation error bound: for n <= 257 a result goes through at most ~70 f32 roundings
+    # (products, n / 4 lane adds, hsum, scalar tail), each off by <= 2^-24 of a partial sum that is
+    # itself <= sum |x*y|: |got - ref| <= 70 * 2^-24 * sum |x*y| < 1e-5 * sum |x*y|. The + 1e-30
+    # only admits denormal noise when sum |x*y| == 0. inf/NaN must match float64 exactly.
+    if np.isnan(ref):
+        assert np.isnan(got), f"{what}: expected NaN, got {got}"
+    elif np.isinf(ref):
+        assert got == ref, f"{what}: expected {ref}, got {got}"
+    else:
+        assert abs(got - ref) <= 1e-5 * mag + 1e-30, f"{what}: got {got!r}, ref {ref!r} (sum|xy| {mag})"
+
+
+def q8_blocks(values: np.ndarray, scale: float | np.ndarray = 1.0) -> np.ndarray:
+    """int8 weights (rows, k) -> Q8_0 blocks (rows, k // 32) with f16 scale `scale`."""
+    rows, k = values.shape
+    b = np.empty((rows, k // QBLOCK), reference.Q8_0)
+    b["d"] = scale
+    b["qs"] = values.reshape(rows, -1, QBLOCK)
+    return b
+
+
+def random_weights(kind: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Q8_0 blocks: GGUF-quantized normal data, or random stored bytes (every int8 incl. -128, f16
+    scales of both signs)."""
+    if kind == "gguf":
+        x = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32)
+        return reference.quantize_q8_0(x)
+    qs = rng.integers(-128, 128, (rows, k), dtype=np.int8)
+    return q8_blocks(qs, rng.uniform(-0.05, 0.05, (rows, k // QBLOCK)).astype(np.float16))
+
+
+def q8_reference(k: Kernels, blocks: np.ndarray, act: Act) -> tuple[np.ndarray, np.ndarray]:
+    q = k.quants["q8_0"]
+    rows = blocks.shape[0]
+    zero, _ = consts(k)
+    return reference.qmatvec(q.scale_ref(blocks), q.unpack_ref(blocks).reshape(rows, -1), act.q, act.d, zero, QBLOCK)
+
+
+# ---- modules and manifests ---------------------------------------------------------------------
+
+
+def test_module_cache_compiles_each_key_once(module_cache):
+    a = module_cache.get("simd128", True, rows_tune(2))
+    assert module_cache.get("simd128", True, {"qmatvec": {"rows": 2}}) is a
+    assert module_cache.get("simd128", True, None) is not a
+    assert module_cache.get("relaxed-simd", False) is not module_cache.get("relaxed-simd", True)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_manifest_constants(module_cache, target):
+    k = module_cache.get(target)
+    assert k.target == target
+    assert k.manifest["constants"] == ({"ACT_ZERO": 0, "ACT_MAX": 127} if target == "simd128"
+                                       else {"ACT_ZERO": 64, "ACT_MAX": 63})
+    assert "q8_0" in k.quants
+
+
+@pytest.mark.parametrize("value", (1, 2, 4))
+@pytest.mark.parametrize("target", TARGETS)
+def test_tune_selects_exported_variant(module_cache, target, value):
+    k = module_cache.get(target, True, f32_tune(value))
+    assert k.export_name("dot_f32") == f"dot_f32__unroll{value}"
+    assert k.export_name("matvec_f32") == f"matvec_f32__unroll{value}"
+    k = module_cache.get(target, True, rows_tune(value))
+    assert k.export_name("qmatvec", "q8_0") == f"qmatvec_q8_0__rows{value}"
+    assert k.tune_of("qmatvec", "q8_0") == {"rows": value}
+
+
+# ---- f32 dot and mat-vec -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", F32_N, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("unroll", UNROLLS, ids=lambda u: f"unroll{u}")
+def test_dot_f32_matches_float64(mode, kgen, unroll, n):
+    tune = f32_tune(unroll)
+    assert kgen(tune).tune_of("dot_f32") == {"unroll": unroll}
+    rng = rng_for("dot", n)
+    x = rng.standard_normal(n).astype(np.float32)
+    y = (rng.standard_normal(n) * 10).astype(np.float32)
+
+    def run(k: Kernels) -> float:
+        return k.dot_f32(x, y)
+
+    got = run(kgen(tune))
+    ref, mag = dot64(x, y)
+    assert_f32_close(got, ref, mag, f"dot_f32 n={n}")
+    if n == 0:
+        assert got == 0.0
+    same_as_deterministic(mode, kgen, tune, run, got)
+
+
+@pytest.mark.parametrize("n", F32_N, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("unroll", UNROLLS, ids=lambda u: f"unroll{u}")
+def test_matvec_f32_matches_float64(mode, kgen, unroll, n):
+    tune = f32_tune(unroll)
+    assert kgen(tune).tune_of("matvec_f32") == {"unroll": unroll}
+    rng = rng_for("matvec", n)
+    cases = [(rng.standard_normal((rows, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32))
+             for rows in F32_ROWS]
+
+    def run(k: Kernels) -> list[np.ndarray]:
+        return [k.matvec_f32(w, x) for w, x in cases]
+
+    outs = run(kgen(tune))
+    for (w, x), y in zip(cases, outs):
+        assert y.shape == (w.shape[0],) and y.dtype == np.float32
+        for r in range(w.shape[0]):
+            ref, mag = dot64(w[r], x)
+            assert_f32_close(float(y[r]), ref, mag, f"matvec_f32 rows={w.shape[0]} k={n} row {r}")
+    same_as_deterministic(mode, kgen, tune, run, outs)
+
+
+N_SPECIAL = 37  # 32 in the vector body for every unroll, 5 in the scalar tail
+
+F32_SPECIALS = {
+    # name: list of (index, x value, y value)
+    "nan_in_body": [(3, np.nan, 1.0)],
+    "nan_in_tail": [(N_SPECIAL - 1, 1.0, np.nan)],
+    "inf_in_body": [(5, np.inf, 2.0)],
+    "neg_inf_in_tail": [(N_SPECIAL - 2, 1.5, -np.inf)],
+    "inf_in_body_and_tail": [(0, np.inf, 1.0), (34, 2.0, np.inf)],
+    "inf_times_zero": [(1, np.inf, 0.0)],
+    "inf_minus_inf_across_lanes": [(0, np.inf, 1.0), (6, np.inf, -1.0)],
+    "inf_minus_inf_body_tail": [(17, -np.inf, 1.0), (35, np.inf, 1.0)],
+}
+
+
+def special_vectors(name: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = rng_for("special", name)
+    x = rng.standard_normal(N_SPECIAL).astype(np.float32)
+    y = rng.standard_normal(N_SPECIAL).astype(np.float32)
+    for i, a, b in F32_SPECIALS[name]:
+        x[i], y[i] = a, b
+    return x, y
+
+
+@pytest.mark.parametrize("name", sorted(F32_SPECIALS))
+@pytest.mark.parametrize("unroll", UNROLLS, ids=lambda u: f"unroll{u}")
+def test_dot_f32_inf_and_nan_like_float64(mode, kgen, unroll, name):
+    tune = f32_tune(unroll)
+    x, y = special_vectors(name)
+    ref, _ = dot64(x, y)
+    assert not np.isfinite(ref)
+
+    def run(k: Kernels) -> float:
+        return k.dot_f32(x, y)
+
+    got = run(kgen(tune))
+    assert_f32_close(got, ref, np.inf, f"dot_f32 {name}")
+    same_as_deterministic(mode, kgen, tune, run, got)
+
+
+@pytest.mark.parametrize("unroll", UNROLLS, ids=lambda u: f"unroll{u}")
+def test_matvec_f32_inf_and_nan_rows_stay_independent(mode, kgen, unroll):
+    tune = f32_tune(unroll)
+    rng = rng_for("matvec-special")
+    x = rng.standard_normal(N_SPECIAL).astype(np.float32)
+    x[0] = x[6] = 1.0
+    x[10] = 0.0
+    w = rng.standard_normal((9, N_SPECIAL)).astype(np.float32)
+    w[1, 3] = np.nan                     # NaN in the vector body
+    w[2, 36] = np.nan                    # NaN in the scalar tail
+    w[3, 5] = np.inf                     # inf in the body
+    w[4, 35] = -np.inf                   # -inf in the tail
+    w[5, 10] = np.inf                    # inf * 0 -> NaN
+    w[6, 0], w[6, 6] = np.inf, -np.inf   # inf - inf across lanes -> NaN
+    w[7, 1], w[7, 33] = np.inf, np.inf   # same-sign infs in body and tail
+    w[7, 1] *= np.sign(x[1])
+    w[7, 33] *= np.sign(x[33])           # rows 0 and 8 stay finite
+    x_inf = x.copy()
+    x_inf[34] = np.inf                   # an inf in x: every row is inf or NaN as in float64
+
+    def run(k: Kernels) -> list[np.ndarray]:
+        return [k.matvec_f32(w, x), k.matvec_f32(w, x_inf)]
+
+    outs = run(kgen(tune))
+    for xv, got in zip((x, x_inf), outs):
+        for r in range(w.shape[0]):
+            ref, mag = dot64(w[r], xv)
+            assert_f32_close(float(got[r]), ref, mag, f"matvec_f32 row {r}")
+    assert np.isfinite(outs[0][[0, 8]]).all() and not np.isfinite(outs[0][1:8]).any()
+    same_as_deterministic(mode, kgen, tune, run, outs)
+
+
+def test_f32_kernels_deterministic_on_off_identical(any_module):
+    rng = rng_for("f32-det")
+    for unroll in UNROLLS:
+        tune = f32_tune(unroll)
+        on, off = any_module("relaxed-simd", True, tune), any_module("relaxed-simd", False, tune)
+        for n in (7, 100, 257, 1000):
+            x = rng.standard_normal(n).astype(np.float32)
+            y = rng.standard_normal(n).astype(np.float32)
+            w = rng.standard_normal((5, n)).astype(np.float32)
+            assert_bitwise_equal(on.dot_f32(x, y), off.dot_f32(x, y), f"dot_f32 n={n} unroll={unroll}")
+            assert_bitwise_equal(on.matvec_f32(w, x), off.matvec_f32(w, x), f"matvec_f32 n={n} unroll={unroll}")
+
+
+def test_f32_wrong_inputs(kernels):
+    x = np.ones(8, np.float32)
+    with pytest.raises(TypeError):
+        kernels.dot_f32(x.astype(np.float64), x)
+    with pytest.raises(TypeError):
+        kernels.dot_f32([1.0, 2.0], x)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        kernels.dot_f32(x, np.ones(9, np.float32))
+    with pytest.raises(ValueError):
+        kernels.dot_f32(x.reshape(2, 4), x.reshape(2, 4))
+    with pytest.raises(ValueError):
+        kernels.matvec_f32(np.ones((2, 7), np.float32), x)
+    with pytest.raises(ValueError):
+        kernels.matvec_f32(x, x)
+    assert kernels.dot_f32(x, x) == 8.0
+
+
+# ---- quantize_act ------------------------------------------------------------------------------
+
+
+def _blocks(*parts: np.ndarray) -> np.ndarray:
+    x = np.concatenate([np.asarray(p, np.float32).reshape(-1) for p in parts])
+    assert x.size % 32 == 0
+    return x
+
+
+def _ties(act_max: int) -> np.ndarray:
+    """Blocks whose scaled values fall exactly on .5: scales d = 1, 0.5 and 2 (exact in f32)."""
+    out = []
+    for d in (1.0, 0.5, 2.0):
+        t = np.array([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, -3.5, act_max - 0.5, -(act_max - 0.5),
+                      10.5, -10.5, 0.0, -0.0, act_max, -act_max], np.float64)
+        b = np.resize(t, 32) * d
+        b[0] = act_max * d  # amax: d exact
+        out.append(b)
+    return _blocks(*out)
+
+
+QACT_CASES: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
+    "normal_32": lambda r, m: r.standard_normal(32),
+    "normal_64": lambda r, m: r.standard_normal(64),
+    "normal_96": lambda r, m: r.standard_normal(96) * np.repeat(r.uniform(0.01, 100, 3), 32),
+    "normal_4096": lambda r, m: r.standard_normal(4096) * np.repeat(10.0 ** r.uniform(-6, 6, 128), 32),
+    "huge_1e30": lambda r, m: r.standard_normal(64) * 1e30,
+    "near_f32_max": lambda r, m: r.uniform(-3.4e38, 3.4e38, 32),
+    "tiny_1e-30": lambda r, m: r.standard_normal(64) * 1e-30,
+    "subnormal_1e-40": lambda r, m: r.standard_normal(64) * 1e-40,
+    "smallest_subnormal": lambda r, m: _blocks(np.where(r.random(32) < 0.5, 1.4e-45, -1.4e-45),
+                                               np.r_[1.4e-45, np.zeros(31)]),
+    "mixed_magnitudes": lambda r, m: _blocks(np.r_[1e30, 1e-30, 1e-40, -1e30, r.standard_normal(28)],
+                                             np.r_[1e-40, 1e-30, r.standard_normal(30) * 1e-38]),
+    "zeros_block": lambda r, m: _blocks(np.zeros(32), r.standard_normal(32), np.zeros(32)),
+    "neg_zero_block": lambda r, m: _blocks(np.full(32, -0.0), np.r_[-0.0, r.standard_normal(31)]),
+    "nan_blocks": lambda r, m: _blocks(np.r_[np.nan, r.standard_normal(31)], np.full(32, np.nan),
+                                       r.standard_normal(32), np.r_[r.standard_normal(31), np.nan]),
+    "pos_inf": lambda r, m: _blocks(np.r_[r.standard_normal(5), np.inf, r.standard_normal(26)],
+                                    r.standard_normal(32)),
+    "neg_inf": lambda r, m: _blocks(r.standard_normal(32), np.r_[r.standard_normal(31), -np.inf]),
+    "both_infs_and_zero": lambda r, m: _blocks(np.r_[np.inf, -np.inf, 0.0, -0.0, r.standard_normal(28)]),
+    "inf_and_nan": lambda r, m: _blocks(np.r_[np.inf, np.nan, r.standard_normal(30)]),
+    "ties": lambda r, m: _ties(m),
+    "integers_at_scale": lambda r, m: _blocks(np.r_[m, r.integers(-m, m + 1, 31)].astype(np.float64)),
+}
+
+
+@pytest.mark.parametrize("case", list(QACT_CASES))
+def test_quantize_act_matches_reference_exactly(mode, kgen, case):
+    k = kgen()
+    zero, act_max = consts(k)
+    with np.errstate(all="ignore"):
+        x = QACT_CASES[case](rng_for("qact", case), act_max).astype(np.float32)
+
+    def run(m: Kernels) -> Act:
+        return m.quantize_act(x)
+
+    act = run(k)
+    ref_q, ref_d = reference.quantize_act(x, act_max, zero)
+    assert act.q.dtype == ref_q.dtype == act_dtype(k)
+    assert act.q.shape == ref_q.shape == x.shape
+    assert act.d.dtype == np.float32 and act.d.shape == ref_d.shape == (x.size // 32,)
+    np.testing.assert_array_equal(act.q, ref_q, err_msg=f"quantize_act {case}: q differs")
+    nan = np.isnan(ref_d)
+    np.testing.assert_array_equal(np.isnan(act.d), nan, err_msg=f"quantize_act {case}: NaN scales differ")
+    np.testing.assert_array_equal(act.d[~nan].view(np.uint32), ref_d[~nan].view(np.uint32),
+                                  err_msg=f"quantize_act {case}: d differs")
+    same_as_deterministic(mode, kgen, None, run, act)
+
+
+def test_quantize_act_ties_round_half_to_even(kernels):
+    zero, act_max = consts(kernels)
+    x = np.resize(np.array([act_max, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5], np.float32), 32)
+    act = kernels.quantize_act(x)
+    assert act.d[0] == 1.0
+    want = np.resize(np.array([act_max, 0, 2, 2, 0, -2, -2, 4]), 32) + zero
+    np.testing.assert_array_equal(act.q.astype(np.int64), want)
+
+
+def test_quantize_act_nan_gives_zero(kernels):
+    zero, _ = consts(kernels)
+    x = np.r_[np.full(32, np.nan), np.r_[np.nan, np.ones(31)]].astype(np.float32)
+    act = kernels.quantize_act(x)
+    assert (act.q[:33].astype(np.int64) == zero).all()
+
+
+def test_quantize_act_stored_range_for_finite_inputs(mode, kgen):
+    k = kgen()
+    zero, act_max = consts(k)
+    rng = rng_for("qact-range")
+    scales = np.repeat(np.r_[10.0 ** rng.uniform(-44, 38, 120), 0.0, 3.4e38, 1e-45, 1.0, 1e-40, 7, 8, 9], 32)
+    x = np.clip(rng.standard_normal(scales.size) * scales, -3.4e38, 3.4e38).astype(np.float32)
+    x[rng.random(x.size) < 0.05] = -0.0
+    assert np.isfinite(x).all() and x.size == 128 * 32
+    act = k.quantize_act(x)
+    q = act.q.astype(np.int64)
+    if k.target == "simd128":
+        assert act.q.dtype == np.int8
+        assert q.min() >= -127 and q.max() <= 127
+    else:
+        assert act.q.dtype == np.uint8
+        assert q.min() >= 1 and q.max() <= 127  # 7-bit q in [-63, 63], stored +64
+    assert np.abs(q - zero).max() == act_max  # each block's amax maps to +-ACT_MAX
+    assert np.isfinite(act.d).all() and (act.d >= 0).all()
+
+
+def test_quantize_act_wrong_inputs(kernels):
+    with pytest.raises(TypeError):
+        kernels.quantize_act(np.zeros(32, np.float64))
+    with pytest.raises(TypeError):
+        kernels.quantize_act(list(range(32)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        kernels.quantize_act(np.zeros(33, np.float32))
+    with pytest.raises(ValueError):
+        kernels.quantize_act(np.zeros(0, np.float32))
+    with pytest.raises(ValueError):
+        kernels.quantize_act(np.zeros((2, 32), np.float32))
+    assert kernels.quantize_act(np.ones(32, np.float32)).d[0] > 0
+
+
+# ---- Q8_0: the declaration in kernels.dsl vs the GGUF reference (no wasm) -------------------------
+
+
+@pytest.fixture(scope="module")
+def q8(dsl_source):
+    (q,) = [check_quant(d) for d in parse(dsl_source).quants if d.name == "q8_0"]
+    return q
+
+
+def test_q8_0_dtype_is_the_gguf_block(q8, module_cache):
+    assert q8.dtype == reference.Q8_0
+    assert q8.dtype.itemsize == 34 and q8.stored_bytes == 34 and q8.block == 32
+    assert [(f.name, f.offset) for f in q8.fields] == [("d", 0), ("qs", 2)]
+    for target in TARGETS:  # the manifest's copy of the declaration is the same
+        assert module_cache.get(target).quants["q8_0"].describe() == q8.describe()
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (3, 96), (5, 4096 + 32)])
+def test_q8_0_dequantize_ref_equals_gguf_reference(q8, shape):
+    rng = rng_for("q8-deq", shape)
+    x = (rng.standard_normal(shape) * rng.uniform(1e-3, 1e3, (shape[0], 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block (d = 0)
+    blocks = reference.quantize_q8_0(x)
+    assert blocks.dtype == reference.Q8_0 and blocks.shape == (shape[0], shape[1] // 32)
+    got = q8.dequantize_ref(blocks)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, reference.dequantize_q8_0(blocks))
+    # and for arbitrary stored bytes (every int8 incl. -128, any finite f16 scale incl. subnormal/neg)
+    raw = rng.integers(0, 256, (shape[0], shape[1] // 32 * 34), dtype=np.uint8)
+    sb = raw.view(reference.Q8_0)
+    sb["d"] = np.where(np.isfinite(sb["d"]), sb["d"], np.float16(1.0))
+    np.testing.assert_array_equal(q8.dequantize_ref(sb), reference.dequantize_q8_0(sb))
+    np.testing.assert_array_equal(q8.unpack_ref(sb), sb["qs"].astype(np.int32))
+    np.testing.assert_array_equal(q8.scale_ref(sb), sb["d"].astype(np.float32))
+    np.testing.assert_array_equal(q8.dequantize_ref(raw), q8.dequantize_ref(sb))
+
+
+def test_q8_0_pack_raw_bytes_equals_structured(q8):
+    rng = rng_for("q8-pack")
+    blocks = random_weights("raw", 4, 160, rng)
+    raw = blocks.view(np.uint8).reshape(4, 5 * 34)
+    a, b = q8.pack(blocks), q8.pack(raw)
+    assert list(a) == list(b) == ["q", "scale", "sum"]
+    for name in a:
+        assert a[name].dtype == b[name].dtype
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    np.testing.assert_array_equal(a["q"].view(np.int8), blocks["qs"].reshape(-1))
+    np.testing.assert_array_equal(a["scale"], blocks["d"].astype(np.float32).reshape(-1))
+    np.testing.assert_array_equal(a["sum"], blocks["qs"].astype(np.int32).sum(-1).reshape(-1))
+
+
+def test_strided_and_empty_inputs(mode, kgen):
+    k = kgen()
+    rng = rng_for("strided")
+    x = rng.standard_normal(256).astype(np.float32)
+    assert_bitwise_equal(k.quantize_act(x[::2]), k.quantize_act(x[::2].copy()), "strided quantize_act")
+    assert_bitwise_equal(k.dot_f32(x[::2], x[1::2]), k.dot_f32(x[::2].copy(), x[1::2].copy()), "strided dot")
+    w = rng.standard_normal((6, 64)).astype(np.float32)
+    assert_bitwise_equal(k.matvec_f32(w[::2, ::2], x[:32]), k.matvec_f32(w[::2, ::2].copy(), x[:32]),
+                         "strided matvec")
+    assert k.matvec_f32(np.zeros((0, 5), np.float32), np.ones(5, np.float32)).shape == (0,)
+    blocks = random_weights("raw", 3, 160, rng)
+    raw = blocks.view(np.uint8).reshape(3, 5 * 34)
+    act = k.quantize_act(x[:64])
+    assert_bitwise_equal(k.qmatvec(k.pack("q8_0", raw[:, :68]), act),  # a non-contiguous byte slice
+                         k.qmatvec(k.pack("q8_0", blocks[:, :2].copy()), act), "sliced raw blocks")
+
+
+def test_module_pack_raw_bytes_equals_structured(mode, kgen):
+    rng = rng_for("pack-raw")
+    blocks = random_weights("gguf", 5, 96, rng)
+    raw = blocks.view(np.uint8).reshape(5, 3 * 34)
+    x = rng.standard_normal(96).astype(np.float32)
+
+    def run(k: Kernels) -> list[np.ndarray]:
+        act = k.quantize_act(x)
+        ws, wr = k.pack("q8_0", blocks), k.pack("q8_0", raw)
+        assert (ws.rows, ws.k, ws.quant) == (wr.rows, wr.k, wr.quant) == (5, 96, "q8_0")
+        return [k.qmatvec(ws, act), k.qmatvec(wr, act)]
+
+    ys, yr = run(kgen())
+    assert_bitwise_equal(ys, yr, "structured vs raw-byte blocks")
+    same_as_deterministic(mode, kgen, None, run, [ys, yr])
+
+
+# ---- qdot / qmatvec vs the reference -----------------------------------------------------------
+
+
+def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -> None:
+    # |y - ref| <= 1e-5 * (sum of the |terms|) + 1e-30: f32 accumulation of per-block f32 terms
+    err = np.abs(y.astype(np.float64) - ref)
+    bad = ~(err <= 1e-5 * mag + 1e-30)
+    assert not bad.any(), f"{what}: rows {np.flatnonzero(bad)[:8]} got {y[bad][:4]} ref {ref[bad][:4]}"
+
+
+@pytest.mark.parametrize("kind", ["gguf", "raw"])
+@pytest.mark.parametrize("k", Q_K, ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("rows_variant", ROW_TUNES, ids=lambda r: f"rows{r}")
+def test_qmatvec_matches_reference(mode, kgen, rows_variant, k, kind):
+    tune = rows_tune(rows_variant)
+    assert kgen(tune).tune_of("qmatvec", "q8_0") == {"rows": rows_variant}
+    rng = rng_for("qmatvec", k, kind)
+    x = (rng.standard_normal(k) * np.repeat(rng.uniform(0.1, 10, k // 32), 32)).astype(np.float32)
+    weights = [random_weights(kind, rows, k, rng) for rows in Q_ROWS]
+
+    def run(m: Kernels) -> tuple[Act, list[np.ndarray]]:
+        act = m.quantize_act(x)
+        return act, [m.qmatvec(m.pack("q8_0", b), act) for b in weights]
+
+    km = kgen(tune)
+    act, ys = run(km)
+    for b, y in zip(weights, ys):
+        assert y.shape == (b.shape[0],) and y.dtype == np.float32
+        ref, mag = q8_reference(km, b, act)
+        assert_q_close(y, ref, mag, f"qmatvec rows={b.shape[0]} k={k} {kind}")
+    same_as_deterministic(mode, kgen, tune, run, [act, ys])
+
+
+@pytest.mark.parametrize("kind", ["gguf", "raw"])
+@pytest.mark.parametrize("k", Q_K, ids=lambda k: f"k{k}")
+def test_qdot_matches_reference(mode, kgen, k, kind):
+    rng = rng_for("qdot", k, kind)
+    x = rng.standard_normal(k).astype(np.float32)
+    blocks = random_weights(kind, 1, k, rng)
+
+    def run(m: Kernels) -> tuple[Act, float]:
+        act = m.quantize_act(x)
+        return act, m.qdot(m.pack("q8_0", blocks), act)
+
+    km = kgen()
+    act, got = run(km)
+    assert isinstance(got, float)
+    ref, mag = q8_reference(km, blocks, act)
+    assert_q_close(np.array([got], np.float32), ref, mag, f"qdot k={k} {kind}")
+    same_as_deterministic(mode, kgen, None, run, [act, got])
+
+
+def test_qmatvec_approximates_float_matvec(kernels):
+    """Sanity of the whole chain against plain float math (loose: quantization error)."""
+    rng = rng_for("qmatvec-float")
+    w = rng.standard_normal((16, 1024)).astype(np.float32)
+    x = rng.standard_normal(1024).astype(np.float32)
+    blocks = reference.quantize_q8_0(w)
+    y = kernels.qmatvec(kernels.pack("q8_0", blocks), kernels.quantize_act(x))
+    yf = reference.dequantize_q8_0(blocks).astype(np.float64) @ x
+    assert np.linalg.norm(y - yf) <= 0.05 * np.linalg.norm(yf)
+
+
+def test_qmatvec_deterministic_on_off_identical(any_module):
+    rng = rng_for("q-det")
+    x = rng.standard_normal(4096 + 32).astype(np.float32)
+    blocks = random_weights("raw", 9, x.size, rng)
+    for r in ROW_TUNES:
+        outs = []
+        for det in (True, False):
+            m = any_module("relaxed-simd", det, rows_tune(r))
+            act = m.quantize_act(x)
+            w = m.pack("q8_0", blocks)
+            outs.append([act, m.qmatvec(w, act), m.qdot(m.pack("q8_0", blocks[:1]), act)])
+        assert_bitwise_equal(outs[0], outs[1], f"rows={r}")
+
+
+# ---- exact integer accumulation ----------------------------------------------------------------
+
+EXACT_K = (32, 160, 512)  # |sum| <= 512 * 128 * 128 = 2^23: every partial sum is exact in f32
+
+
+def weight_patterns(k: int) -> dict[str, np.ndarray]:
+    alt = np.resize(np.array([-128, 127], np.int8), k)
+    rng = rng_for("exact-w", k)
+    return {
+        "all_-128": np.full(k, -128, np.int8),
+        "all_127": np.full(k, 127, np.int8),
+        "alt_-128_127": alt,
+        "alt_127_-128": alt[::-1].copy() if k % 2 == 0 else np.roll(alt, 1),
+        "pairs_-128": np.resize(np.array([-128, -128, 127, 127], np.int8), k),
+        "random_extremes": rng.choice(np.array([-128, 127], np.int8), k),
+        "random_int8": rng.integers(-128, 128, k, dtype=np.int8),
+    }
+
+
+def activation_patterns(target: str, k: int) -> dict[str, np.ndarray]:
+    """Activation *bytes* at the extremes of each target's contract."""
+    rng = rng_for("exact-a", target, k)
+    if target == "simd128":  # int8 q; -128 is outside quantize_act's range but a valid int8
+        v = np.array([-128, -127, 127], np.int8)
+        return {
+            "all_-128": np.full(k, -128, np.int8),
+            "all_-127": np.full(k, -127, np.int8),
+            "all_127": np.full(k, 127, np.int8),
+            "alt_-128_127": np.resize(v[[0, 2]], k),
+            "alt_127_-128": np.resize(v[[2, 0]], k),
+            "alt_-127_127": np.resize(v[[1, 2]], k),
+            "random_extremes": rng.choice(v, k),
+        }
+    v = np.array([0, 127], np.uint8)  # the 7-bit operand's whole range [0, 127] (q + 64)
+    return {
+        "all_0": np.zeros(k, np.uint8),
+        "all_127": np.full(k, 127, np.uint8),
+        "all_1": np.ones(k, np.uint8),
+        "all_64_zero": np.full(k, 64, np.uint8),
+        "alt_0_127": np.resize(v, k),
+        "alt_127_0": np.resize(v[::-1], k),
+        "pairs_127_0": np.resize(np.array([127, 127, 0, 0], np.uint8), k),
+        "random_extremes": rng.choice(v, k),
+    }
+
+
+@pytest.mark.parametrize("k", EXACT_K, ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("rows_variant", ROW_TUNES, ids=lambda r: f"rows{r}")
+def test_integer_accumulation_is_exact(mode, kgen, rows_variant, k):
+    tune = rows_tune(rows_variant)
+    km = kgen(tune)
+    zero, _ = consts(km)
+    wp = weight_patterns(k)
+    w = np.stack(list(wp.values()))  # 7 rows: a full group of 4 (or 2) plus a tail
+    blocks = q8_blocks(w, 1.0)
+    acts = activation_patterns(mode.target, k)
+
+    def run(m: Kernels) -> list[np.ndarray]:
+        packed = m.pack("q8_0", blocks)
+        rows1 = [m.pack("q8_0", blocks[r:r + 1]) for r in range(len(wp))]
+        out = []
+        for a in acts.values():
+            act = Act(q=a, d=np.ones(k // 32, np.float32))
+            out.append(m.qmatvec(packed, act))
+            out.append(np.array([m.qdot(p, act) for p in rows1], np.float32))
+        return out
+
+    outs = run(km)
+    for i, (aname, a) in enumerate(acts.items()):
+        want = (w.astype(np.int64) * (a.astype(np.int64) - zero)[None, :]).sum(axis=1)
+        assert np.abs(want).max() < 2 ** 24
+        for kernel, got in (("qmatvec", outs[2 * i]), ("qdot", outs[2 * i + 1])):
+            wrong = got.astype(np.int64) != want
+            assert not wrong.any() and (got == want).all(), (
+                f"{kernel} k={k} act {aname}: weights {[n for n, b in zip(wp, wrong) if b]} "
+                f"got {got[wrong].tolist()} want {want[wrong].tolist()}")
+    same_as_deterministic(mode, kgen, tune, run, outs)
+
+
+def test_integer_accumulation_with_scales(mode, kgen):
+    """Exact too with power-of-two weight and activation scales: weights in [-4, 4], scales
+    2^-2..2^2 and 2^-1..2^1 keep every term a multiple of 2^-3 below 2^18, 8 blocks below 2^21."""
+    k = 256
+    km = kgen()
+    zero, _ = consts(km)
+    rng = rng_for("exact-scaled", mode.target)
+    w = rng.integers(-4, 5, (5, k), dtype=np.int8)
+    scales = (2.0 ** rng.integers(-2, 3, (5, k // 32))).astype(np.float16)
+    blocks = q8_blocks(w, scales)
+    a = activation_patterns(mode.target, k)["random_extremes"]
+    ad = (2.0 ** rng.integers(-1, 2, k // 32)).astype(np.float32)
+
+    def run(m: Kernels) -> np.ndarray:
+        return m.qmatvec(m.pack("q8_0", blocks), Act(q=a, d=ad))
+
+    got = run(km)
+    ref, _ = reference.qmatvec(scales.astype(np.float32), w.astype(np.int32), a, ad, zero, 32)
+    np.testing.assert_array_equal(got.astype(np.float64), ref)
+    same_as_deterministic(mode, kgen, None, run, got)
+
+
+# ---- wrong inputs: clear errors, no crash, no leaked memory -------------------------------------
+
+
+def test_q_wrong_inputs_raise_clear_errors(kernels):
+    rng = rng_for("wrong")
+    blocks = random_weights("gguf", 3, 64, rng)
+    w = kernels.pack("q8_0", blocks)
+    w1 = kernels.pack("q8_0", blocks[:1])
+    act = kernels.quantize_act(rng.standard_normal(64).astype(np.float32))
+    short = kernels.quantize_act(rng.standard_normal(32).astype(np.float32))
+    mark = kernels.module.mark()
+    with pytest.raises(ValueError, match="activations"):
+        kernels.qmatvec(w, short)
+    with pytest.raises(ValueError):
+        kernels.qdot(w1, short)
+    with pytest.raises(TypeError, match="pack"):
+        kernels.qmatvec(blocks, act)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        kernels.qmatvec(kernels.quants["q8_0"].pack(blocks)["q"], act)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        kernels.qdot(blocks[:1], act)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        kernels.qmatvec(w, act.q)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        kernels.qdot(w, act)  # three rows: not a dot
+    with pytest.raises(ValueError):
+        kernels.pack("q8_0", blocks.reshape(-1))  # 1-D structured
+    with pytest.raises(ValueError):
+        kernels.pack("q8_0", blocks.view(np.uint8).reshape(-1))  # 1-D bytes
+    with pytest.raises(ValueError, match="34"):
+        kernels.pack("q8_0", np.zeros((2, 35), np.uint8))
+    with pytest.raises(ValueError):
+        kernels.pack("q8_0", np.zeros((2, 33), np.uint8))
+    with pytest.raises(ValueError):
+        kernels.pack("q8_0", np.zeros((2, 34), np.float32))
+    with pytest.raises(KeyError, match="no_such_quant"):
+        kernels.pack("no_such_quant", blocks)
+    with pytest.raises(KeyError):
+        kernels.export_name("qmatvec", "no_such_quant")
+    with pytest.raises(KeyError):
+        kernels.export_name("no_such_kernel")
+    assert kernels.module.mark() == mark  # nothing allocated by the failed calls
+    ref, mag = q8_reference(kernels, blocks, act)  # and the module still works
+    assert_q_close(kernels.qmatvec(w, act), ref, mag, "after errors")
+
+
+def test_act_with_wrong_scale_count_is_rejected(kernels):
+    k = 64
+    w = kernels.pack("q8_0", q8_blocks(np.ones((1, k), np.int8)))
+    zero, _ = consts(kernels)
+    bad = Act(q=np.full(k, zero + 1, act_dtype(kernels)), d=np.ones(1, np.float32))  # needs 2 scales
+    with pytest.raises(ValueError):
+        kernels.qmatvec(w, bad)
+
+
+def test_act_with_wrong_byte_dtype_is_rejected(kernels):
+    k = 64
+    w = kernels.pack("q8_0", q8_blocks(np.ones((1, k), np.int8)))
+    bad = Act(q=np.ones(k, np.float32), d=np.ones(k // 32, np.float32))  # 4 bytes per value
+    with pytest.raises((TypeError, ValueError)):
+        kernels.qmatvec(w, bad)
