@@ -76,6 +76,13 @@ export kernel dot_f32(x: ptr, y: ptr, n: i32) -> f32 {
     return fdot[unroll](x, y, n);
 }
 
+# Rows r0 .. r1 - 1 of y = W x.
+kernel fmatvec_rows[U: i32](w: ptr, x: ptr, y: ptr, r0: i32, r1: i32, k: i32) {
+    for r in r0..r1 {
+        f32.store(y + r * 4, fdot[U](w + r * k * 4, x, k));
+    }
+}
+
 # y = W x for a row-major f32 matrix.
 #   w: f32[rows, k], row-major
 #   x: f32[k]
@@ -84,9 +91,17 @@ export kernel dot_f32(x: ptr, y: ptr, n: i32) -> f32 {
 #   k: row length, any value >= 0
 export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
     tune unroll: i32 in {1, 2, 4} = 2;
-    for r in 0..rows {
-        f32.store(y + r * 4, fdot[unroll](w + r * k * 4, x, k));
-    }
+    fmatvec_rows[unroll](w, x, y, 0, rows, k);
+}
+
+# matvec_f32 on the thread pool: items are rows.
+#   w: f32[rows, k], row-major
+#   x: f32[k]
+#   y: f32[rows], written
+#   k: row length
+job kernel matvec_f32_job(begin: i32, end: i32, w: ptr, x: ptr, y: ptr, k: i32) {
+    tune unroll: i32 in {1, 2, 4} = 2;
+    fmatvec_rows[unroll](w, x, y, begin, end, k);
 }
 
 # ---- activations -------------------------------------------------------------------------------
@@ -196,6 +211,18 @@ kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, n
     }
 }
 
+# Rows r0 .. r1 - 1 of y = W a, R rows per pass and the remainder one at a time. Each row's sum
+# runs in the same order whatever R is, so results do not depend on how rows are grouped.
+kernel qmatvec_rows[Q: quant, R: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, r1: i32, nb: i32) {
+    let full = r1 - (r1 - r0) % R;
+    for r in r0..full step R {
+        qrows[Q, R](w, aq, ad, y, r, nb);
+    }
+    for r in full..r1 {
+        qrows[Q, 1](w, aq, ad, y, r, nb);
+    }
+}
+
 # y = W a for a packed quantized matrix and quantized activations.
 #   w: packed matrix, n rows of k / Q.block blocks
 #   aq: activations from quantize_act, k bytes
@@ -205,14 +232,18 @@ kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, n
 #   k: row length, a multiple of Q.block
 export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
     tune rows: i32 in {1, 2, 4} = 1;
-    let nb = k / Q.block;
-    let full = n - n % rows;
-    for r in 0..full step rows {
-        qrows[Q, rows](w, aq, ad, y, r, nb);
-    }
-    for r in full..n {
-        qrows[Q, 1](w, aq, ad, y, r, nb);
-    }
+    qmatvec_rows[Q, rows](w, aq, ad, y, 0, n, k / Q.block);
+}
+
+# qmatvec on the thread pool: items are rows.
+#   w: packed matrix of k / Q.block blocks per row
+#   aq: activations from quantize_act, k bytes
+#   ad: activation scales, k / 32 f32
+#   y: f32[n], written
+#   k: row length, a multiple of Q.block
+job kernel qmatvec_job[Q: quant](begin: i32, end: i32, w: packed Q, aq: ptr, ad: ptr, y: ptr, k: i32) {
+    tune rows: i32 in {1, 2, 4} = 1;
+    qmatvec_rows[Q, rows](w, aq, ad, y, begin, end, k / Q.block);
 }
 
 # ---- exp, softmax, SiLU ------------------------------------------------------------------------
@@ -272,18 +303,11 @@ export kernel exp_f32(x: ptr, y: ptr, n: i32) {
     }
 }
 
-# Softmax of each row's first t scores, in place. Rows are `stride` floats apart, stride a multiple
-# of 4 and >= t: the padding after a row's scores is where the vector code reads past the last
-# score; it is written back unchanged, so the next row (perhaps another thread's) is never touched.
-# A row of all -inf (fully masked) becomes all zeros; a NaN makes its row NaN.
-#   x: f32[rows, stride], softmax over x[r, 0:t] in place
-#   rows: row count
-#   t: valid scores per row, >= 1
-#   stride: row pitch in floats, a multiple of 4, >= t
-export kernel softmax_f32(x: ptr, rows: i32, t: i32, stride: i32) {
+# Softmax of rows r0 .. r1 - 1 (see softmax_f32).
+kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
     let full = t - t % 4;
     let tail = first_lanes(t - full);
-    for r in 0..rows {
+    for r in r0..r1 {
         let row = x + r * stride * 4;
         var vmax: f32x4 = f32x4.splat(-1.0 / 0.0);
         for i in 0..full step 4 {
@@ -319,25 +343,55 @@ export kernel softmax_f32(x: ptr, rows: i32, t: i32, stride: i32) {
     }
 }
 
+# Softmax of each row's first t scores, in place. Rows are `stride` floats apart, stride a multiple
+# of 4 and >= t: the padding after a row's scores is where the vector code reads past the last
+# score; it is written back unchanged, so the next row (perhaps another thread's) is never touched.
+# A row of all -inf (fully masked) becomes all zeros; a NaN makes its row NaN.
+#   x: f32[rows, stride], softmax over x[r, 0:t] in place
+#   rows: row count
+#   t: valid scores per row, >= 1
+#   stride: row pitch in floats, a multiple of 4, >= t
+export kernel softmax_f32(x: ptr, rows: i32, t: i32, stride: i32) {
+    softmax_rows(x, 0, rows, t, stride);
+}
+
+# softmax_f32 on the thread pool: items are rows.
+#   x: f32[rows, stride], in place
+#   t: valid scores per row
+#   stride: row pitch in floats, a multiple of 4
+job kernel softmax_job(begin: i32, end: i32, x: ptr, t: i32, stride: i32) {
+    softmax_rows(x, begin, end, t, stride);
+}
+
 # silu(x) = x * sigmoid(x) = x / (1 + exp(-x)) for four lanes.
 inline kernel silu4(x: f32x4) -> f32x4 {
     return x / (exp4(-x) + f32x4.splat(1.0));
 }
 
-# y = silu(x) * g over n values (SwiGLU's gate; g = 1 everywhere is plain SiLU, see silu_f32).
+# Vector groups g0 .. g1 - 1 (values 4 g0 .. 4 g1 - 1, the last group cut at n) of y = silu(x),
+# times g when GATED. A partial last group is read whole and only its valid lanes written.
+kernel silu_groups[GATED: i32](x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
+    for i in g0..g1 {
+        let at = i * 16;
+        var v: f32x4 = silu4(f32x4.load(x + at));
+        static if GATED {
+            v = v * f32x4.load(g + at);
+        }
+        if i * 4 + 4 <= n {
+            f32x4.store(y + at, v);
+        } else {
+            f32x4.store(y + at, select(first_lanes(n - i * 4), v, f32x4.load(y + at)));
+        }
+    }
+}
+
+# y = silu(x) * g over n values (SwiGLU's gate).
 #   x: f32[n], the gate projection
 #   g: f32[n], the up projection
 #   y: f32[n], written; may be x or g
 #   n: element count; a partial last vector is read whole, only its valid lanes written
 export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
-    let full = n - n % 4;
-    for i in 0..full step 4 {
-        f32x4.store(y + i * 4, silu4(f32x4.load(x + i * 4)) * f32x4.load(g + i * 4));
-    }
-    if full < n {
-        let v = silu4(f32x4.load(x + full * 4)) * f32x4.load(g + full * 4);
-        f32x4.store(y + full * 4, select(first_lanes(n - full), v, f32x4.load(y + full * 4)));
-    }
+    silu_groups[1](x, g, y, 0, (n + 3) / 4, n);
 }
 
 # y = silu(x) over n values.
@@ -345,14 +399,25 @@ export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
 #   y: f32[n], written; may be x
 #   n: element count; a partial last vector is read whole, only its valid lanes written
 export kernel silu_f32(x: ptr, y: ptr, n: i32) {
-    let full = n - n % 4;
-    for i in 0..full step 4 {
-        f32x4.store(y + i * 4, silu4(f32x4.load(x + i * 4)));
-    }
-    if full < n {
-        let v = silu4(f32x4.load(x + full * 4));
-        f32x4.store(y + full * 4, select(first_lanes(n - full), v, f32x4.load(y + full * 4)));
-    }
+    silu_groups[0](x, x, y, 0, (n + 3) / 4, n);
+}
+
+# swiglu_f32 on the thread pool: items are groups of 4 values, (n + 3) / 4 of them, so no two
+# threads ever share a vector.
+#   x: f32[n]
+#   g: f32[n]
+#   y: f32[n], written
+#   n: element count
+job kernel swiglu_job(begin: i32, end: i32, x: ptr, g: ptr, y: ptr, n: i32) {
+    silu_groups[1](x, g, y, begin, end, n);
+}
+
+# silu_f32 on the thread pool: items are groups of 4 values, (n + 3) / 4 of them.
+#   x: f32[n]
+#   y: f32[n], written
+#   n: element count
+job kernel silu_job(begin: i32, end: i32, x: ptr, y: ptr, n: i32) {
+    silu_groups[0](x, x, y, begin, end, n);
 }
 
 # ---- f64 sin, cos, exp, log (wasm has none) and RoPE -------------------------------------------
@@ -548,6 +613,41 @@ export kernel rope_table(cos: ptr, sin: ptr, pos0: i32, npos: i32, dim: i32, the
     }
 }
 
+# Rotate heads h0 .. h1 - 1 (see rope_halves_f32 and rope_pairs_f32).
+kernel rope_heads[PAIRS: i32](x: ptr, cos: ptr, sin: ptr, h0: i32, h1: i32, dim: i32) {
+    static if PAIRS {
+        for h in h0..h1 {
+            let a = x + h * dim * 4;
+            for i in 0..dim / 2 step 4 {
+                let c = f32x4.load(cos + i * 4);
+                let s = f32x4.load(sin + i * 4);
+                let u = f32x4.load(a + i * 8);
+                let v = f32x4.load(a + i * 8, 16);
+                let even = f32x4.shuffle(u, v, 0, 2, 4, 6);
+                let odd = f32x4.shuffle(u, v, 1, 3, 5, 7);
+                let e = even * c - odd * s;
+                let o = even * s + odd * c;
+                f32x4.store(a + i * 8, f32x4.shuffle(e, o, 0, 4, 1, 5));
+                f32x4.store(a + i * 8, 16, f32x4.shuffle(e, o, 2, 6, 3, 7));
+            }
+        }
+    } else {
+        let half = dim / 2;
+        for h in h0..h1 {
+            let a = x + h * dim * 4;
+            let b = a + half * 4;
+            for i in 0..half step 4 {
+                let c = f32x4.load(cos + i * 4);
+                let s = f32x4.load(sin + i * 4);
+                let x0 = f32x4.load(a + i * 4);
+                let x1 = f32x4.load(b + i * 4);
+                f32x4.store(a + i * 4, x0 * c - x1 * s);
+                f32x4.store(b + i * 4, x0 * s + x1 * c);
+            }
+        }
+    }
+}
+
 # Rotate heads in place, pairs (x[i], x[i + dim/2]) (the half-split convention of GPT-NeoX and
 # Hugging Face Llama) by the table row of one position.
 #   x: f32[heads, dim], rotated in place
@@ -556,19 +656,7 @@ export kernel rope_table(cos: ptr, sin: ptr, pos0: i32, npos: i32, dim: i32, the
 #   heads: head count
 #   dim: head dimension, a multiple of 8
 export kernel rope_halves_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) {
-    let half = dim / 2;
-    for h in 0..heads {
-        let a = x + h * dim * 4;
-        let b = a + half * 4;
-        for i in 0..half step 4 {
-            let c = f32x4.load(cos + i * 4);
-            let s = f32x4.load(sin + i * 4);
-            let x0 = f32x4.load(a + i * 4);
-            let x1 = f32x4.load(b + i * 4);
-            f32x4.store(a + i * 4, x0 * c - x1 * s);
-            f32x4.store(b + i * 4, x0 * s + x1 * c);
-        }
-    }
+    rope_heads[0](x, cos, sin, 0, heads, dim);
 }
 
 # Rotate heads in place, adjacent pairs (x[2i], x[2i + 1]) (the interleaved convention of the
@@ -579,19 +667,119 @@ export kernel rope_halves_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) 
 #   heads: head count
 #   dim: head dimension, a multiple of 8
 export kernel rope_pairs_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) {
-    for h in 0..heads {
-        let a = x + h * dim * 4;
-        for i in 0..dim / 2 step 4 {
-            let c = f32x4.load(cos + i * 4);
-            let s = f32x4.load(sin + i * 4);
-            let u = f32x4.load(a + i * 8);
-            let v = f32x4.load(a + i * 8, 16);
-            let even = f32x4.shuffle(u, v, 0, 2, 4, 6);
-            let odd = f32x4.shuffle(u, v, 1, 3, 5, 7);
-            let e = even * c - odd * s;
-            let o = even * s + odd * c;
-            f32x4.store(a + i * 8, f32x4.shuffle(e, o, 0, 4, 1, 5));
-            f32x4.store(a + i * 8, 16, f32x4.shuffle(e, o, 2, 6, 3, 7));
+    rope_heads[1](x, cos, sin, 0, heads, dim);
+}
+
+# rope_halves_f32 on the thread pool: items are heads.
+#   x: f32[heads, dim], rotated in place
+#   cos: f32[dim / 2]
+#   sin: f32[dim / 2]
+#   dim: head dimension, a multiple of 8
+job kernel rope_halves_job(begin: i32, end: i32, x: ptr, cos: ptr, sin: ptr, dim: i32) {
+    rope_heads[0](x, cos, sin, begin, end, dim);
+}
+
+# rope_pairs_f32 on the thread pool: items are heads.
+#   x: f32[heads, dim], rotated in place
+#   cos: f32[dim / 2]
+#   sin: f32[dim / 2]
+#   dim: head dimension, a multiple of 8
+job kernel rope_pairs_job(begin: i32, end: i32, x: ptr, cos: ptr, sin: ptr, dim: i32) {
+    rope_heads[1](x, cos, sin, begin, end, dim);
+}
+
+# ---- the thread pool ---------------------------------------------------------------------------
+#
+# One thread, the driver, calls par_for; every other thread runs pool_helper on its own instance
+# over the same memory and stays in it until POOL_STOP is set. The words are at fixed addresses
+# (kernelgen/layout.py, manifest "memory.fixed"). POOL_GEN holds the job generation in its upper
+# 24 bits and the number of helpers taking part in its low 8, so a helper reads both at once: a
+# helper that wakes late can never mistake one job's helper count for another's.
+
+const SPIN_ROUNDS: i32 = 4000;     # rounds a helper spins on POOL_GEN before it sleeps in wait32
+const WAIT_NS: i64 = 1000000;      # the driver re-checks POOL_LEFT at least every millisecond
+
+# Claim chunks of the current job with an atomic add on POOL_NEXT and run them.
+kernel pool_work() {
+    let job = atomic_load(POOL_JOB);
+    let count = atomic_load(POOL_COUNT);
+    let chunk = atomic_load(POOL_CHUNK);
+    var begin: i32 = atomic_add(POOL_NEXT, chunk);
+    while begin < count {
+        run_job(job, begin, min(begin + chunk, count));
+        begin = atomic_add(POOL_NEXT, chunk);
+    }
+}
+
+# Count one helper out of the current job; the last one out wakes the driver. The host calls it
+# for a helper whose job trapped, so the driver is never left waiting.
+export kernel pool_done() {
+    if atomic_sub(POOL_LEFT, 1) == 1 {
+        notify(POOL_LEFT, 1);
+    }
+}
+
+# A helper thread's loop: spin, then sleep, until the generation changes; take part when its id is
+# below the generation's helper count. Returns only once POOL_STOP is set.
+#   id: this helper's number, 0 .. threads - 2
+#   rejoin: 0 the first time (counts the helper into POOL_READY), 1 when re-entered after a trap
+export kernel pool_helper(id: i32, rejoin: i32) {
+    var seen: i32 = atomic_load(POOL_GEN);
+    if rejoin == 0 {
+        atomic_add(POOL_READY, 1);
+    }
+    var spin: i32 = 0;
+    while atomic_load(POOL_STOP) == 0 {
+        let gen = atomic_load(POOL_GEN);
+        if gen == seen {
+            spin = spin + 1;
+            if spin > SPIN_ROUNDS {
+                wait32(POOL_GEN, seen, -1);
+            }
+        } else {
+            seen = gen;
+            spin = 0;
+            if id < (gen & 255) {
+                pool_work();
+                pool_done();
+            }
         }
     }
+}
+
+# Wait until every helper of the current job has counted itself out.
+export kernel pool_wait() {
+    var left: i32 = atomic_load(POOL_LEFT);
+    while left != 0 {
+        wait32(POOL_LEFT, left, WAIT_NS);
+        left = atomic_load(POOL_LEFT);
+    }
+}
+
+# Run job `job` (its index in the job table, manifest "jobs") on items 0 .. count - 1 in chunks,
+# on this thread and min(POOL_READY, POOL_WANT) helpers; returns when all items are done. The
+# job's arguments are in JOB_ARGS. Only the driver calls it, one job at a time.
+#   job: job table index
+#   count: item count
+#   chunk: items per claim, >= 1
+export kernel par_for(job: i32, count: i32, chunk: i32) {
+    let nhelp = min(min(atomic_load(POOL_READY), atomic_load(POOL_WANT)), 255);
+    atomic_store(POOL_JOB, job);
+    atomic_store(POOL_COUNT, count);
+    atomic_store(POOL_CHUNK, chunk);
+    atomic_store(POOL_NEXT, 0);
+    atomic_store(POOL_LEFT, nhelp);
+    atomic_store(POOL_GEN, (((atomic_load(POOL_GEN) >> 8) + 1) << 8) | nhelp);
+    if nhelp > 0 {
+        notify(POOL_GEN, -1);
+    }
+    pool_work();
+    pool_wait();
+}
+
+# Ask every helper to leave pool_helper (the host joins their threads afterwards).
+export kernel pool_stop() {
+    atomic_store(POOL_STOP, 1);
+    atomic_store(POOL_GEN, atomic_load(POOL_GEN) + 256);
+    notify(POOL_GEN, -1);
 }

@@ -119,6 +119,12 @@ class For(Node):
 
 
 @dataclass(frozen=True)
+class While(Node):
+    cond: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
 class Unroll(Node):
     """A loop run by the compiler: the body is emitted once per value, `var` a constant in each copy."""
 
@@ -148,7 +154,7 @@ class ExprStmt(Node):
     expr: Expr
 
 
-Stmt = Let | Var | Assign | For | Unroll | If | Return | ExprStmt
+Stmt = Let | Var | Assign | For | While | Unroll | If | Return | ExprStmt
 
 
 # ---- declarations ------------------------------------------------------------------------------
@@ -203,7 +209,7 @@ class Tune(Node):
 @dataclass(frozen=True)
 class Kernel(Node):
     name: str
-    mode: str  # "export", "inline" or "" (an internal function)
+    mode: str  # "export", "inline", "job" (a thread pool job, called through the table) or "" (internal)
     generics: tuple[Generic, ...]
     params: tuple[Param, ...]
     ret: str | None

@@ -44,12 +44,13 @@ def inputs_hash(source: str, target: str, tune: dict) -> str:
     return h.hexdigest()
 
 
-def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str) -> Built:
+def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str,
+                   tune_source: str = "defaults") -> Built:
     t = TARGETS[target]
-    funcs, exports = lower(checked, target, tune)
+    lowered = lower(checked, target, tune)
     digest = inputs_hash(checked.source, target, tune)
     memory = layout.describe()
-    wat, spans = render_module(funcs, file="kernels.wat", version=__version__, dsl=dsl_name, target=target,
+    wat, spans = render_module(lowered.funcs, jobs=[j.name for j in lowered.jobs], file="kernels.wat", version=__version__, dsl=dsl_name, target=target,
                                inputs_hash=digest, features=t.features, memory=memory, constants=t.constants)
     wasm = assemble(wat, t.wat2wasm_flags, spans, checked.source)
     manifest = {
@@ -63,9 +64,11 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         "constants": dict(t.constants),
         "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
                    for name, q in checked.quants.items()},
-        "tune": {"source": "defaults", "values": tune},
+        "tune": {"source": tune_source, "values": tune},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
-                             "result": e.result, "line": e.line} for e in exports},
+                             "result": e.result, "line": e.line} for e in lowered.exports},
+        "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "args": j.params[2:], "line": j.line}
+                 for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
     }
     return Built(target, wat, wasm, manifest)
@@ -85,7 +88,8 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
     """Parse, check and compile `source` for `targets`; raises DslError on any user mistake."""
     checked = check(parse(source, filename))
     values = resolve_tune(checked, tune)
-    return [compile_target(checked, t, values, Path(filename).name) for t in targets]
+    source_of_values = "defaults with --tune overrides" if tune else "defaults"
+    return [compile_target(checked, t, values, Path(filename).name, source_of_values) for t in targets]
 
 
 def write_outputs(built: list[Built], out_dir: Path) -> list[Path]:

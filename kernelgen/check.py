@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import ast as A
+from . import layout
 from . import types as T
 from .errors import DslError
 from .names import TUNE_NAME
@@ -15,7 +16,7 @@ from .ops import TARGETS, Val, fold
 from .quant import QuantInfo, check_quant
 
 _RESERVED = set(T.SCALARS) | set(T.VECTORS) | set(T.ALIASES) | set().union(*(t.ops for t in TARGETS.values()))
-_TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values()))
+_TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values())) | set(layout.FIXED)
 _DOC_PARAM = re.compile(r"#\s+(\w+):\s+(.*)")
 
 
@@ -142,8 +143,9 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
     if k.ret is not None and T.resolve(k.ret) is None:
         raise DslError(k.span, f"{k.name}: unknown return type {k.ret!r}")
     for t in k.tunes:
-        if not k.exported:
-            raise DslError(t.span, f"{k.name}: tune parameters belong on exported kernels (pass values down in [...])")
+        if k.mode not in ("export", "job"):
+            raise DslError(t.span, f"{k.name}: tune parameters belong on exported kernels and jobs"
+                                   " (pass values down in [...])")
         local(t.name, t)
         if not TUNE_NAME.fullmatch(t.name):
             raise DslError(t.span, f"tune parameter {t.name!r}: use lowercase letters only (it becomes part of export names)")
@@ -155,6 +157,28 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
             raise DslError(t.span, f"tune parameter {t.name}: default {t.default} is not in its domain {set(t.domain)}")
     if k.mode == "inline":
         _check_inline_returns(k, k.body, top=True)
+    if k.mode == "job":
+        _check_job(k, quants)
+
+
+def _check_job(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
+    """A job runs items [begin, end) of a pool job; its other arguments are JOB_ARGS words."""
+    if len(k.generics) > 1 or any(g.kind != "quant" for g in k.generics):
+        raise DslError(k.span, f"job {k.name}: only one [Q: quant] parameter is allowed; it is built for every quant type")
+    if len(k.params) < 2 or any(T.resolve(p.type) != "i32" or p.packed for p in k.params[:2]):
+        raise DslError(k.span, f"job {k.name}: the first two parameters are the item range (begin: i32, end: i32)")
+    if k.ret is not None:
+        raise DslError(k.span, f"job {k.name}: a job returns nothing (it writes its results)")
+    words = 0
+    for p in k.params[2:]:
+        if p.packed:
+            words += max((len(q.planes) for q in quants.values()), default=0)
+        elif T.resolve(p.type) not in ("i32", "f32"):
+            raise DslError(p.span, f"job {k.name}: argument {p.name} must be i32, ptr or f32 (one JOB_ARGS word)")
+        else:
+            words += 1
+    if words > layout.JOB_ARG_WORDS:
+        raise DslError(k.span, f"job {k.name}: {words} argument words; JOB_ARGS holds {layout.JOB_ARG_WORDS}")
 
 
 def _check_inline_returns(k: A.Kernel, body: tuple[A.Stmt, ...], top: bool) -> None:
@@ -183,8 +207,8 @@ def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None =
     result: dict[str, dict[str, int]] = {}
     for name, values in overrides.items():
         k = checked.kernels.get(name)
-        if k is None or not k.ast.exported:
-            raise DslError(None, f"{where}: no exported kernel {name!r}")
+        if k is None or k.ast.mode not in ("export", "job"):
+            raise DslError(None, f"{where}: no exported kernel or job {name!r}")
         declared = {t.name: t for t in k.ast.tunes}
         for p, v in values.items():
             if p not in declared:
@@ -194,6 +218,6 @@ def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None =
                 raise DslError(declared[p].span, f"{where}: {name}.{p}={v} is outside its domain {list(declared[p].domain)}",
                                checked.source)
     for k in checked.kernels.values():
-        if k.ast.exported:
+        if k.ast.mode in ("export", "job"):
             result[k.name] = {t.name: overrides.get(k.name, {}).get(t.name, t.default) for t in k.ast.tunes}
     return result

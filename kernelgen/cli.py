@@ -57,7 +57,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    checked = check(parse(_read(args.dsl), args.dsl.name))
+    checked = check(parse(_read(args.dsl), str(args.dsl)))
     values = resolve_tune(checked, _tune(args.tune))
     for t in TARGET_NAMES:
         lower(checked, t, values)  # type-checks every kernel body for the target
@@ -66,7 +66,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    checked = check(parse(_read(args.dsl), args.dsl.name))
+    checked = check(parse(_read(args.dsl), str(args.dsl)))
     info = {
         "kernels": [{"name": k.name, "mode": k.ast.mode or "internal",
                      "generics": [f"{g.name}: {g.kind}" for g in k.ast.generics],

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import ast as A
+from . import layout
 from . import types as T
 from .check import Checked, KernelInfo
 from .errors import DslError
@@ -89,6 +90,8 @@ class Lowerer:
         self.tune = tune
         self.funcs: list[Func] = []
         self.exports: list[Export] = []
+        self.jobs: list[Export] = []  # the job table, in index order
+        self._inlining: list[str] = []  # inline kernels being expanded, outermost first
         self._instances: dict[tuple, str] = {}
         self._pending: list[tuple[KernelInfo, dict[str, Binding], str]] = []
         self._span: A.Span | None = None
@@ -98,6 +101,13 @@ class Lowerer:
     # ---- module ----------------------------------------------------------------------------------
     def run(self) -> list[Func]:
         for k in self.c.kernels.values():
+            if k.ast.mode == "job":
+                tune = self.tune.get(k.name, {})
+                for quant in self._quant_instances(k):
+                    name = variant_name(k.name, quant.name if quant else None, tune)
+                    generics = {k.ast.generics[0].name: quant} if quant else {}
+                    self.jobs.append(self._export(k, quant, tune, name))
+                    self._lower_func(k, {**generics, **{n: Val(None, "i32", v) for n, v in tune.items()}}, name, False)
             if not k.ast.exported:
                 continue
             for quant in self._quant_instances(k):
@@ -145,6 +155,8 @@ class Lowerer:
             return self.c.consts[name]
         if name in self.target.constants:  # untyped: adapts to the operand it meets, like a literal
             return Val(None, T.INT_LIT, self.target.constants[name])
+        if name in layout.FIXED:
+            return Val(None, "i32", layout.FIXED[name])
         return None
 
     def _new_local(self, name: str, type_: str) -> str:
@@ -195,6 +207,9 @@ class Lowerer:
                 return self.target.ops["splat"](self, t, [v]).code
             if T.is_int(t) and not isinstance(v.const, int):
                 raise self.error(f"a float constant cannot be used as {t}")
+            bits = 32 if t == "i32" else 64
+            if T.is_int(t) and not -(1 << (bits - 1)) <= v.const < (1 << bits):
+                raise self.error(f"{v.const} does not fit in {t}")
             return I(f"{t}.const", number(float(v.const) if T.is_float(t) else v.const))
         if type_ and v.type != type_:
             raise self.error(f"expected {type_}, got {v.type}")
@@ -231,10 +246,16 @@ class Lowerer:
                 self._bind(p.name, Local(p.name, t, False))
         self._frame.locals = [(n, t) for n, t in params]  # params and locals share one namespace
         self._frame.live = {n for n, _ in params}
+        if k.ast.mode == "job":  # (begin, end) come from the pool; the rest from JOB_ARGS words
+            params = self._job_args(params)
         try:
             self._block(k.ast.body)
+            returned = False
         except _Return:
-            pass
+            returned = True
+        if self._frame.result and not returned and not _ends_in_return(k.ast.body):
+            raise DslError(k.ast.span, f"{k.name} returns {self._frame.result} but its end can be reached"
+                                       " without 'return'")
         self._pop()
         frame = self._frame
         where = f"{Path(k.ast.span.file).name}:{k.ast.span.line}"
@@ -243,6 +264,14 @@ class Lowerer:
         self.funcs.append(Func(name, params, frame.result, frame.locals[len(params):], frame.body,
                                export=name if exported else None, doc=doc, span=k.ast.span))
         self._frame, self._scopes, self._span = saved
+
+    def _job_args(self, params: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Load a job's arguments after (begin, end) from the JOB_ARGS words; they become locals."""
+        self.emit(Comment(f"arguments from JOB_ARGS ({layout.FIXED['JOB_ARGS']}), one 4-byte word each"))
+        for i, (name, wt) in enumerate(params[2:]):
+            load = I(f"{wt}.load", f"offset={layout.FIXED['JOB_ARGS'] + 4 * i}", I("i32.const", 0))
+            self.emit(I("local.set", f"${name}", load))
+        return params[:2]
 
     def _quant_of(self, p: A.Param) -> QuantInfo:
         b = self._lookup(p.type)
@@ -312,6 +341,8 @@ class Lowerer:
             self._assign(s)
         elif isinstance(s, A.For):
             self._for(s)
+        elif isinstance(s, A.While):
+            self._while(s)
         elif isinstance(s, A.Unroll):
             start = self._const_int(s.start, "an unroll bound")
             stop = self._const_int(s.stop, "an unroll bound")
@@ -395,22 +426,39 @@ class Lowerer:
             self.emit(I("local.set", f"${end_local}", end))
             end = I("local.get", f"${end_local}")
         self.emit(I("local.set", f"${var}", self.materialize(start, "i32")))
-        done, again = self._label(f"{s.var}_done"), self._label(f"{s.var}_loop")
+        self._bind(s.var, Local(var, "i32", False))
+        step_code = I("local.set", f"${var}", I("i32.add", I("local.get", f"${var}"), I("i32.const", step)))
+        self._loop(s.var, lambda: I("i32.ge_s", I("local.get", f"${var}"), end), s.body, [step_code])
+        self._pop()
+
+    def _while(self, s: A.While) -> None:
+        self._comment(s)
+
+        def exit_test() -> Instr:
+            cond = self._expr(s.cond)
+            if cond.type not in ("i32", T.INT_LIT):
+                raise DslError(s.cond.span, f"a condition must be i32, not {cond.type}")
+            return I("i32.eqz", self.materialize(cond, "i32"))
+
+        self._loop("while", exit_test, s.body, [])
+
+    def _loop(self, name: str, exit_test, body: tuple[A.Stmt, ...], after: list[Instr]) -> None:
+        """(block $NAME_done (loop $NAME_loop (br_if $NAME_done EXIT) BODY AFTER (br $NAME_loop)));
+        the exit test is lowered inside the loop, so it is evaluated on every round."""
+        done, again = self._label(f"{name}_done"), self._label(f"{name}_loop")
         outer, inner = Block("block", done), Block("loop", again)
         outer.body.append(inner)
         self.emit(outer)
         saved = self._frame.body
         self._frame.body = inner.body
-        inner.body.append(I("br_if", f"${done}", I("i32.ge_s", I("local.get", f"${var}"), end)))
-        self._bind(s.var, Local(var, "i32", False))
+        inner.body.append(I("br_if", f"${done}", exit_test()))
         try:
-            self._block(s.body)
+            self._block(body)
         except _Return:
             pass
-        inner.body.append(I("local.set", f"${var}", I("i32.add", I("local.get", f"${var}"), I("i32.const", step))))
+        inner.body.extend(after)
         inner.body.append(I("br", f"${again}"))
         self._frame.body = saved
-        self._pop()
 
     def _if(self, s: A.If) -> None:
         cond = self._expr(s.cond)
@@ -493,6 +541,8 @@ class Lowerer:
             return self._binop(e.op, self._expr(e.left), self._expr(e.right))
         if isinstance(e, A.Unary):
             v = self._expr(e.operand)
+            if e.op == "~" and not T.is_int(v.type):
+                raise self.error(f"'~' needs an integer, not {v.type}")
             if v.const is not None and v.code is None:
                 return Val(None, v.type, wrap(-v.const if e.op == "-" else ~v.const, v.type))
             if e.op == "-":
@@ -626,7 +676,10 @@ class Lowerer:
             return self._inline(k, generics, args)
         key = (k.name, tuple(_show(v) for v in generics.values()))
         name = self._instances.get(key)
-        if name is None:
+        if k.ast.exported:  # the exported function itself, lowered once by run()
+            quant = next(iter(generics.values()), None)
+            name = variant_name(k.name, quant.name if isinstance(quant, QuantInfo) else None, {})
+        elif name is None:
             name = "__".join([k.name, *key[1]]) if key[1] else k.name
             self._instances[key] = name
             self._pending.append((k, generics, name))
@@ -642,6 +695,10 @@ class Lowerer:
     def _inline(self, k: KernelInfo, generics: dict[str, Binding], args: list[Binding]) -> Val:
         """Expand an inline kernel here: its statements go before the current one, its final
         `return` value is the call's value."""
+        if k.name in self._inlining:
+            raise self.error(f"inline kernel {k.name} calls itself ({' -> '.join([*self._inlining, k.name])});"
+                             " inline kernels are expanded, so they cannot recurse")
+        self._inlining.append(k.name)
         saved_scopes, saved_span = self._scopes, self._span
         self._scopes = [dict(generics)]
         self._push()
@@ -666,9 +723,21 @@ class Lowerer:
         finally:
             self._pop()
             self._scopes, self._span = saved_scopes, saved_span
+            self._inlining.pop()
         if body:
             self._comment_at(saved_span)  # the calling statement's own code follows the inlined body
         return result
+
+
+def _ends_in_return(body: tuple[A.Stmt, ...]) -> bool:
+    """Whether every path through `body` ends in a return (a last `return`, or an if/else whose
+    arms both do)."""
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, A.Return):
+        return True
+    return isinstance(last, A.If) and _ends_in_return(last.then) and _ends_in_return(last.orelse)
 
 
 def _show(b: Binding | None) -> str:
@@ -679,7 +748,17 @@ def _show(b: Binding | None) -> str:
     return "?"
 
 
-def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]]) -> tuple[list[Func], list[Export]]:
+@dataclass
+class Lowered:
+    funcs: list[Func]
+    exports: list[Export]
+    jobs: list[Export]  # the job table, entry i at index i
+
+
+def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]]) -> Lowered:
     lw = Lowerer(checked, TARGETS[target_name], tune)
-    funcs = lw.run()
-    return funcs, lw.exports
+    try:
+        funcs = lw.run()
+    except DslError as e:
+        raise e.with_source(checked.source) from None
+    return Lowered(funcs, lw.exports, lw.jobs)

@@ -11,6 +11,7 @@ lowered operands.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -100,6 +101,10 @@ def _minmax(name: str) -> Op:
         if T.is_vector(t) and T.VECTORS[t].lane != "i64":
             v = T.VECTORS[t]
             return Val(I(f"{v.prefix}.{name}_{v.sign}", c.materialize(a, t), c.materialize(b, t)), t)
+        if t in ("i32", "i64"):  # no scalar integer min/max in wasm: compare and select
+            a1, a2 = c.reuse(Val(c.materialize(a, t), t))
+            b1, b2 = c.reuse(Val(c.materialize(b, t), t))
+            return Val(I("select", a1, b1, I(f"{t}.{'lt_s' if name == 'min' else 'gt_s'}", a2, b2)), t)
         raise c.error(f"{name}() is not available for {t}")
 
     return lower
@@ -197,7 +202,12 @@ def _splat(c: Ctx, q: str | None, args: list[Val]) -> Val:
     v = T.VECTORS[t]
     scalar = "i32" if v.lane in ("i8", "i16") else v.lane
     if a.const is not None:
+        if not v.is_float and not isinstance(a.const, int):
+            raise c.error(f"{t}.splat of a float constant; convert it explicitly")
         value = a.const if v.is_float else int(a.const)
+        bits = {"i8": 8, "i16": 16, "i32": 32}.get(v.lane, 64)
+        if not v.is_float and not -(1 << (bits - 1)) <= value < (1 << bits):
+            raise c.error(f"{value} does not fit in a {v.lane} lane")
         return Val(I("v128.const", v.prefix, *([number(value)] * v.lanes)), t)
     return Val(I(f"{v.prefix}.splat", c.materialize(a, scalar)), t)
 
@@ -325,6 +335,8 @@ def _cast(to: str) -> Op:
         if a.type == to:
             return a
         if a.const is not None and a.type in (T.INT_LIT, T.FLOAT_LIT):
+            if to.startswith("i") and not math.isfinite(a.const):
+                raise c.error(f"cannot convert {a.const} to {to}")
             value = float(a.const) if to.startswith("f") else int(a.const)
             return Val(None, to, value)
         if (to, a.type) not in table:
@@ -363,17 +375,58 @@ def fold(op: str, a: Val, b: Val) -> Val | None:
         return None
     if op in cmp:
         return Val(None, "i32", int(cmp[op]))
-    if op == "/":
-        r = abs(x) // abs(y) * (1 if (x >= 0) == (y >= 0) else -1)
-    elif op == "%":
-        r = x - (abs(x) // abs(y) * (1 if (x >= 0) == (y >= 0) else -1)) * y
-    elif op in ("<<", ">>") and not 0 <= y < 64:
+    if op in ("<<", ">>") and not 0 <= y < 64:
         return None
+    if op in ("/", "%"):
+        q = abs(x) // abs(y) * (1 if (x >= 0) == (y >= 0) else -1)  # C: truncate toward zero
+        r = q if op == "/" else x - q * y
     else:
-        r = {"+": x + y, "-": x - y, "*": x * y, "&": x & y, "|": x | y, "^": x ^ y,
-             "<<": x << y, ">>": x >> y}[op]
+        r = {"+": operator.add, "-": operator.sub, "*": operator.mul, "&": operator.and_, "|": operator.or_,
+             "^": operator.xor, "<<": operator.lshift, ">>": operator.rshift}[op](x, y)
     return Val(None, t, wrap(r, t))
 
+
+
+def _atomic(name: str, wasm: str, n_values: int, returns: bool) -> Op:
+    """atomic_load(p), atomic_store(p, v), atomic_add/sub(p, v) -> old, atomic_cmpxchg(p, expected,
+    new) -> old, on i32 words at 4-byte aligned addresses (sequentially consistent, as wasm's are)."""
+
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        _arity(c, args, 1 + n_values, name)
+        for a in args:
+            if a.type not in ("i32", T.INT_LIT):
+                raise c.error(f"{name}() works on i32 words: its arguments must be i32, got {a.type}")
+        return Val(I(wasm, *(c.materialize(a, "i32") for a in args)), "i32" if returns else "void")
+
+    return lower
+
+
+def _wait32(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """wait32(p, expected, timeout_ns): sleep while the word at p equals expected (timeout < 0:
+    forever); 0 woken, 1 not equal, 2 timed out."""
+    p, expected, timeout = _arity(c, args, 3, "wait32")
+    for v, what in ((p, "address"), (expected, "expected value")):
+        if v.type not in ("i32", T.INT_LIT):
+            raise c.error(f"wait32's {what} must be i32, not {v.type}")
+    if timeout.type not in ("i64", T.INT_LIT):
+        raise c.error(f"wait32's timeout must be i64 nanoseconds, not {timeout.type}")
+    code = I("memory.atomic.wait32", c.materialize(p, "i32"), c.materialize(expected, "i32"),
+             c.materialize(timeout, "i64"))
+    return Val(code, "i32")
+
+
+def _notify(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """notify(p, count): wake up to count waiters on p (count -1: all); returns how many woke."""
+    p, count = _arity(c, args, 2, "notify")
+    return Val(I("memory.atomic.notify", c.materialize(p, "i32"), c.materialize(count, "i32")), "i32")
+
+
+def _run_job(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """run_job(index, begin, end): call entry `index` of the job table on items [begin, end)."""
+    idx, begin, end = _arity(c, args, 3, "run_job")
+    code = I("call_indirect", "$jobs", "(type $job)", c.materialize(begin, "i32"), c.materialize(end, "i32"),
+             c.materialize(idx, "i32"))
+    return Val(code, "void")
 
 
 # ---- ops whose lowering differs by target ------------------------------------------------------
@@ -453,6 +506,14 @@ SIMD128: dict[str, Op] = {
     "iota": _iota,
     "select": _select,
     **{t: _cast(t) for t in T.SCALARS},
+    "atomic_load": _atomic("atomic_load", "i32.atomic.load", 0, True),
+    "atomic_store": _atomic("atomic_store", "i32.atomic.store", 1, False),
+    "atomic_add": _atomic("atomic_add", "i32.atomic.rmw.add", 1, True),
+    "atomic_sub": _atomic("atomic_sub", "i32.atomic.rmw.sub", 1, True),
+    "atomic_cmpxchg": _atomic("atomic_cmpxchg", "i32.atomic.rmw.cmpxchg", 2, True),
+    "wait32": _wait32,
+    "notify": _notify,
+    "run_job": _run_job,
     "idot": _idot_simd128,
     "madd": _madd_simd128,
 }

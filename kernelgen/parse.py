@@ -63,7 +63,8 @@ def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
 
 
 def _int(tok: Token) -> int:
-    return int(str(tok), 0)
+    text = str(tok)
+    return int(text, 16) if text[:2] in ("0x", "0X") else int(text, 10)  # 08 is eight, as written
 
 
 @v_args(meta=True, inline=True)
@@ -123,6 +124,9 @@ class _Build(Transformer):
 
     def for_stmt(self, meta, var, start, stop, step, body):
         return A.For(self._span(meta), str(var), start, stop, step, body)
+
+    def while_stmt(self, meta, cond, body):
+        return A.While(self._span(meta), cond, body)
 
     def unroll_stmt(self, meta, var, start, stop, body):
         return A.Unroll(self._span(meta), str(var), start, stop, body)

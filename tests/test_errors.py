@@ -1,0 +1,375 @@
+"""User errors: every class of mistake in a kernel file is a DslError at the right place.
+
+Each case is a small DSL text (or kernels.dsl with one edit), the exact `line:col` the error must
+name and a substring of its message. `str(error)` must read `kernels.dsl:LINE:COL: message`, then
+the source line and a caret under the column (README: "Every mistake in the DSL is reported as
+`kernels.dsl:LINE:COL: message` with the line and a caret").
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kernelgen import assemble as asm
+from kernelgen.ast import Span
+from kernelgen.build import compile_source
+from kernelgen.check import check, resolve_tune
+from kernelgen.errors import DslError, KernelgenError
+from kernelgen.lower import Lowerer
+from kernelgen.ops import SIMD128, TARGETS
+from kernelgen.parse import parse
+
+DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
+SOURCE = DSL_PATH.read_text(encoding="utf-8")
+
+
+def position(source: str, needle: str, start_line: int = 1) -> tuple[int, int]:
+    """1-based (line, col) of the first `needle` at or after line `start_line`."""
+    for n, line in enumerate(source.splitlines()[start_line - 1:], start_line):
+        if needle in line:
+            return n, line.index(needle) + 1
+    raise AssertionError(f"{needle!r} not in source")
+
+
+def edit(old: str, new: str) -> str:
+    """kernels.dsl with its first `old` replaced by `new` (which must be there)."""
+    assert old in SOURCE, f"kernels.dsl no longer contains {old!r}"
+    return SOURCE.replace(old, new, 1)
+
+
+# A kernel wrapper: BODY is line 2, indented by 4.
+def K(body: str, params: str = "x: ptr, n: i32", ret: str = "") -> str:
+    return f"export kernel f({params}){ret} {{\n    {body}\n}}\n"
+
+
+QUANT = """quant q {{
+    block {block};
+    field d: f16;
+    field qs: i8[32];
+    unpack {unpack};
+    dequant {dequant};
+}}
+export kernel f(x: ptr) {{
+}}
+"""
+
+
+def Q(block: str = "32", unpack: str = "qs[i]", dequant: str = "d * q") -> str:
+    return QUANT.format(block=block, unpack=unpack, dequant=dequant)
+
+
+# kernels.dsl cut off in the middle of a kernel's parameter list.
+TRUNCATED = SOURCE[:SOURCE.index("export kernel dot_f32")] + "export kernel dot_f32(x: ptr"
+
+
+@dataclasses.dataclass
+class Case:
+    id: str
+    source: str
+    line: int
+    col: int
+    message: str
+    lowering: bool = False  # raised while lowering a kernel body (not by the parser or check)
+    tune: dict | None = None
+
+
+CASES = [
+    # ---- syntax
+    Case("syntax: unexpected token", "export kernel f(x: ptr) {\n    let a = ;\n}\n", 2, 13,
+         "unexpected ';', expected"),
+    Case("syntax: missing semicolon", "export kernel f(x: ptr) {\n    let a = 1\n    let b = 2;\n}\n", 3, 5,
+         "unexpected 'let', expected"),
+    Case("syntax: unexpected character", "export kernel f(x: ptr) {\n    let a = 1 @ 2;\n}\n", 2, 15,
+         "unexpected character '@'"),
+    Case("syntax: unexpected end of file", "export kernel f(x: ptr) {\n    let a = 1;\n", 2, 15,
+         "unexpected end of file, expected"),
+    Case("syntax: end of file in kernels.dsl", TRUNCATED, TRUNCATED.count("\n") + 1,
+         len(TRUNCATED.rsplit("\n", 1)[-1]) + 1, "unexpected end of file, expected"),
+    # ---- names and types
+    Case("unknown name", K("i32.store(x, y);"), 2, 18, "unknown name 'y'", lowering=True),
+    Case("unknown type of a parameter", "export kernel f(x: foo) {\n}\n", 1, 17, "unknown parameter type 'foo'"),
+    Case("unknown type of a let", K("let a: i33 = 1;"), 2, 5, "unknown type 'i33'", lowering=True),
+    Case("unknown return type", "export kernel f(x: ptr) -> f33 {\n}\n", 1, 1, "unknown return type 'f33'"),
+    Case("unknown function", K("i32.store(x, frob(n));"), 2, 18, "unknown function 'frob'", lowering=True),
+    Case("type mismatch i32 + f32", K("i32.store(x, n + f32.load(x));"), 2, 18, "type mismatch: i32 + f32",
+         lowering=True),
+    Case("type mismatch f32x4 + i32x4", K("f32x4.store(x, f32x4.load(x) + i32x4.load(x));"), 2, 20,
+         "type mismatch: f32x4 + i32x4", lowering=True),
+    Case("type mismatch in a let", K("let a: f32 = n;"), 2, 5, "type mismatch: declared f32, value is i32",
+         lowering=True),
+    # ---- lanes and vectors
+    Case("narrow of the wrong vectors", K("i16x8.store(x, i16x8.narrow(f32x4.load(x), i32x4.load(x)));"), 2, 20,
+         "i16x8.narrow() takes two i32x4, got f32x4, i32x4", lowering=True),
+    Case("narrow to a type with no narrowing", K("i32x4.store(x, i32x4.narrow(i32x4.load(x), i32x4.load(x)));"),
+         2, 20, "i32x4.narrow() takes two wider vectors", lowering=True),
+    Case("extract lane out of range", K("i32.store(x, extract(i32x4.load(x), 4));"), 2, 18,
+         "lane 4 is out of range for i32x4 (0..3)", lowering=True),
+    Case("idot with wrong types", K("i32x4.store(x, idot(i32x4.splat(0), f32x4.load(x), i8x16.load(x)));"), 2, 20,
+         "idot's weights must be i8x16, not f32x4", lowering=True),
+    Case("idot with a wrong accumulator", K("i32x4.store(x, idot(f32x4.splat(0.0), i8x16.load(x), i8x16.load(x)));"),
+         2, 20, "idot's accumulator must be i32x4, not f32x4", lowering=True),
+    # ---- statements
+    Case("assigning to a let", "export kernel f(x: ptr, n: i32) {\n    let a = n + 1;\n    a = 2;\n}\n", 3, 5,
+         "cannot assign to 'a': only 'var' locals can change", lowering=True),
+    Case("non-constant unroll bound",
+         "export kernel f(x: ptr, n: i32) {\n    unroll u in 0..n {\n        f32.store(x, 1.0);\n    }\n}\n", 2, 20,
+         "an unroll bound must be a compile-time integer", lowering=True),
+    Case("static if on a run-time condition",
+         "export kernel f(x: ptr, n: i32) {\n    static if n > 0 {\n        f32.store(x, 1.0);\n    }\n}\n", 2, 15,
+         "'static if' needs a compile-time condition", lowering=True),
+    Case("return in the middle of an inline kernel",
+         "inline kernel g(a: i32) -> i32 {\n    return a;\n    let b = 1;\n}\nexport kernel f(x: ptr) {\n}\n", 2, 5,
+         "inline kernel g: 'return' may only be its last statement"),
+    Case("return nested in an inline kernel",
+         "inline kernel g(a: i32) -> i32 {\n    if a > 0 {\n        return 1;\n    }\n    return a;\n}\n"
+         "export kernel f(x: ptr) {\n}\n", 3, 9, "'return' may only be its last statement"),
+    Case("wrong argument count to a kernel",
+         "kernel g(a: i32) {\n}\nexport kernel f(x: ptr) {\n    g(x, 1);\n}\n", 4, 5, "g takes 1 argument(s), got 2",
+         lowering=True),
+    Case("wrong compile-time argument count",
+         "kernel g[N: i32](a: i32) {\n}\nexport kernel f(x: ptr) {\n    g(x);\n}\n", 4, 5,
+         "g takes 1 compile-time argument(s) in [...], got 0", lowering=True),
+    # ---- declarations
+    Case("tune default outside its domain", "export kernel f(x: ptr) {\n    tune rows: i32 in {1, 2, 4} = 3;\n}\n",
+         2, 5, "default 3 is not in its domain"),
+    Case("tune default outside its domain in kernels.dsl",
+         re.sub(r"(tune rows: i32 in \{[^}]*\} = )\d+;", r"\g<1>99;", SOURCE, count=1),
+         *position(SOURCE, "tune rows:"), "default 99 is not in its domain"),
+    Case("--tune override outside its domain", SOURCE,
+         *position(SOURCE, "tune rows:", position(SOURCE, "kernel qmatvec")[0]),
+         "--tune: qmatvec.rows=3 is outside its domain", tune={"qmatvec": {"rows": 3}}),
+    Case("tune on a non-exported kernel",
+         "kernel g(x: ptr) {\n    tune rows: i32 in {1, 2} = 1;\n}\nexport kernel f(x: ptr) {\n}\n", 2, 5,
+         "g: tune parameters belong on exported kernels"),
+    Case("tune parameter not lowercase", "export kernel f(x: ptr) {\n    tune Rows: i32 in {1, 2} = 1;\n}\n", 2, 5,
+         "use lowercase letters only"),
+    Case("duplicate declaration", "kernel g(x: ptr) {\n}\nexport kernel g(x: ptr) {\n}\n", 3, 1,
+         "'g' is already declared at line 1"),
+    Case("duplicate quant and kernel name", Q().replace("export kernel f", "export kernel q"), 8, 1,
+         "'q' is already declared at line 1"),
+    Case("duplicate parameter", "export kernel f(x: ptr, x: i32) {\n}\n", 1, 25, "'x' is declared twice"),
+    Case("reserved name: a kernel named i32", "export kernel i32(x: ptr) {\n}\n", 1, 1,
+         "kernel name 'i32' is reserved"),
+    Case("reserved name: a kernel named load", "export kernel load(x: ptr) {\n}\n", 1, 1,
+         "kernel name 'load' is reserved"),
+    Case("reserved name: a target constant", "const ACT_ZERO: i32 = 1;\nexport kernel f(x: ptr) {\n}\n", 1, 1,
+         "const name 'ACT_ZERO' is reserved"),
+    Case("no exported kernel", "kernel g(x: ptr) {\n}\n", 1, 1, "no exported kernel"),
+    Case("exported kernel with an i32 generic", "export kernel f[N: i32](x: ptr) {\n}\n", 1, 1,
+         "only one [Q: quant] parameter is allowed"),
+    # ---- quant declarations
+    Case("quant missing block", Q().replace("    block 32;\n", ""), 1, 1, "quant q: missing 'block N;'"),
+    Case("quant block 24", Q(block="24"), 1, 1, "block must be a positive multiple of 16, got 24"),
+    Case("quant block 24 in kernels.dsl", edit("quant q8_0 {\n    block 32;", "quant q8_0 {\n    block 24;"),
+         *position(SOURCE, "quant q8_0 {"), "quant q8_0: block must be a positive multiple of 16, got 24"),
+    Case("quant field with an unknown storage type", Q().replace("field d: f16;", "field d: f8;"), 3, 5,
+         "field d: unknown storage type 'f8'"),
+    Case("quant field declared twice", Q().replace("field d: f16;", "field d: f16;\n    field d: f32;"), 4, 5,
+         "field d is declared twice"),
+    Case("quant block given twice", Q().replace("block 32;", "block 32;\n    block 32;"), 3, 5,
+         "quant q: 'block' given twice"),
+    Case("unpack with an unsupported construct", Q(unpack="qs[i] * 2"), 5, 12,
+         "quant q: unpack: only field[i], nib(field, i)"),
+    Case("unpack indexing with something other than i", Q(unpack="qs[0]"), 5, 12,
+         "index a field with the element index: field[i]"),
+    Case("unpack of a field of the wrong length", Q(unpack="nib(qs, i)"), 5, 16,
+         "qs must have 16 bytes for a block of 32, has 32"),
+    Case("dequant not of the form S * q [+ M]", Q(dequant="d + q"), 6, 13,
+         "dequant must read 'S * q' or 'S * q + M'"),
+    Case("dequant reading an array field", Q(dequant="qs * q"), 6, 13, "'qs' is not a scalar field of the block"),
+    Case("packed Q where Q is not a generic", "export kernel f(w: packed Q, x: ptr) {\n}\n", 1, 17,
+         "'packed Q' needs Q to be a [Q: quant] parameter"),
+    Case("packed N where N is an i32 generic", "kernel g[N: i32](w: packed N) {\n}\nexport kernel f(x: ptr) {\n}\n",
+         1, 18, "'packed N' needs N to be a [N: quant] parameter"),
+    # ---- constants out of range: caught before the assembler sees them
+    Case("an i8x16 constant out of range", K("i8x16.store(x, i8x16.splat(1000));"), 2, 20,
+         "1000 does not fit in a i8 lane", lowering=True),
+    Case("an i32 constant out of range", K("i32.store(x, 99999999999);"), 2, 5,
+         "99999999999 does not fit in i32", lowering=True),
+]
+
+
+def _raise(case: Case) -> DslError:
+    with pytest.raises(DslError) as info:
+        compile_source(case.source, tune=case.tune)
+    return info.value
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_error_location_and_message(case: Case) -> None:
+    e = _raise(case)
+    first = str(e).splitlines()[0]
+    assert first.startswith(f"kernels.dsl:{case.line}:{case.col}: "), first
+    assert case.message in first, first
+    assert e.span is not None and (e.span.line, e.span.col) == (case.line, case.col)
+
+
+def _rendering_params():
+    for c in CASES:
+        yield pytest.param(c, id=c.id)
+
+
+@pytest.mark.parametrize("case", list(_rendering_params()))
+def test_error_shows_source_line_and_caret(case: Case) -> None:
+    lines = str(_raise(case)).splitlines()
+    source_line = case.source.splitlines()[case.line - 1].rstrip() if case.source.splitlines() else ""
+    assert len(lines) == 3, lines
+    assert lines[1] == "    " + source_line
+    assert lines[2] == "    " + " " * (case.col - 1) + "^"
+
+
+def test_errors_name_the_file_given() -> None:
+    with pytest.raises(DslError) as info:
+        compile_source("export kernel f(x: ptr) {\n    let a = ;\n}\n", filename="lib/mine.dsl")
+    assert str(info.value).startswith("lib/mine.dsl:2:13: ")
+
+
+def test_unknown_tune_kernel_and_parameter_are_unlocated_errors() -> None:
+    with pytest.raises(DslError) as info:
+        compile_source(SOURCE, tune={"nonesuch": {"rows": 2}})
+    assert info.value.span is None and "no exported kernel or job 'nonesuch'" in str(info.value)
+    with pytest.raises(DslError) as info:
+        compile_source(SOURCE, tune={"qmatvec": {"cols": 2}})
+    assert info.value.span is None and "kernel qmatvec has no tune parameter 'cols'" in str(info.value)
+
+
+def test_error_at_end_of_empty_kernel_file() -> None:
+    """An empty file parses, and is then rejected: nothing is exported."""
+    with pytest.raises(DslError, match="no exported kernel"):
+        compile_source("")
+
+
+# ---- an op missing from a target's table --------------------------------------------------------
+
+IDOT_SNIPPET = """export kernel f(x: ptr) {
+    var acc: i32x4 = i32x4.splat(0);
+    acc = idot(acc, i8x16.load(x), i8x16.load(x, 16));
+    i32x4.store(x, acc);
+}
+"""
+
+
+def _without(op: str):
+    return dataclasses.replace(TARGETS["simd128"], ops={k: v for k, v in SIMD128.items() if k != op})
+
+
+def _lower(source: str, target) -> None:
+    checked = check(parse(source))
+    Lowerer(checked, target, resolve_tune(checked)).run()
+
+
+def test_op_missing_on_a_target_is_a_located_error() -> None:
+    _lower(IDOT_SNIPPET, TARGETS["simd128"])  # the full table lowers it
+    with pytest.raises(DslError) as info:
+        _lower(IDOT_SNIPPET, _without("idot"))
+    e = info.value
+    assert e.message == "op 'idot' is not available on target simd128"
+    assert (e.span.line, e.span.col) == (3, 11)
+    assert str(e).startswith("kernels.dsl:3:11: op 'idot' is not available on target simd128")
+
+
+@pytest.mark.parametrize("op", ["idot", "madd", "hsum"])
+def test_op_missing_on_a_target_in_kernels_dsl(op: str) -> None:
+    """kernels.dsl with a table lacking `op`: the error names the op and target and points at a
+    call of it."""
+    if f"{op}(" not in SOURCE:
+        pytest.skip(f"kernels.dsl does not call {op}")
+    with pytest.raises(DslError) as info:
+        _lower(SOURCE, _without(op))
+    e = info.value
+    assert e.message == f"op {op!r} is not available on target simd128"
+    line = SOURCE.splitlines()[e.span.line - 1]
+    assert line[e.span.col - 1:].startswith(f"{op}("), (e.span, line)
+
+
+# ---- assembler errors mapped back -----------------------------------------------------------------
+
+WAT_BAD = """(module
+  (func $f (result i32)
+    (i32.bogus (i32.const 1))))
+"""
+
+
+def test_assembler_error_maps_to_the_span_of_the_bad_line() -> None:
+    source = "\n".join(f"line {n}" for n in range(1, 10)) + "\n"
+    span = Span("kernels.dsl", 7, 9, 7, 20)
+    with pytest.raises(DslError) as info:
+        asm.assemble(WAT_BAD, ("--enable-threads",), [None, None, span, None], source)
+    e = info.value
+    assert e.span == span
+    text = str(e)
+    assert text.startswith("kernels.dsl:7:9: assembler: ")
+    assert "i32.bogus" in text.splitlines()[0]
+    assert text.splitlines()[1:] == ["    line 7", "    " + " " * 8 + "^"]
+
+
+def test_assembler_error_on_a_line_without_span_is_unlocated() -> None:
+    with pytest.raises(DslError) as info:
+        asm.assemble(WAT_BAD, ("--enable-threads",), [None, None, None, None], "")
+    assert info.value.span is None
+    assert str(info.value).startswith("assembler: ")
+
+
+def test_assembler_accepts_good_wat() -> None:
+    wasm = asm.assemble("(module (func $f (result i32) (i32.const 1)))\n", (), [None], "")
+    assert wasm[:4] == b"\0asm"
+    assert asm.validate(wasm, ()) is None
+    assert asm.validate(b"\0asm\x01\0\0\0\x01", ()) is not None
+
+
+def test_unrecognized_assembler_output_is_a_kernelgen_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    def fake(tool, *args):
+        return subprocess.CompletedProcess([tool], 1, "", "something odd happened")
+
+    monkeypatch.setattr(asm, "_run", fake)
+    with pytest.raises(KernelgenError, match="wat2wasm failed: something odd happened") as info:
+        asm.assemble("(module)\n", (), [None], "")
+    assert not isinstance(info.value, DslError)
+
+
+# ---- inputs that crash kernelgen instead of being user errors (bugs) ------------------------------
+# Each should compile or raise DslError; today each raises another exception, which `kernelgen
+# check/build` reports as an internal error (exit 70).
+
+
+# ---- regressions: inputs that once crashed kernelgen (found by the fuzzer) -------------------------
+
+
+def test_fold_with_negative_right_operand() -> None:
+    compile_source(K("i32.store(x, 3 + -1);"))
+    compile_source("const A: i32 = 2 * -1;\n" + K("i32.store(x, A);"))
+
+
+def test_integer_literal_with_leading_zero_is_decimal() -> None:
+    compile_source(K("i32.store(x, 08);"))
+
+
+def test_bitwise_not_of_a_float_literal() -> None:
+    with pytest.raises(DslError, match="'~' needs an integer"):
+        compile_source(K("f32.store(x, ~1.5);"))
+
+
+def test_int_cast_of_an_infinite_literal() -> None:
+    with pytest.raises(DslError, match="cannot convert inf to i32"):
+        compile_source(K("i32.store(x, i32(1e999));"))
+
+
+def test_recursive_inline_kernel() -> None:
+    with pytest.raises(DslError, match="calls itself"):
+        compile_source("inline kernel g(a: i32) -> i32 {\n    return g(a);\n}\n" + K("i32.store(x, g(n));"))
+
+
+def test_missing_return() -> None:
+    with pytest.raises(DslError, match="without 'return'"):
+        compile_source("export kernel f(x: ptr) -> i32 {\n    i32.store(x, 1);\n}\n")
+
+
+def test_calling_an_exported_kernel_calls_its_function() -> None:
+    (built,) = compile_source("export kernel g(x: ptr) {\n    f32.store(x, 1.0);\n}\n" + K("g(x);"),
+                              targets=("simd128",))
+    assert built.wat.count("(func $g ") == 1 and "(call $g" in built.wat

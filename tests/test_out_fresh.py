@@ -1,0 +1,44 @@
+"""The committed out/ is what the current compiler makes of the current kernels.dsl, byte for byte.
+
+The manifests' inputs hash covers the DSL, target, tune values and tool versions but not the
+compiler's own code, so this comparison is what catches an out/ left stale by a compiler change.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kernelgen.build import TARGET_NAMES, build
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("kernels.wat", "kernels.wasm", "kernels.json")
+HOW = "out/ is stale: run `kernelgen build` (from the repository root) and commit out/"
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fresh") / "out"
+    build(ROOT / "kernels.dsl", out, TARGET_NAMES)
+    return out
+
+
+def _first_difference(a: bytes, b: bytes) -> str:
+    if a[:4] == b"\0asm" or b[:4] == b"\0asm":
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return f"{len(a)} vs {len(b)} bytes, first difference at byte {k}"
+    la, lb = a.decode("utf-8", "replace").splitlines(), b.decode("utf-8", "replace").splitlines()
+    for n, (x, y) in enumerate(zip(la, lb), 1):
+        if x != y:
+            return f"first difference at line {n}:\n  committed: {x.strip()[:120]}\n  fresh:     {y.strip()[:120]}"
+    return f"{len(la)} vs {len(lb)} lines"
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("name", FILES)
+def test_committed_out_is_fresh(fresh: Path, target: str, name: str) -> None:
+    committed = ROOT / "out" / target / name
+    assert committed.is_file(), f"out/{target}/{name} is missing; {HOW}"
+    want, got = committed.read_bytes(), (fresh / target / name).read_bytes()
+    assert got == want, f"out/{target}/{name} differs from a fresh build ({_first_difference(want, got)}); {HOW}"
+
