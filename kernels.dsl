@@ -327,26 +327,31 @@ kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
             f32x4.store(row + i * 4, e);
             vsum = vsum + e;
         }
-        let old = f32x4.load(row + full * 4);
-        let last = select(tail, exp4(old - vm), f32x4.splat(0.0));
-        vsum = vsum + last;
+        var last: f32x4 = f32x4.splat(0.0);
+        if full < t {
+            last = select(tail, exp4(f32x4.load(row + full * 4) - vm), f32x4.splat(0.0));
+            vsum = vsum + last;
+        }
         let s = hsum(vsum);
         var inv: f32 = 0.0;
-        if s > 0.0 {
+        if (s > 0.0) | (s != s) {
             inv = 1.0 / s;
         }
         let vinv = f32x4.splat(inv);
         for i in 0..full step 4 {
             f32x4.store(row + i * 4, f32x4.load(row + i * 4) * vinv);
         }
-        f32x4.store(row + full * 4, select(tail, last * vinv, old));
+        if full < t {
+            f32x4.store(row + full * 4, select(tail, last * vinv, f32x4.load(row + full * 4)));
+        }
     }
 }
 
 # Softmax of each row's first t scores, in place. Rows are `stride` floats apart, stride a multiple
 # of 4 and >= t: the padding after a row's scores is where the vector code reads past the last
 # score; it is written back unchanged, so the next row (perhaps another thread's) is never touched.
-# A row of all -inf (fully masked) becomes all zeros; a NaN makes its row NaN.
+# A row of all -inf (fully masked) becomes all zeros; a NaN or +inf score makes its row NaN (as
+# numpy's exp(x - max) / sum does). With t a multiple of 4 nothing past the scores is touched.
 #   x: f32[rows, stride], softmax over x[r, 0:t] in place
 #   rows: row count
 #   t: valid scores per row, >= 1
@@ -363,9 +368,13 @@ job kernel softmax_job(begin: i32, end: i32, x: ptr, t: i32, stride: i32) {
     softmax_rows(x, begin, end, t, stride);
 }
 
-# silu(x) = x * sigmoid(x) = x / (1 + exp(-x)) for four lanes.
+# silu(x) = x * sigmoid(x) for four lanes. sigmoid is built from e = exp(-|x|), which cannot
+# overflow: 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0, so silu stays accurate down to
+# x = -103 (where x * e^x is still a normal float) instead of collapsing to -0 past -88.7.
 inline kernel silu4(x: f32x4) -> f32x4 {
-    return x / (exp4(-x) + f32x4.splat(1.0));
+    let e = exp4(-abs(x));
+    let r = f32x4.splat(1.0) / (f32x4.splat(1.0) + e);
+    return x * select(x < f32x4.splat(0.0), e * r, r);
 }
 
 # Vector groups g0 .. g1 - 1 (values 4 g0 .. 4 g1 - 1, the last group cut at n) of y = silu(x),
@@ -478,6 +487,11 @@ inline kernel sincos64[WANT_COS: i32](x: f64) -> f64 {
     }
     if quadrant >= 2 {
         y = -y;
+    }
+    static if WANT_COS == 0 {
+        if x == 0.0 {
+            y = x;  # sin(-0) is -0
+        }
     }
     return y;
 }
@@ -723,9 +737,11 @@ export kernel pool_done() {
 # below the generation's helper count. Returns only once POOL_STOP is set.
 #   id: this helper's number, 0 .. threads - 2
 #   rejoin: 0 the first time (counts the helper into POOL_READY), 1 when re-entered after a trap
-export kernel pool_helper(id: i32, rejoin: i32) {
-    var seen: i32 = atomic_load(POOL_GEN);
+#   last: when rejoining, the POOL_GEN of the job that trapped: a job published since then is new
+export kernel pool_helper(id: i32, rejoin: i32, last: i32) {
+    var seen: i32 = last;
     if rejoin == 0 {
+        seen = atomic_load(POOL_GEN);
         atomic_add(POOL_READY, 1);
     }
     var spin: i32 = 0;

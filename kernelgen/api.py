@@ -24,6 +24,7 @@ from .build import Built, compile_source
 from .errors import KernelgenError
 from .names import parse_variant
 from .parse import parse
+from .pool import Pool
 from .quant import QuantInfo, check_quant
 
 
@@ -80,6 +81,7 @@ class Kernels:
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
             self._exports[(e["kernel"], e["quant"])] = name
+        self._jobs = {(j["kernel"], j["quant"]): name for name, j in manifest.get("jobs", {}).items()}
 
     # ---- generic access
     def export_name(self, kernel: str, quant: str | None = None) -> str:
@@ -90,6 +92,30 @@ class Kernels:
             have = sorted({k for k, _ in self._exports})
             raise KeyError(f"no export for kernel {kernel!r}{f' and quant {quant!r}' if quant else ''};"
                            f" kernels: {', '.join(have)}") from None
+
+    def job_name(self, kernel: str, quant: str | None = None) -> str:
+        """The job-table entry of job kernel `kernel` (for `quant`), e.g. qmatvec_job_q8_0__rows1."""
+        try:
+            return self._jobs[(kernel, quant)]
+        except KeyError:
+            raise KeyError(f"no job {kernel!r}{f' for quant {quant!r}' if quant else ''};"
+                           f" jobs: {', '.join(sorted({k for k, _ in self._jobs}))}") from None
+
+    def pool(self, threads: int = 2) -> Pool:
+        """Start a thread pool on this module (close it, or use it in a `with` block)."""
+        return Pool(self, threads)
+
+    def _run(self, kernel: str, quant: str | None, export_args: list, job: str, job_args: list, count: int,
+             pool: Pool | None, chunk: int | None) -> None:
+        """Run `kernel` in this thread, or its job on `pool`'s threads (same results, bit for bit:
+        every output element is computed by one thread in a fixed order)."""
+        if pool is None:
+            self.call(self.export_name(kernel, quant), *export_args)
+            return
+        if pool.kernels is not self:
+            raise ValueError("this pool belongs to another module")
+        chunk = chunk or max(1, -(-count // (pool.size * 4)))
+        pool.run(self.job_name(job, quant), count, chunk, job_args)
 
     def tune_of(self, kernel: str, quant: str | None = None) -> dict[str, int]:
         return parse_variant(self.export_name(kernel, quant)).tune
@@ -164,14 +190,15 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    def qmatvec(self, w: Packed, act: Act) -> np.ndarray:
-        """y = W a, f32[rows]."""
+    def qmatvec(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+        """y = W a, f32[rows]; on `pool`'s threads if given, `chunk` rows per claim."""
         w = self._check_packed(w, "qmatvec")
         m = self.module.mark()
         try:
             a = self._act_args(act, w.k, "qmatvec")
             py = self.module.alloc(4 * w.rows)
-            self.call(self.export_name("qmatvec", w.quant), *w.args, *a, py, w.rows, w.k)
+            self._run("qmatvec", w.quant, [*w.args, *a, py, w.rows, w.k], "qmatvec_job", [*w.args, *a, py, w.k],
+                      w.rows, pool, chunk)
             return self.module.get(py, np.float32, w.rows)
         finally:
             self.module.release(m)
@@ -186,22 +213,26 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    def matvec_f32(self, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def matvec_f32(self, w: np.ndarray, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         w, x = _f32("matvec_f32 w", w, 2), _f32("matvec_f32 x", x, 1)
         if w.shape[1] != x.size:
             raise ValueError(f"matvec_f32: w is {w.shape}, x has {x.size} values")
         m = self.module.mark()
         try:
             py = self.module.alloc(4 * w.shape[0])
-            self.call(self.export_name("matvec_f32"), self.module.put(w), self.module.put(x), py, *w.shape)
+            pw, px = self.module.put(w), self.module.put(x)
+            self._run("matvec_f32", None, [pw, px, py, *w.shape], "matvec_f32_job", [pw, px, py, w.shape[1]],
+                      w.shape[0], pool, chunk)
             return self.module.get(py, np.float32, w.shape[0])
         finally:
             self.module.release(m)
 
 
     # ---- elementwise, softmax, RoPE
-    def _map(self, kernel: str, dtype: type, *arrays: np.ndarray) -> np.ndarray:
-        """Run an elementwise kernel `kernel(in..., out, n)` over 1-D arrays of one length."""
+    def _map(self, kernel: str, dtype: type, *arrays: np.ndarray, job: str | None = None,
+             pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+        """Run an elementwise kernel `kernel(in..., out, n)` over 1-D arrays of one length (on `pool`
+        with `job`, whose items are groups of 4 values)."""
         n = arrays[0].size
         for a in arrays:
             if a.shape != arrays[0].shape:
@@ -211,7 +242,9 @@ class Kernels:
             # The vector code reads a partial last vector whole: round the buffers up to 16 bytes.
             ins = [self.module.put(a, pad=16) for a in arrays]
             out = self.module.alloc(n * np.dtype(dtype).itemsize + 16)
-            self.call(self.export_name(kernel), *ins, out, n)
+            if pool is not None and job is None:
+                raise ValueError(f"{kernel} has no pool job")
+            self._run(kernel, None, [*ins, out, n], job or "", [*ins, out, n], -(-n // 4), pool, chunk)
             return self.module.get(out, dtype, n)
         finally:
             self.module.release(m)
@@ -219,12 +252,13 @@ class Kernels:
     def exp_f32(self, x: np.ndarray) -> np.ndarray:
         return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1))
 
-    def silu_f32(self, x: np.ndarray) -> np.ndarray:
-        return self._map("silu_f32", np.float32, _f32("silu_f32 x", x, 1))
+    def silu_f32(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+        return self._map("silu_f32", np.float32, _f32("silu_f32 x", x, 1), job="silu_job", pool=pool, chunk=chunk)
 
-    def swiglu_f32(self, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    def swiglu_f32(self, x: np.ndarray, g: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """silu(x) * g."""
-        return self._map("swiglu_f32", np.float32, _f32("swiglu_f32 x", x, 1), _f32("swiglu_f32 g", g, 1))
+        return self._map("swiglu_f32", np.float32, _f32("swiglu_f32 x", x, 1), _f32("swiglu_f32 g", g, 1),
+                         job="swiglu_job", pool=pool, chunk=chunk)
 
     def _f64_map(self, kernel: str, x: np.ndarray) -> np.ndarray:
         if not isinstance(x, np.ndarray) or x.dtype != np.float64 or x.ndim != 1:
@@ -243,7 +277,8 @@ class Kernels:
     def log_f64(self, x: np.ndarray) -> np.ndarray:
         return self._f64_map("log_f64", x)
 
-    def softmax_f32(self, x: np.ndarray, t: int | None = None) -> np.ndarray:
+    def softmax_f32(self, x: np.ndarray, t: int | None = None, pool: Pool | None = None,
+                    chunk: int | None = None) -> np.ndarray:
         """Softmax over the first `t` columns of each row of x[rows, stride] (stride a multiple of 4,
         the padding after column t kept as it is); returns the whole array as the kernel left it."""
         x = _f32("softmax_f32 x", x, 2)
@@ -255,7 +290,7 @@ class Kernels:
         m = self.module.mark()
         try:
             p = self.module.put(x)
-            self.call(self.export_name("softmax_f32"), p, rows, t, stride)
+            self._run("softmax_f32", None, [p, rows, t, stride], "softmax_job", [p, t, stride], rows, pool, chunk)
             return self.module.get(p, np.float32, x.size).reshape(x.shape)
         finally:
             self.module.release(m)
@@ -275,7 +310,8 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False) -> np.ndarray:
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False,
+             pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """Rotate x[heads, dim] by one position's table rows (cos, sin: f32[dim / 2]); `interleaved`
         pairs (x[2i], x[2i+1]), else (x[i], x[i + dim/2]). Returns the rotated copy."""
         x = _f32("rope x", x, 2)
@@ -287,8 +323,10 @@ class Kernels:
         m = self.module.mark()
         try:
             p = self.module.put(x)
-            kernel = "rope_pairs_f32" if interleaved else "rope_halves_f32"
-            self.call(self.export_name(kernel), p, self.module.put(cos), self.module.put(sin), heads, dim)
+            kind = "pairs" if interleaved else "halves"
+            pc, ps = self.module.put(cos), self.module.put(sin)
+            self._run(f"rope_{kind}_f32", None, [p, pc, ps, heads, dim], f"rope_{kind}_job", [p, pc, ps, dim],
+                      heads, pool, chunk)
             return self.module.get(p, np.float32, x.size).reshape(x.shape)
         finally:
             self.module.release(m)

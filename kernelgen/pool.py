@@ -26,7 +26,12 @@ if TYPE_CHECKING:
 
 
 class JobError(RuntimeError):
-    """A job trapped in a helper thread (or in the driver); the pool is still usable."""
+    """A job trapped on the driver and/or in helper threads; the pool is still usable."""
+
+    def __init__(self, message: str, driver_error: BaseException | None, helper_errors: list[BaseException]) -> None:
+        super().__init__(message)
+        self.driver_error = driver_error
+        self.helper_errors = helper_errors
 
 
 class Pool:
@@ -66,14 +71,17 @@ class Pool:
         store, instance = self.module.instantiate_another()
         exports = instance.exports(store)
         helper, done = exports["pool_helper"], exports["pool_done"]
-        rejoin = 0
+        rejoin, last = 0, 0
         while True:
             try:
-                helper(store, i, rejoin)
+                helper(store, i, rejoin, last)
                 return  # POOL_STOP was set
             except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
                 with self._lock:
                     self._errors.append(e)
+                # The failed job's generation: no other job can be published before done() below,
+                # and the helper must take part in any published after it.
+                last = int(self._word["POOL_GEN"][0])
                 done(store)  # count this helper out of the job it failed
                 rejoin = 1
 
@@ -106,15 +114,18 @@ class Pool:
             words[slot:slot + 1].view(np.float32 if a["type"] == "f32" else np.int32)[0] = value
         with self._lock:
             self._errors.clear()
+        driver_error: BaseException | None = None
         try:
             self.module.call("par_for", spec["index"], count, chunk)
         except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
+            driver_error = e
             self.module.call("pool_wait")  # the helpers finish the job before anyone starts another
-            raise JobError(f"{job} trapped on the driver thread: {e}") from e
         with self._lock:
             errors, self._errors = self._errors, []
-        if errors:
-            raise JobError(f"{job} trapped in {len(errors)} helper thread(s): {errors[0]}") from errors[0]
+        if driver_error is not None or errors:
+            where = (["the driver thread"] if driver_error else []) + ([f"{len(errors)} helper thread(s)"] if errors else [])
+            first = driver_error or errors[0]
+            raise JobError(f"{job} trapped in {' and '.join(where)}: {first}", driver_error, errors) from first
 
     def close(self) -> None:
         """Stop and join the helpers; the module can then get a new pool."""

@@ -64,11 +64,12 @@ def qmatvec(scale: np.ndarray, w_int: np.ndarray, a_bytes: np.ndarray, a_d: np.n
     sum of the terms' magnitudes (the scale of float rounding error) for the tolerance."""
     isum = int_dots(w_int, a_bytes, act_zero, block).astype(np.float64)
     ad = a_d.astype(np.float64)
-    terms = scale.astype(np.float64) * ad[None, :] * isum
+    terms = [scale.astype(np.float64) * ad[None, :] * isum]
     if offset is not None:
         asum = (a_bytes.astype(np.int64) - act_zero).reshape(-1, block).sum(axis=1).astype(np.float64)
-        terms = terms + offset.astype(np.float64) * ad[None, :] * asum[None, :]
-    return terms.sum(axis=1), np.abs(terms).sum(axis=1)
+        terms.append(offset.astype(np.float64) * ad[None, :] * asum[None, :])
+    # Each term is rounded on its own in f32, so their magnitudes add even where they cancel.
+    return sum(terms).sum(axis=1), sum(np.abs(t) for t in terms).sum(axis=1)
 
 
 Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
