@@ -146,18 +146,42 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 # w.sum (i32 per block) and, for types with an offset term, w.offset. Activations come in blocks
 # of 32 (quantize_act), so these kernels take quant types whose block is 32.
 
-# One block's integer dot w . a, exact in i32 lanes whose sum is the dot. On relaxed SIMD the
-# activations carry +ACT_ZERO; sum(w * (a + 64)) - 64 * sum(w) removes it exactly.
-inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
+# One block's integer dot w . a in i32 lanes whose sum is the dot (activations still offset).
+inline kernel qraw[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
     var acc: i32x4 = i32x4.splat(0);
-    if ACT_ZERO != 0 {
-        acc = i32x4.splat(i32.load(w.sum + blk * 4) * -(ACT_ZERO / 4));
-    }
     let wq = w.q + blk * Q.bytes;
     unroll j in 0..Q.block / 16 {
         acc = idot(acc, Q.unpack(wq, j), i8x16.load(a, j * 16));
     }
     return acc;
+}
+
+# One block's exact integer dot. On relaxed SIMD the activations carry +ACT_ZERO;
+# sum(w * (a + 64)) - 64 * sum(w) removes it (spread over the four lanes: 16 * sum(w) each).
+inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
+    var acc: i32x4 = qraw[Q](w, blk, a);
+    static if ACT_ZERO != 0 {
+        acc = acc - i32x4.splat(i32.load(w.sum + blk * 4) * (ACT_ZERO / 4));
+    }
+    return acc;
+}
+
+# Four vectors -> one whose lane i is the sum of vector i's lanes (a transpose folded into adds).
+inline kernel lanesums4(a: i32x4, b: i32x4, c: i32x4, d: i32x4) -> i32x4 {
+    let ab = i32x4.shuffle(a, b, 0, 4, 1, 5) + i32x4.shuffle(a, b, 2, 6, 3, 7);
+    let cd = i32x4.shuffle(c, d, 0, 4, 1, 5) + i32x4.shuffle(c, d, 2, 6, 3, 7);
+    return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);
+}
+
+# The exact dots of blocks blk .. blk + 3 of one row, lane i for block blk + i: their scales then
+# apply as one vector, a quarter of the per-block scalar work of qblock.
+inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
+    var d: i32x4 = lanesums4(qraw[Q](w, blk, a), qraw[Q](w, blk + 1, a + Q.block),
+                             qraw[Q](w, blk + 2, a + 2 * Q.block), qraw[Q](w, blk + 3, a + 3 * Q.block));
+    static if ACT_ZERO != 0 {
+        d = d - i32x4.load(w.sum + blk * 4) * ACT_ZERO;
+    }
+    return d;
 }
 
 # One activation block's sum (lanes sum to it), for quant types with an offset term (S * q + M).
@@ -169,41 +193,73 @@ inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
     return acc;
 }
 
+# d_a * sum(a) of four activation blocks (lane i: block i), or zeros for types without an offset.
+inline kernel ascaled4[Q: quant](a: ptr, da4: f32x4) -> f32x4 {
+    var s: f32x4 = f32x4.splat(0.0);
+    static if Q.has_offset {
+        let sums = lanesums4(ablock[Q](a), ablock[Q](a + Q.block), ablock[Q](a + 2 * Q.block),
+                             ablock[Q](a + 3 * Q.block));
+        s = f32x4.convert(sums) * da4;
+    }
+    return s;
+}
+
+# acc plus blocks blk .. blk + 3 of a row: sum of scale * d_a * dot (+ offset * d_a * sum(a)).
+inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, as4: f32x4, acc: f32x4) -> f32x4 {
+    var r: f32x4 = madd(f32x4.convert(qdots4[Q](w, blk, a)), f32x4.load(w.scale + blk * 4) * da4, acc);
+    static if Q.has_offset {
+        r = madd(as4, f32x4.load(w.offset + blk * 4), r);
+    }
+    return r;
+}
+
+# acc plus the single block blk of a row (the blocks left over past a multiple of four).
+inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x4) -> f32x4 {
+    var r: f32x4 = madd(f32x4.convert(qblock[Q](w, blk, a)), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
+    static if Q.has_offset {
+        r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
+    }
+    return r;
+}
+
 # Dot of one packed row with quantized activations.
 #   w: packed row of k / Q.block blocks
 #   aq: activations from quantize_act, k bytes
 #   ad: activation scales from quantize_act, k / 32 f32
 #   k: row length, a multiple of Q.block
 export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
+    let nb = k / Q.block;
+    let nb4 = nb - nb % 4;
     var acc: f32x4 = f32x4.splat(0.0);
-    for b in 0..k / Q.block {
+    for b in 0..nb4 step 4 {
         let ab = aq + b * Q.block;
-        let da = f32.load(ad + b * 4);
-        let s = f32x4.splat(f32.load(w.scale + b * 4) * da);
-        acc = madd(f32x4.convert(qblock[Q](w, b, ab)), s, acc);
-        static if Q.has_offset {
-            acc = madd(f32x4.convert(ablock[Q](ab)), f32x4.splat(f32.load(w.offset + b * 4) * da), acc);
-        }
+        let da4 = f32x4.load(ad + b * 4);
+        acc = qstep4[Q](w, b, ab, da4, ascaled4[Q](ab, da4), acc);
+    }
+    for b in nb4..nb {
+        acc = qstep1[Q](w, b, aq + b * Q.block, f32.load(ad + b * 4), acc);
     }
     return hsum(acc);
 }
 
-# Rows r0 .. r0 + N - 1 of y = W a, their accumulators in registers side by side.
+# Rows r0 .. r0 + N - 1 of y = W a, their accumulators side by side in registers, sharing each
+# activation group's loads; four blocks per step, then the leftover blocks one at a time.
 kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, nb: i32) {
     var acc[N]: f32x4 = f32x4.splat(0.0);
-    for b in 0..nb {
+    let nb4 = nb - nb % 4;
+    for b in 0..nb4 step 4 {
+        let ab = aq + b * Q.block;
+        let da4 = f32x4.load(ad + b * 4);
+        let as4 = ascaled4[Q](ab, da4);
+        unroll r in 0..N {
+            acc[r] = qstep4[Q](w, (r0 + r) * nb + b, ab, da4, as4, acc[r]);
+        }
+    }
+    for b in nb4..nb {
         let ab = aq + b * Q.block;
         let da = f32.load(ad + b * 4);
-        static if Q.has_offset {
-            let asum = f32x4.convert(ablock[Q](ab));
-        }
         unroll r in 0..N {
-            let blk = (r0 + r) * nb + b;
-            let s = f32x4.splat(f32.load(w.scale + blk * 4) * da);
-            acc[r] = madd(f32x4.convert(qblock[Q](w, blk, ab)), s, acc[r]);
-            static if Q.has_offset {
-                acc[r] = madd(asum, f32x4.splat(f32.load(w.offset + blk * 4) * da), acc[r]);
-            }
+            acc[r] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r]);
         }
     }
     unroll r in 0..N {

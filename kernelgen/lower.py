@@ -92,6 +92,7 @@ class Lowerer:
         self.exports: list[Export] = []
         self.jobs: list[Export] = []  # the job table, in index order
         self._inlining: list[str] = []  # inline kernels being expanded, outermost first
+        self._inline_locals: list[set[str]] = []  # locals each expansion declared
         self._instances: dict[tuple, str] = {}
         self._pending: list[tuple[KernelInfo, dict[str, Binding], str]] = []
         self._span: A.Span | None = None
@@ -171,6 +172,8 @@ class Lowerer:
             if entry == wt and cand not in self._frame.live:
                 break
         self._frame.live.add(cand)
+        if self._inline_locals:
+            self._inline_locals[-1].add(cand)
         return cand
 
     def _label(self, base: str) -> str:
@@ -649,8 +652,6 @@ class Lowerer:
         if len(generic_args) != len(k.ast.generics):
             raise self.error(f"{k.name} takes {len(k.ast.generics)} compile-time argument(s) in [...],"
                              f" got {len(generic_args)}")
-        if k.ast.exported and k.ast.tunes:
-            raise self.error(f"{k.name} has tune parameters; call an internal kernel instead")
         generics: dict[str, Binding] = {}
         for g, arg in zip(k.ast.generics, generic_args):
             if g.kind == "quant":
@@ -676,9 +677,9 @@ class Lowerer:
             return self._inline(k, generics, args)
         key = (k.name, tuple(_show(v) for v in generics.values()))
         name = self._instances.get(key)
-        if k.ast.exported:  # the exported function itself, lowered once by run()
+        if k.ast.exported:  # the exported function itself (this build's variant), lowered once by run()
             quant = next(iter(generics.values()), None)
-            name = variant_name(k.name, quant.name if isinstance(quant, QuantInfo) else None, {})
+            name = variant_name(k.name, quant.name if isinstance(quant, QuantInfo) else None, self.tune.get(k.name, {}))
         elif name is None:
             name = "__".join([k.name, *key[1]]) if key[1] else k.name
             self._instances[key] = name
@@ -699,6 +700,7 @@ class Lowerer:
             raise self.error(f"inline kernel {k.name} calls itself ({' -> '.join([*self._inlining, k.name])});"
                              " inline kernels are expanded, so they cannot recurse")
         self._inlining.append(k.name)
+        self._inline_locals.append(set())
         saved_scopes, saved_span = self._scopes, self._span
         self._scopes = [dict(generics)]
         self._push()
@@ -724,9 +726,23 @@ class Lowerer:
             self._pop()
             self._scopes, self._span = saved_scopes, saved_span
             self._inlining.pop()
+            own = self._inline_locals.pop()
+        if result.code is not None and _reads_any(result.code, own):
+            # The value reads the expansion's own locals, which a later expansion in the same
+            # statement may reuse: keep it in a temporary live until the statement ends.
+            tmp = self._new_local("ret", result.type)
+            self._frame.temps.append(tmp)
+            self.emit(I("local.set", f"${tmp}", result.code))
+            result = Val(I("local.get", f"${tmp}"), result.type)
         if body:
             self._comment_at(saved_span)  # the calling statement's own code follows the inlined body
         return result
+
+
+def _reads_any(code: Instr, names: set[str]) -> bool:
+    if code.op in ("local.get", "local.tee") and code.imms and code.imms[0][1:] in names:
+        return True
+    return any(_reads_any(a, names) for a in code.args)
 
 
 def _ends_in_return(body: tuple[A.Stmt, ...]) -> bool:

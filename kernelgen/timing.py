@@ -1,0 +1,86 @@
+"""Timing kernels inside wasm, where a Python call's 30-60 us does not drown them.
+
+For any exported kernel, `repeat_source` writes a DSL wrapper that calls it `reps` times in a loop
+(generated from the kernel's own declaration, so it can never disagree with it), and
+`STREAM_SOURCE` a streaming read of a buffer: the memory roofline the kernels are measured
+against. `measure` grows the repetitions until a batch lasts `min_batch` seconds, runs a warm-up
+batch, then takes the median of `samples` batches.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import ast as A
+from .check import Checked
+
+STREAM_SOURCE = """
+# The roofline: read nbytes (a multiple of 64) as fast as wasm can, XOR-folding so nothing is skipped.
+export kernel bench_stream(p: ptr, nbytes: i32) -> i32 {
+    var acc[4]: i32x4 = i32x4.splat(0);
+    for i in 0..nbytes step 64 {
+        unroll u in 0..4 {
+            acc[u] = acc[u] ^ i32x4.load(p + i, u * 16);
+        }
+    }
+    return extract(acc[0] ^ acc[1] ^ acc[2] ^ acc[3], 0);
+}
+
+export kernel bench_stream_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {
+    var x: i32 = 0;
+    for rep in 0..reps {
+        x = x ^ bench_stream(p, nbytes);
+    }
+    return x;
+}
+"""
+
+
+def repeat_name(kernel: str) -> str:
+    return f"bench_{kernel}"
+
+
+def repeat_source(checked: Checked, kernel: str) -> str:
+    """DSL for `export kernel bench_<kernel>[Q](reps: i32, <kernel's params>)` calling it reps times."""
+    k: A.Kernel = checked.kernels[kernel].ast
+    generics = f"[{', '.join(f'{g.name}: {g.kind}' for g in k.generics)}]" if k.generics else ""
+    params = ", ".join(f"{p.name}: {'packed ' if p.packed else ''}{p.type}" for p in k.params)
+    call_generics = f"[{', '.join(g.name for g in k.generics)}]" if k.generics else ""
+    args = ", ".join(p.name for p in k.params)
+    call = f"{kernel}{call_generics}({args})"
+    body = f"let r = {call};" if k.ret else f"{call};"
+    return (f"\nexport kernel {repeat_name(kernel)}{generics}(reps: i32{', ' if params else ''}{params}) {{\n"
+            f"    for rep in 0..reps {{\n        {body}\n    }}\n}}\n")
+
+
+@dataclass(frozen=True)
+class Timing:
+    seconds: float  # median time of one call
+    samples: tuple[float, ...]
+    reps: int
+
+
+def measure(call: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:
+    """`call(reps)` runs the kernel reps times inside wasm; returns the median time per run."""
+    reps = 1
+    while True:
+        t0 = time.perf_counter()
+        call(reps)
+        dt = time.perf_counter() - t0
+        if dt >= min_batch or reps >= 1 << 24:
+            break
+        reps = max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2))
+    call(reps)  # warm-up at the final size
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        call(reps)
+        times.append((time.perf_counter() - t0) / reps)
+    return Timing(statistics.median(times), tuple(times), reps)
+
+
+def measure_python(fn: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:
+    """The same protocol for a Python callable (numpy baselines)."""
+    return measure(lambda reps: [fn() for _ in range(reps)], min_batch, samples)

@@ -1,0 +1,128 @@
+"""Semantics of the language itself, on small kernels written here: inline expansion, compile-time
+control flow, loops, integer folding, calls between kernels, the pool's atomics."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernelgen.api import compile_kernels
+
+TARGETS = ("simd128", "relaxed-simd")
+
+SOURCE = """
+inline kernel sq(x: i32) -> i32 {
+    var t: i32 = x;
+    t = t * x;
+    return t;
+}
+
+# Two expansions of one inline kernel in one expression: each keeps its own value.
+export kernel two_inlines(a: i32, b: i32) -> i32 {
+    return sq(a) * 1000 + sq(b);
+}
+
+inline kernel pick[FIRST: i32](a: i32, b: i32) -> i32 {
+    var r: i32 = b;
+    static if FIRST {
+        r = a;
+    }
+    return r;
+}
+
+export kernel static_choice(a: i32, b: i32) -> i32 {
+    static if 1 == 1 {
+        let visible = pick[1](a, b) * 10 + pick[0](a, b);
+    }
+    return visible;
+}
+
+export kernel while_count(n: i32) -> i32 {
+    var i: i32 = 0;
+    var s: i32 = 0;
+    while i < n {
+        s = s + i;
+        i = i + 1;
+    }
+    return s;
+}
+
+export kernel unrolled(p: ptr) {
+    unroll j in 0..4 {
+        i32.store(p, j * 4, j * j);
+    }
+}
+
+export kernel folds() -> i32 {
+    return (-7 / 2) * 100 + (-7 % 2) * 10 + (1 << 3) - (08 - 8);
+}
+
+export kernel mins(a: i32, b: i32) -> i32 {
+    return min(a, b) * 1000 + max(a, b);
+}
+
+kernel helper[N: i32](x: i32) -> i32 {
+    return x * N;
+}
+
+export kernel generic_calls(x: i32) -> i32 {
+    return helper[2](x) + helper[3](x) + helper[2](x);
+}
+
+export kernel atomics(p: ptr) -> i32 {
+    atomic_store(p, 5);
+    let old = atomic_add(p, 3);
+    let swapped = atomic_cmpxchg(p, 8, 100);
+    let waited = wait32(p, 7, 0);
+    return old * 1000000 + swapped * 1000 + atomic_load(p) + waited * 10000000;
+}
+"""
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def k(request):
+    return compile_kernels(SOURCE, request.param)
+
+
+def test_generic_kernel_instances_and_unroll_offsets_in_the_wat() -> None:
+    from kernelgen.build import compile_source
+    (built,) = compile_source(SOURCE, targets=("simd128",))
+    assert built.wat.count("(func $helper__2") == 1 and built.wat.count("(func $helper__3") == 1
+    assert "(i32.store offset=12" in built.wat
+
+
+def test_each_inline_expansion_keeps_its_own_result(k) -> None:
+    assert k.call("two_inlines", 3, 4) == 9 * 1000 + 16
+
+
+def test_static_if_picks_an_arm_and_its_bindings_stay_visible(k) -> None:
+    assert k.call("static_choice", 7, 2) == 72
+
+
+def test_while_loop(k) -> None:
+    assert k.call("while_count", 10) == 45
+    assert k.call("while_count", 0) == 0
+
+
+def test_unroll_makes_constant_offsets(k) -> None:
+    p = k.module.alloc(16)
+    k.call("unrolled", p)
+    assert k.module.get(p, np.int32, 4).tolist() == [0, 1, 4, 9]
+
+
+def test_integer_folding_follows_wasm_semantics(k) -> None:
+    # C division and remainder truncate toward zero: -7 / 2 = -3, -7 % 2 = -1; `08` is decimal eight.
+    assert k.call("folds") == -300 - 10 + 8 - 0
+
+
+def test_scalar_integer_min_max(k) -> None:
+    assert k.call("mins", 5, -3) == -3 * 1000 + 5
+
+
+def test_generic_internal_kernels_are_instantiated_once_per_argument(k) -> None:
+    assert k.call("generic_calls", 5) == 10 + 15 + 10
+
+
+def test_atomics(k) -> None:
+    p = k.module.alloc(4)
+    # store 5, add 3 (old 5), cmpxchg 8 -> 100 (old 8), wait32 with value 100 != 7: returns 1 at once
+    assert k.call("atomics", p) == 5 * 1000000 + 8 * 1000 + 100 + 1 * 10000000
