@@ -94,14 +94,13 @@ export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
     fmatvec_rows[unroll](w, x, y, 0, rows, k);
 }
 
-# matvec_f32 on the thread pool: items are rows.
+# matvec_f32 on the thread pool, with matvec_f32's tune values: items are rows.
 #   w: f32[rows, k], row-major
 #   x: f32[k]
 #   y: f32[rows], written
 #   k: row length
 job kernel matvec_f32_job(begin: i32, end: i32, w: ptr, x: ptr, y: ptr, k: i32) {
-    tune unroll: i32 in {1, 2, 4} = 2;
-    fmatvec_rows[unroll](w, x, y, begin, end, k);
+    fmatvec_rows[matvec_f32.unroll](w, x, y, begin, end, k);
 }
 
 # ---- activations -------------------------------------------------------------------------------
@@ -243,39 +242,45 @@ export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
 }
 
 # Rows r0 .. r0 + N - 1 of y = W a, their accumulators side by side in registers, sharing each
-# activation group's loads; four blocks per step, then the leftover blocks one at a time.
-kernel qrows[Q: quant, N: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, nb: i32) {
-    var acc[N]: f32x4 = f32x4.splat(0.0);
-    let nb4 = nb - nb % 4;
-    for b in 0..nb4 step 4 {
-        let ab = aq + b * Q.block;
-        let da4 = f32x4.load(ad + b * 4);
-        let as4 = ascaled4[Q](ab, da4);
-        unroll r in 0..N {
-            acc[r] = qstep4[Q](w, (r0 + r) * nb + b, ab, da4, as4, acc[r]);
+# activation group's loads; A accumulators per row take turns over the four-block steps (more
+# independent work in flight), then the leftover blocks go one at a time.
+kernel qrows[Q: quant, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, nb: i32) {
+    var acc[N * A]: f32x4 = f32x4.splat(0.0);
+    let nbs = nb - nb % (4 * A);
+    for b in 0..nbs step 4 * A {
+        unroll s in 0..A {
+            let ab = aq + (b + 4 * s) * Q.block;
+            let da4 = f32x4.load(ad + (b + 4 * s) * 4);
+            let as4 = ascaled4[Q](ab, da4);
+            unroll r in 0..N {
+                acc[r * A + s] = qstep4[Q](w, (r0 + r) * nb + b + 4 * s, ab, da4, as4, acc[r * A + s]);
+            }
         }
     }
-    for b in nb4..nb {
+    for b in nbs..nb {
         let ab = aq + b * Q.block;
         let da = f32.load(ad + b * 4);
         unroll r in 0..N {
-            acc[r] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r]);
+            acc[r * A] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r * A]);
         }
     }
     unroll r in 0..N {
-        f32.store(y + (r0 + r) * 4, hsum(acc[r]));
+        unroll s in 1..A {
+            acc[r * A] = acc[r * A] + acc[r * A + s];
+        }
+        f32.store(y + (r0 + r) * 4, hsum(acc[r * A]));
     }
 }
 
 # Rows r0 .. r1 - 1 of y = W a, R rows per pass and the remainder one at a time. Each row's sum
 # runs in the same order whatever R is, so results do not depend on how rows are grouped.
-kernel qmatvec_rows[Q: quant, R: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, r1: i32, nb: i32) {
+kernel qmatvec_rows[Q: quant, R: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, r1: i32, nb: i32) {
     let full = r1 - (r1 - r0) % R;
     for r in r0..full step R {
-        qrows[Q, R](w, aq, ad, y, r, nb);
+        qrows[Q, R, A](w, aq, ad, y, r, nb);
     }
     for r in full..r1 {
-        qrows[Q, 1](w, aq, ad, y, r, nb);
+        qrows[Q, 1, A](w, aq, ad, y, r, nb);
     }
 }
 
@@ -288,18 +293,19 @@ kernel qmatvec_rows[Q: quant, R: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0:
 #   k: row length, a multiple of Q.block
 export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
     tune rows: i32 in {1, 2, 4} = 1;
-    qmatvec_rows[Q, rows](w, aq, ad, y, 0, n, k / Q.block);
+    tune accs: i32 in {1, 2} = 1;
+    restrict rows * accs <= 4;  # accumulators in flight: 16 vector registers on x86-64 hold no more
+    qmatvec_rows[Q, rows, accs](w, aq, ad, y, 0, n, k / Q.block);
 }
 
-# qmatvec on the thread pool: items are rows.
+# qmatvec on the thread pool, with qmatvec's tune values: items are rows.
 #   w: packed matrix of k / Q.block blocks per row
 #   aq: activations from quantize_act, k bytes
 #   ad: activation scales, k / 32 f32
 #   y: f32[n], written
 #   k: row length, a multiple of Q.block
 job kernel qmatvec_job[Q: quant](begin: i32, end: i32, w: packed Q, aq: ptr, ad: ptr, y: ptr, k: i32) {
-    tune rows: i32 in {1, 2, 4} = 1;
-    qmatvec_rows[Q, rows](w, aq, ad, y, begin, end, k / Q.block);
+    qmatvec_rows[Q, qmatvec.rows, qmatvec.accs](w, aq, ad, y, begin, end, k / Q.block);
 }
 
 # ---- exp, softmax, SiLU ------------------------------------------------------------------------

@@ -207,6 +207,13 @@ class Tune(Node):
 
 
 @dataclass(frozen=True)
+class Restrict(Node):
+    """`restrict EXPR;`: a condition on the kernel's tune values that every variant meets."""
+
+    cond: Expr
+
+
+@dataclass(frozen=True)
 class Kernel(Node):
     name: str
     mode: str  # "export", "inline", "job" (a thread pool job, called through the table) or "" (internal)
@@ -215,6 +222,7 @@ class Kernel(Node):
     ret: str | None
     tunes: tuple[Tune, ...]
     body: tuple[Stmt, ...]
+    restricts: tuple[Restrict, ...] = ()
 
     @property
     def exported(self) -> bool:

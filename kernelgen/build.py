@@ -16,6 +16,7 @@ from pathlib import Path
 from . import __version__, layout
 from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune
+from .store import Record, best_tune, host, load_store
 from .emit import render_module
 from .lower import lower
 from .ops import TARGETS
@@ -45,7 +46,7 @@ def inputs_hash(source: str, target: str, tune: dict) -> str:
 
 
 def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str,
-                   tune_source: str = "defaults") -> Built:
+                   tune_info: dict | None = None) -> Built:
     t = TARGETS[target]
     lowered = lower(checked, target, tune)
     digest = inputs_hash(checked.source, target, tune)
@@ -64,7 +65,7 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         "constants": dict(t.constants),
         "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
                    for name, q in checked.quants.items()},
-        "tune": {"source": tune_source, "values": tune},
+        "tune": {"values": tune, **(tune_info or {"source": {k: "default" for k in tune}, "host": None})},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
                              "result": e.result, "line": e.line} for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "args": j.params[2:], "line": j.line}
@@ -83,13 +84,39 @@ def _source_of(span, source: str) -> str:
     return "\n".join(lines)
 
 
+def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, int]] | None,
+                records: list[Record] | None, tune_host: dict | None) -> tuple[dict[str, dict[str, int]], dict]:
+    """Each exported kernel's tune values for `target`: an override, else the store's best for
+    `tune_host` (this machine by default), else the declared defaults; and where each came from."""
+    overrides = dict(overrides or {})
+    want = tune_host or host()
+    sources: dict[str, str] = {}
+    for name, k in checked.kernels.items():
+        if not k.ast.exported or not k.ast.tunes:
+            continue
+        if name in overrides:
+            sources[name] = "override"
+        elif records and (best := best_tune(records, checked, name, target, want)) is not None:
+            overrides[name] = best
+            sources[name] = "store"
+        else:
+            sources[name] = "default"
+    values = resolve_tune(checked, overrides)
+    used_store = "store" in sources.values()
+    return values, {"source": sources, "host": want if used_store else None}
+
+
 def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,
-                   tune: dict[str, dict[str, int]] | None = None) -> list[Built]:
-    """Parse, check and compile `source` for `targets`; raises DslError on any user mistake."""
+                   tune: dict[str, dict[str, int]] | None = None, records: list[Record] | None = None,
+                   tune_host: dict | None = None) -> list[Built]:
+    """Parse, check and compile `source` for `targets`; raises DslError on any user mistake.
+    `records` (a tuning store) supplies tune values for kernels `tune` does not set."""
     checked = check(parse(source, filename))
-    values = resolve_tune(checked, tune)
-    source_of_values = "defaults with --tune overrides" if tune else "defaults"
-    return [compile_target(checked, t, values, Path(filename).name, source_of_values) for t in targets]
+    built = []
+    for t in targets:
+        values, info = choose_tune(checked, t, tune, records, tune_host)
+        built.append(compile_target(checked, t, values, Path(filename).name, info))
+    return built
 
 
 def write_outputs(built: list[Built], out_dir: Path) -> list[Path]:
@@ -113,7 +140,9 @@ def write_outputs(built: list[Built], out_dir: Path) -> list[Path]:
 
 
 def build(dsl: Path, out_dir: Path, targets: tuple[str, ...] = TARGET_NAMES,
-          tune: dict[str, dict[str, int]] | None = None) -> tuple[list[Built], list[Path]]:
+          tune: dict[str, dict[str, int]] | None = None, store: Path | None = None,
+          tune_host: dict | None = None) -> tuple[list[Built], list[Path]]:
     source = dsl.read_text(encoding="utf-8")
-    built = compile_source(source, str(dsl), targets, tune)
+    records = load_store(store) if store is not None else None
+    built = compile_source(source, str(dsl), targets, tune, records, tune_host)
     return built, write_outputs(built, out_dir)

@@ -4,6 +4,7 @@ the per-target rules of ops.py), so `kernelgen check` runs both.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -143,9 +144,9 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
     if k.ret is not None and T.resolve(k.ret) is None:
         raise DslError(k.span, f"{k.name}: unknown return type {k.ret!r}")
     for t in k.tunes:
-        if k.mode not in ("export", "job"):
-            raise DslError(t.span, f"{k.name}: tune parameters belong on exported kernels and jobs"
-                                   " (pass values down in [...])")
+        if not k.exported:
+            raise DslError(t.span, f"{k.name}: tune parameters belong on exported kernels (pass values down in"
+                                   " [...]; a job uses its kernel's, e.g. qmatvec.rows)")
         local(t.name, t)
         if not TUNE_NAME.fullmatch(t.name):
             raise DslError(t.span, f"tune parameter {t.name!r}: use lowercase letters only (it becomes part of export names)")
@@ -155,10 +156,22 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
             raise DslError(t.span, f"tune parameter {t.name}: a value is listed twice")
         if t.default not in t.domain:
             raise DslError(t.span, f"tune parameter {t.name}: default {t.default} is not in its domain {set(t.domain)}")
+    for r in k.restricts:
+        if not k.tunes:
+            raise DslError(r.span, f"{k.name}: 'restrict' constrains tune parameters; this kernel has none")
+        _check_restrict_names(k, r.cond, {t.name for t in k.tunes})
     if k.mode == "inline":
         _check_inline_returns(k, k.body, top=True)
     if k.mode == "job":
         _check_job(k, quants)
+
+
+def _check_restrict_names(k: A.Kernel, e: A.Expr, tunes: set[str]) -> None:
+    if isinstance(e, A.Name) and e.id not in tunes:
+        raise DslError(e.span, f"{k.name}: a restriction may use only tune parameters and numbers, not {e.id!r}")
+    for child in (getattr(e, "left", None), getattr(e, "right", None), getattr(e, "operand", None)):
+        if child is not None:
+            _check_restrict_names(k, child, tunes)
 
 
 def _check_job(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
@@ -202,13 +215,13 @@ def _with_docs(k: A.Kernel, lines: list[str]) -> KernelInfo:
 
 def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None = None,
                  where: str = "--tune") -> dict[str, dict[str, int]]:
-    """Each exported kernel's tune values: declared defaults, replaced by `overrides` (checked)."""
+    """Each exported kernel's tune values: declared defaults, replaced by `overrides`; every
+    value in its domain and every `restrict` met."""
     overrides = overrides or {}
-    result: dict[str, dict[str, int]] = {}
     for name, values in overrides.items():
         k = checked.kernels.get(name)
-        if k is None or k.ast.mode not in ("export", "job"):
-            raise DslError(None, f"{where}: no exported kernel or job {name!r}")
+        if k is None or not k.ast.exported:
+            raise DslError(None, f"{where}: no exported kernel {name!r}")
         declared = {t.name: t for t in k.ast.tunes}
         for p, v in values.items():
             if p not in declared:
@@ -217,7 +230,34 @@ def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None =
             if v not in declared[p].domain:
                 raise DslError(declared[p].span, f"{where}: {name}.{p}={v} is outside its domain {list(declared[p].domain)}",
                                checked.source)
+    result: dict[str, dict[str, int]] = {}
     for k in checked.kernels.values():
-        if k.ast.mode in ("export", "job"):
-            result[k.name] = {t.name: overrides.get(k.name, {}).get(t.name, t.default) for t in k.ast.tunes}
+        if k.ast.exported:
+            values = {t.name: overrides.get(k.name, {}).get(t.name, t.default) for t in k.ast.tunes}
+            broken = _broken_restrict(checked, k, values)
+            if broken is not None:
+                shown = ", ".join(f"{n}={v}" for n, v in values.items())
+                raise DslError(broken.span, f"{where}: {k.name} with {shown} breaks this restriction", checked.source)
+            result[k.name] = values
     return result
+
+
+def _broken_restrict(checked: Checked, k: KernelInfo, values: dict[str, int]) -> A.Restrict | None:
+    env = {**checked.consts, **{n: Val(None, "i32", v) for n, v in values.items()}}
+    for r in k.ast.restricts:
+        if not _const_value(r.cond, env):
+            return r
+    return None
+
+
+def variants(checked: Checked, kernel: str) -> list[dict[str, int]]:
+    """Every assignment of `kernel`'s tune parameters that meets its restrictions, defaults first."""
+    k = checked.kernels[kernel]
+    tunes = k.ast.tunes
+    default = {t.name: t.default for t in tunes}
+    out = [default]
+    for combo in itertools.product(*(t.domain for t in tunes)):
+        values = dict(zip((t.name for t in tunes), combo))
+        if values != default and _broken_restrict(checked, k, values) is None:
+            out.append(values)
+    return out

@@ -103,12 +103,11 @@ class Lowerer:
     def run(self) -> list[Func]:
         for k in self.c.kernels.values():
             if k.ast.mode == "job":
-                tune = self.tune.get(k.name, {})
                 for quant in self._quant_instances(k):
-                    name = variant_name(k.name, quant.name if quant else None, tune)
+                    name = variant_name(k.name, quant.name if quant else None, {})
                     generics = {k.ast.generics[0].name: quant} if quant else {}
-                    self.jobs.append(self._export(k, quant, tune, name))
-                    self._lower_func(k, {**generics, **{n: Val(None, "i32", v) for n, v in tune.items()}}, name, False)
+                    self.jobs.append(self._export(k, quant, {}, name))
+                    self._lower_func(k, generics, name, False)
             if not k.ast.exported:
                 continue
             for quant in self._quant_instances(k):
@@ -607,6 +606,13 @@ class Lowerer:
                 return Val(I("local.get", f"${b.planes[e.name]}"), "i32")
             if T.resolve(e.base.id) is not None and b is None:
                 raise self.error(f"{e.base.id}.{e.name} is an operation: call it")
+            kernel = self.c.kernels.get(e.base.id) if b is None else None
+            if kernel is not None:  # another kernel's tune value in this build: `qmatvec.rows`
+                values = self.tune.get(kernel.name, {})
+                if e.name not in values:
+                    raise self.error(f"kernel {kernel.name} has no tune parameter {e.name!r}"
+                                     f" (it has: {', '.join(values) or 'none'})")
+                return Val(None, "i32", values[e.name])
         raise self.error(f"no attribute {e.name!r} here")
 
     def _call(self, e: A.Call) -> Val:

@@ -198,12 +198,16 @@ class _Build(Transformer):
         *domain, default = (_int(v) for v in values)
         return A.Tune(self._span(meta), str(name), str(type_), tuple(domain), default)
 
+    def restrict_decl(self, meta, expr):
+        return A.Restrict(self._span(meta), expr)
+
     def kernel_decl(self, meta, mode, name, generics, *rest):
         params = tuple(r for r in rest if isinstance(r, A.Param))
+        restricts = tuple(r for r in rest if isinstance(r, A.Restrict))
         ret = next((r for r in rest if isinstance(r, str)), None)
         tunes = tuple(r for r in rest if isinstance(r, A.Tune))
-        body = tuple(r for r in rest if isinstance(r, A.Node) and not isinstance(r, (A.Param, A.Tune)))
-        return A.Kernel(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body)
+        body = tuple(r for r in rest if isinstance(r, A.Node) and not isinstance(r, (A.Param, A.Tune, A.Restrict)))
+        return A.Kernel(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body, restricts)
 
     def start(self, meta, *items):
         return A.Program(

@@ -162,18 +162,26 @@ def test_tune_changes_the_export_name(tmp_path: Path) -> None:
     assert code == 0, stderr
     m = manifest(out, "simd128")
     exports = m["exports"]
-    assert "qmatvec_q8_0__rows2" in exports
-    assert exports["qmatvec_q8_0__rows2"]["tune"] == {"rows": 2}
-    assert m["tune"]["values"]["qmatvec"] == {"rows": 2}
+    assert "qmatvec_q8_0__rows2_accs1" in exports
+    assert exports["qmatvec_q8_0__rows2_accs1"]["tune"] == {"rows": 2, "accs": 1}
+    assert m["tune"]["values"]["qmatvec"] == {"rows": 2, "accs": 1}
     qmatvecs = [name for name, e in exports.items() if e["kernel"] == "qmatvec"]
-    assert qmatvecs and all(name.endswith("__rows2") for name in qmatvecs)
+    assert qmatvecs and all(name.endswith("__rows2_accs1") for name in qmatvecs)
+
+
+def test_a_broken_restriction_exits_2(tmp_path: Path) -> None:
+    code, _, stderr = run("build", "--dsl", str(DSL_PATH), "--out", str(tmp_path / "out"),
+                          "--tune", "qmatvec.rows=4", "--tune", "qmatvec.accs=2")
+    assert code == 2
+    assert "breaks this restriction" in stderr and "restrict rows * accs <= 4" in stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("tune, message", [
     ("qmatvec.rows=3", "qmatvec.rows=3 is outside its domain"),
     ("nonsense", "write KERNEL.PARAM=VALUE"),
     ("qmatvec.rows=two", "'two' is not an integer"),
-    ("nokernel.rows=2", "no exported kernel or job 'nokernel'"),
+    ("nokernel.rows=2", "no exported kernel 'nokernel'"),
     ("qmatvec.cols=2", "kernel qmatvec has no tune parameter 'cols'"),
 ])
 def test_bad_tune_exits_2_and_writes_nothing(tmp_path: Path, tune: str, message: str) -> None:

@@ -198,7 +198,10 @@ def _raise(case: Case) -> DslError:
     return info.value
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+CASE_IDS = [c.id for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_error_location_and_message(case: Case) -> None:
     e = _raise(case)
     first = str(e).splitlines()[0]
@@ -207,12 +210,7 @@ def test_error_location_and_message(case: Case) -> None:
     assert e.span is not None and (e.span.line, e.span.col) == (case.line, case.col)
 
 
-def _rendering_params():
-    for c in CASES:
-        yield pytest.param(c, id=c.id)
-
-
-@pytest.mark.parametrize("case", list(_rendering_params()))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_error_shows_source_line_and_caret(case: Case) -> None:
     lines = str(_raise(case)).splitlines()
     source_line = case.source.splitlines()[case.line - 1].rstrip() if case.source.splitlines() else ""
@@ -230,7 +228,7 @@ def test_errors_name_the_file_given() -> None:
 def test_unknown_tune_kernel_and_parameter_are_unlocated_errors() -> None:
     with pytest.raises(DslError) as info:
         compile_source(SOURCE, tune={"nonesuch": {"rows": 2}})
-    assert info.value.span is None and "no exported kernel or job 'nonesuch'" in str(info.value)
+    assert info.value.span is None and "no exported kernel 'nonesuch'" in str(info.value)
     with pytest.raises(DslError) as info:
         compile_source(SOURCE, tune={"qmatvec": {"cols": 2}})
     assert info.value.span is None and "kernel qmatvec has no tune parameter 'cols'" in str(info.value)

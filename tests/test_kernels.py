@@ -7,8 +7,7 @@ the deterministic module and requires bit-identical outputs.
 """
 from __future__ import annotations
 
-import zlib
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -18,10 +17,11 @@ from kernelgen.api import Act, Kernels
 from kernelgen.parse import parse
 from kernelgen.quant import check_quant
 
-from conftest import TARGETS, Mode
+from conftest import TARGETS
+from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, rows_tune,
+                     same_as_deterministic, unit_scale_qmatvec_and_qdots)
 
 UNROLLS = (1, 2, 4)
-ROW_TUNES = (1, 2, 4)
 F32_N = (0, 1, 3, 4, 7, 8, 31, 32, 33, 100, 257)
 F32_ROWS = (1, 2, 3, 5, 7)
 Q_K = (32, 64, 96, 160, 4096 + 32)  # one block ... not a multiple of 128
@@ -32,58 +32,8 @@ QBLOCK = 32
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def rng_for(*key: Any) -> np.random.Generator:
-    """A generator with a fixed seed derived from `key` (stable across runs and processes)."""
-    return np.random.default_rng(zlib.crc32(repr(key).encode()))
-
-
-def consts(k: Kernels) -> tuple[int, int]:
-    c = k.manifest["constants"]
-    return c["ACT_ZERO"], c["ACT_MAX"]
-
-
-def act_dtype(k: Kernels) -> type:
-    return np.int8 if consts(k)[0] == 0 else np.uint8
-
-
 def f32_tune(unroll: int) -> dict:
     return {"dot_f32": {"unroll": unroll}, "matvec_f32": {"unroll": unroll}}
-
-
-def rows_tune(rows: int) -> dict:
-    return {"qmatvec": {"rows": rows}}
-
-
-def bits(x: Any) -> np.ndarray:
-    """The raw bit patterns of float32 results (scalars or arrays)."""
-    return np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32)
-
-
-def assert_bitwise_equal(a: Any, b: Any, what: str) -> None:
-    if isinstance(a, (tuple, list)):
-        assert len(a) == len(b)
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{what}[{i}]")
-        return
-    if isinstance(a, Act):
-        assert_bitwise_equal(a.q.view(np.uint8), b.q.view(np.uint8), f"{what}.q")
-        assert_bitwise_equal(a.d, b.d, f"{what}.d")
-        return
-    if isinstance(a, np.ndarray) and a.dtype.kind in "iu":
-        np.testing.assert_array_equal(a, b, err_msg=what)
-        assert a.dtype == b.dtype
-        return
-    fa, fb = np.atleast_1d(np.asarray(a, np.float32)), np.atleast_1d(np.asarray(b, np.float32))
-    nan = np.isnan(fa)  # NaN payloads are not specified: NaN must stay NaN, every other bit must match
-    np.testing.assert_array_equal(nan, np.isnan(fb), err_msg=f"{what}: NaN positions differ")
-    np.testing.assert_array_equal(bits(fa[~nan]), bits(fb[~nan]), err_msg=f"{what}: bits differ")
-
-
-def same_as_deterministic(mode: Mode, kgen: Callable[..., Kernels], tune: dict | None,
-                          run: Callable[[Kernels], Any], got: Any) -> None:
-    """In the relaxed non-deterministic mode, rerun on the deterministic module: bit-identical."""
-    if mode.relaxed_nondet:
-        assert_bitwise_equal(got, run(kgen(tune, deterministic=True)), "relaxed det vs nondet")
 
 
 def dot64(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -158,8 +108,8 @@ def test_tune_selects_exported_variant(module_cache, target, value):
     assert k.export_name("dot_f32") == f"dot_f32__unroll{value}"
     assert k.export_name("matvec_f32") == f"matvec_f32__unroll{value}"
     k = module_cache.get(target, True, rows_tune(value))
-    assert k.export_name("qmatvec", "q8_0") == f"qmatvec_q8_0__rows{value}"
-    assert k.tune_of("qmatvec", "q8_0") == {"rows": value}
+    assert k.export_name("qmatvec", "q8_0") == f"qmatvec_q8_0__rows{value}_accs1"
+    assert k.tune_of("qmatvec", "q8_0") == {"rows": value, "accs": 1}
 
 
 # ---- f32 dot and mat-vec -----------------------------------------------------------------------
@@ -517,19 +467,12 @@ def test_module_pack_raw_bytes_equals_structured(mode, kgen):
 # ---- qdot / qmatvec vs the reference -----------------------------------------------------------
 
 
-def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -> None:
-    # |y - ref| <= 1e-5 * (sum of the |terms|) + 1e-30: f32 accumulation of per-block f32 terms
-    err = np.abs(y.astype(np.float64) - ref)
-    bad = ~(err <= 1e-5 * mag + 1e-30)
-    assert not bad.any(), f"{what}: rows {np.flatnonzero(bad)[:8]} got {y[bad][:4]} ref {ref[bad][:4]}"
-
-
 @pytest.mark.parametrize("kind", ["gguf", "raw"])
 @pytest.mark.parametrize("k", Q_K, ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("rows_variant", ROW_TUNES, ids=lambda r: f"rows{r}")
 def test_qmatvec_matches_reference(mode, kgen, rows_variant, k, kind):
     tune = rows_tune(rows_variant)
-    assert kgen(tune).tune_of("qmatvec", "q8_0") == {"rows": rows_variant}
+    assert kgen(tune).tune_of("qmatvec", "q8_0")["rows"] == rows_variant
     rng = rng_for("qmatvec", k, kind)
     x = (rng.standard_normal(k) * np.repeat(rng.uniform(0.1, 10, k // 32), 32)).astype(np.float32)
     weights = [random_weights(kind, rows, k, rng) for rows in Q_ROWS]
@@ -649,14 +592,7 @@ def test_integer_accumulation_is_exact(mode, kgen, rows_variant, k):
     acts = activation_patterns(mode.target, k)
 
     def run(m: Kernels) -> list[np.ndarray]:
-        packed = m.pack("q8_0", blocks)
-        rows1 = [m.pack("q8_0", blocks[r:r + 1]) for r in range(len(wp))]
-        out = []
-        for a in acts.values():
-            act = Act(q=a, d=np.ones(k // 32, np.float32))
-            out.append(m.qmatvec(packed, act))
-            out.append(np.array([m.qdot(p, act) for p in rows1], np.float32))
-        return out
+        return unit_scale_qmatvec_and_qdots(m, "q8_0", blocks, acts.values())
 
     outs = run(km)
     for i, (aname, a) in enumerate(acts.items()):

@@ -15,8 +15,7 @@ very end of memory instead, where touching the bytes after it traps.
 """
 from __future__ import annotations
 
-import zlib
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,9 +23,9 @@ import pytest
 from kernelgen import formats, reference
 from kernelgen.api import Act, Kernels, padded_rows
 
-from conftest import Mode
+from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close, bits_of, consts, rng_for, rows_tune,
+                     same_as_deterministic, unit_scale_qmatvec_and_qdots)
 
-ROW_TUNES = (1, 2, 4)
 Q4_TYPES = ("q4_0", "q4_1", "q4_onnx")
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -40,22 +39,8 @@ assert CANARY[0].view(np.float32) == 12345.0 and CANARY[7].view(np.float32) == -
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def rng_for(*key: Any) -> np.random.Generator:
-    """A generator with a fixed seed derived from `key` (stable across runs and processes)."""
-    return np.random.default_rng(zlib.crc32(repr(key).encode()))
-
-
 def canaries(n: int) -> np.ndarray:
     return np.resize(CANARY, n)
-
-
-def consts(k: Kernels) -> tuple[int, int]:
-    c = k.manifest["constants"]
-    return c["ACT_ZERO"], c["ACT_MAX"]
-
-
-def rows_tune(rows: int) -> dict:
-    return {"qmatvec": {"rows": rows}}
 
 
 def f32_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -75,40 +60,6 @@ def f64_ulps(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
     same = (got == ref) | (np.isnan(got) & np.isnan(ref))
     u = np.where(same, 0.0, u)
     return np.where(np.isfinite(u), u, np.inf)
-
-
-def bits_of(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view({4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
-def assert_bitwise_equal(a: Any, b: Any, what: str) -> None:
-    """Bit-identical results: floats compare bit patterns except that any NaN matches any NaN
-    (payloads are unspecified); integer arrays compare exactly; Act compares q and d."""
-    if isinstance(a, (tuple, list)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{what}[{i}]")
-        return
-    if isinstance(a, Act):
-        assert_bitwise_equal(a.q, b.q, f"{what}.q")
-        assert_bitwise_equal(a.d, b.d, f"{what}.d")
-        return
-    a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-    if a.dtype.kind in "iub":
-        np.testing.assert_array_equal(a, b, err_msg=what)
-        return
-    nan = np.isnan(a)
-    np.testing.assert_array_equal(nan, np.isnan(b), err_msg=f"{what}: NaN positions differ")
-    np.testing.assert_array_equal(bits_of(a[~nan]), bits_of(b[~nan]), err_msg=f"{what}: bits differ")
-
-
-def same_as_deterministic(mode: Mode, kgen: Callable[..., Kernels], tune: dict | None,
-                          run: Callable[[Kernels], Any], got: Any) -> None:
-    """In the relaxed non-deterministic mode, rerun on the deterministic module: bit-identical."""
-    if mode.relaxed_nondet:
-        assert_bitwise_equal(got, run(kgen(tune, deterministic=True)), "relaxed det vs nondet")
 
 
 def raw_elementwise(k: Kernels, kernel: str, inputs: list[np.ndarray], in_place: bool = False
@@ -1021,19 +972,12 @@ def q4_reference(k: Kernels, quant: str, blocks: np.ndarray, act: Act) -> tuple[
     return ref, mag
 
 
-def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -> None:
-    # f32 accumulation of per-block f32 terms: |y - ref| <= 1e-5 * (sum of |terms|) + 1e-30
-    err = np.abs(y.astype(np.float64) - ref)
-    bad = ~(err <= 1e-5 * mag + 1e-30)
-    assert not bad.any(), f"{what}: rows {np.flatnonzero(bad)[:8]} got {y[bad][:4]} ref {ref[bad][:4]}"
-
-
 @pytest.mark.parametrize("quant", Q4_TYPES)
 @pytest.mark.parametrize("rows_variant", ROW_TUNES, ids=lambda r: f"rows{r}")
 def test_q4_qmatvec_and_qdot_match_reference(mode, kgen, rows_variant, quant):
     tune = rows_tune(rows_variant)
     km = kgen(tune)
-    assert km.tune_of("qmatvec", quant) == {"rows": rows_variant}
+    assert km.tune_of("qmatvec", quant)["rows"] == rows_variant
     q = km.quants[quant]
     cases = []
     for k in (32, 96, 4128):
@@ -1116,13 +1060,8 @@ def test_q4_integer_accumulation_is_exact(mode, kgen, rows_variant, quant):
 
     def run(m: Kernels) -> list[np.ndarray]:
         out = []
-        for k, blocks, _, acts in cases:
-            packed = m.pack(quant, blocks)
-            singles = [m.pack(quant, blocks[r:r + 1]) for r in range(blocks.shape[0])]
-            for a in acts.values():
-                act = Act(q=a, d=np.ones(k // 32, np.float32))
-                out.append(m.qmatvec(packed, act))
-                out.append(np.array([m.qdot(p, act) for p in singles], np.float32))
+        for _, blocks, _, acts in cases:
+            out += unit_scale_qmatvec_and_qdots(m, quant, blocks, acts.values())
         return out
 
     outs = run(km)
@@ -1153,7 +1092,7 @@ def test_reference_qmatvec_magnitude_covers_offset_terms(mode, kgen):
     vals = np.resize(np.array([7, 8], np.uint8), 32)
     b["qs"][0, 0] = vals[:16] | (vals[16:] << 4)
     assert q.unpack_ref(b).sum() == 240
-    act = Act(q=np.full(32, zero + 1, np.int8 if zero == 0 else np.uint8), d=np.float32([0.1]))
+    act = Act(q=np.full(32, zero + 1, act_dtype(km)), d=np.float32([0.1]))
     y = km.qmatvec(km.pack("q4_1", b), act)
     ref, mag = reference.qmatvec(q.scale_ref(b), q.unpack_ref(b).reshape(1, -1), act.q, act.d, zero, 32,
                                  q.offset_ref(b))

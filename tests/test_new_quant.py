@@ -60,7 +60,8 @@ def test_declared_q5_0_matches_its_definition(built: Path, target: str) -> None:
     k = kernelgen.load(built, target)
     q5 = k.quants["q5_0"]
     assert q5.stored_bytes == 22 and q5.bytes == 20
-    assert "qmatvec_q5_0__rows1" in k.manifest["exports"] and "qdot_q5_0" in k.manifest["exports"]
+    assert k.manifest["exports"][k.export_name("qmatvec", "q5_0")]["quant"] == "q5_0"
+    assert "qdot_q5_0" in k.manifest["exports"] and k.job_name("qmatvec_job", "q5_0")
     rows, nb = 9, 5
     blocks = random_blocks(q5.dtype, rows, nb, seed=5)
     blocks["qh"][0, 0] = [0xFF, 0xFF, 0xFF, 0xFF]  # every fifth bit set: values up to 15

@@ -1,0 +1,165 @@
+"""The tuning store: a JSON-lines file of timings, keyed by what a timing depends on (kernel, a
+hash of the DSL the kernel is built from, target, shape, host CPU and core count, wasmtime and
+wabt versions), and the rule that picks a variant from it for `kernelgen build`.
+
+A line that is not a record of this format (corrupt, foreign, from a future format) is skipped with
+a warning naming its line, never a crash.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from . import ast as A
+from .assemble import wabt_version
+from .check import Checked
+
+STORE = Path("tuning") / "store.jsonl"
+FORMAT = 1
+
+
+# ---- keys ----------------------------------------------------------------------------------------
+
+
+def host() -> dict[str, object]:
+    """The machine a timing belongs to."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count() or 1, "wasmtime": wasmtime_version(), "wabt": wabt_version()}
+
+
+def wasmtime_version() -> str:
+    from importlib.metadata import version
+    return version("wasmtime")
+
+
+def kernel_hash(checked: Checked, kernel: str) -> str:
+    """sha256 of the source a kernel is built from: its declaration, every kernel it calls, the
+    consts and quant types it can reach. Editing an unrelated kernel keeps its tunings valid."""
+    lines = checked.source.splitlines()
+    seen: set[str] = set()
+    todo = [kernel]
+    texts: list[str] = []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = checked.kernels[name].ast if name in checked.kernels else None
+        decl = node or next((q for q in checked.program.quants if q.name == name), None) \
+            or next((c for c in checked.program.consts if c.name == name), None)
+        if decl is None:
+            continue
+        texts.append("\n".join(lines[decl.span.line - 1:decl.span.end_line]))
+        if node is not None:
+            todo.extend(_names(node))
+            if node.generics:
+                todo.extend(q.name for q in checked.program.quants)
+    return hashlib.sha256("\n\0".join(sorted(texts)).encode()).hexdigest()
+
+
+def _names(node: object) -> Iterable[str]:
+    if isinstance(node, A.Name):
+        yield node.id
+    if isinstance(node, tuple):
+        for item in node:
+            yield from _names(item)
+    elif isinstance(node, A.Node):
+        for f in node.__dataclass_fields__:
+            if f != "span":
+                yield from _names(getattr(node, f))
+
+
+# ---- records -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    kernel: str
+    quant: str | None
+    target: str
+    shape: str
+    dsl_hash: str
+    host: dict
+    tune: dict[str, int]
+    seconds: float | None  # median seconds per call; None when the variant failed
+    status: str  # "ok" or "failed: <why>"
+    retimed: bool = False
+    when: float = field(default_factory=time.time)
+
+    def key(self) -> tuple:
+        return (self.kernel, self.quant, self.target, self.shape, self.dsl_hash, json.dumps(self.host, sort_keys=True))
+
+
+def load_store(path: Path) -> list[Record]:
+    """All well-formed records; anything else is skipped with a warning naming its line."""
+    records: list[Record] = []
+    if not path.is_file():
+        return records
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            if data.pop("format", None) != FORMAT:
+                raise ValueError("not a kernelgen tuning record of this format")
+            rec = Record(**data)
+            if not isinstance(rec.tune, dict) or not all(isinstance(v, int) for v in rec.tune.values()):
+                raise ValueError("bad tune values")
+            if rec.seconds is not None and not (isinstance(rec.seconds, (int, float)) and rec.seconds > 0):
+                raise ValueError("bad time")
+            records.append(rec)
+        except (ValueError, TypeError) as e:
+            warnings.warn(f"{path}:{n}: skipped ({e})", stacklevel=2)
+    return records
+
+
+def append_record(path: Path, rec: Record) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"format": FORMAT, **rec.__dict__}, sort_keys=True) + "\n")
+
+
+def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict) -> dict | None:
+    """The variant to build for `kernel` on `target`: among successful timings on `want_host` for
+    the current DSL, the one with the lowest geometric mean of time / best time over the shapes
+    measured, counting only variants timed on every shape. The latest timing of a (variant, shape)
+    wins (re-timings replace first timings). None when nothing matches."""
+    h = kernel_hash(checked, kernel)
+    hk = json.dumps(want_host, sort_keys=True)
+    latest: dict[tuple[str, str], float] = {}
+    for r in sorted(records, key=lambda r: r.when):
+        if (r.kernel, r.target, r.dsl_hash) == (kernel, target, h) and json.dumps(r.host, sort_keys=True) == hk:
+            key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}")
+            if r.seconds is not None and r.status == "ok":
+                latest[key] = r.seconds
+            else:
+                latest.pop(key, None)
+    if not latest:
+        return None
+    shapes = {s for _, s in latest}
+    best_per_shape = {s: min(t for (_, s2), t in latest.items() if s2 == s) for s in shapes}
+    scores = {}
+    for tune in {t for t, _ in latest}:
+        ratios = [latest.get((tune, s)) for s in shapes]
+        if all(r is not None for r in ratios):
+            scores[tune] = math.exp(sum(math.log(r / best_per_shape[s]) for r, s in zip(ratios, shapes)) / len(shapes))
+    if not scores:
+        return None
+    return json.loads(min(sorted(scores), key=lambda t: scores[t]))
+
+

@@ -1,0 +1,196 @@
+"""Auto-tuning: generate each variant of a kernel, verify it against numpy once, time it inside
+wasm, and append the result to the store (store.py) that `kernelgen build` reads.
+
+A variant is one assignment of a kernel's `tune` parameters that meets its `restrict`s
+(check.variants). Results are appended as they arrive, so Ctrl-C keeps them and a rerun resumes
+by skipping what is recorded; the best few of each shape are timed again before the pick.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import wasmtime
+
+from . import reference
+from .api import Kernels, from_built
+from .build import compile_source
+from .check import Checked, check, variants
+from .names import variant_name
+from .parse import parse
+from .store import Record, append_record, host, kernel_hash, load_store
+from .timing import measure, repeat_name, repeat_source
+
+
+# ---- what is tuned: inputs, a numpy check, and the timed call per kernel ---------------------------
+
+
+@dataclass
+class Case:
+    """One kernel at one shape: arguments in a module's memory, a check of its outputs, the work done."""
+
+    args: list
+    verify: Callable[[object], str | None]  # given the call's result: None when right, else what is wrong
+    work: float  # weights (mat-vec) or elements per call
+
+
+def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+    n, kk = shape
+    q = k.quants[quant]
+    raw = rng.integers(0, 256, (n, kk // q.block * q.stored_bytes), dtype=np.uint8)
+    blocks = raw.view(q.dtype).copy()
+    for f in q.fields:
+        if f.type in ("f16", "f32") and f.count is None:
+            blocks[f.name] = rng.uniform(-0.05, 0.05, blocks.shape).astype(blocks[f.name].dtype)
+    w = k.pack(quant, blocks)
+    act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
+    aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * n)
+    # The reference on a sample of rows keeps verification fast for big shapes.
+    rows = np.unique(np.linspace(0, n - 1, min(n, 64)).astype(int))
+    sub = blocks[rows]
+    ref, mag = reference.qmatvec(q.scale_ref(sub), q.unpack_ref(sub).reshape(len(rows), -1), act.q, act.d,
+                                 k.manifest["constants"]["ACT_ZERO"], q.block,
+                                 q.offset_ref(sub) if q.offset is not None else None)
+
+    def verify(_: object) -> str | None:
+        got = k.module.get(y, np.float32, n)[rows]
+        bad = np.abs(got - ref) > 1e-5 * mag + 1e-30
+        return f"rows {rows[bad][:4].tolist()} differ from numpy" if bad.any() else None
+
+    return Case([*w.args, aq, ad, y, n, kk], verify, float(n * kk))
+
+
+def _case_f32(kernel: str) -> Callable:
+    def make(k: Kernels, quant: str | None, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+        rows, n = (1, shape[0]) if kernel == "dot_f32" else shape
+        w = rng.standard_normal((rows, n)).astype(np.float32)
+        x = rng.standard_normal(n).astype(np.float32)
+        pw, px = k.module.put(w), k.module.put(x)
+        y = k.module.alloc(4 * rows)
+        ref = w.astype(np.float64) @ x
+        mag = np.abs(w.astype(np.float64) * x).sum(axis=1)
+
+        def verify(returned: object) -> str | None:
+            got = np.array([returned]) if kernel == "dot_f32" else k.module.get(y, np.float32, rows)
+            bad = np.abs(got - ref) > 1e-5 * mag + 1e-30
+            return f"{bad.sum()} outputs differ from numpy" if bad.any() else None
+
+        args = [pw, px, n] if kernel == "dot_f32" else [pw, px, y, rows, n]
+        return Case(args, verify, float(rows * n))
+
+    return make
+
+
+# kernel -> (case maker, default shapes); shapes are "N" or "NxK".
+SPECS: dict[str, tuple[Callable, list[tuple[int, ...]]]] = {
+    "qmatvec": (_case_qmatvec, [(4096, 4096), (256, 4096)]),
+    "dot_f32": (_case_f32("dot_f32"), [(4096,)]),
+    "matvec_f32": (_case_f32("matvec_f32"), [(1024, 1024)]),
+}
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: write N or NxK, e.g. 4096x4096") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise ValueError(f"shape {text!r}: dimensions must be positive")
+    return dims
+
+
+# ---- the tuner -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    kernel: str
+    quant: str | None
+    shape: tuple[int, ...]
+    tune: dict[str, int]
+
+
+def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
+             tune: dict[str, int], min_batch: float = 0.02, samples: int = 5) -> tuple[float | None, str]:
+    """Build one variant, verify it once, then time it inside wasm: (seconds per call, status)."""
+    maker, _ = SPECS[kernel]
+    (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
+    k = from_built(built, deterministic=False)
+    case = maker(k, quant, shape, np.random.default_rng(0))
+    try:
+        problem = case.verify(k.call(k.export_name(kernel, quant), *case.args))
+        if problem:
+            return None, f"failed: wrong results ({problem})"
+        bench = variant_name(repeat_name(kernel), quant, {})
+        timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples)
+    except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
+        return None, f"failed: trapped ({str(e).splitlines()[0]})"
+    return timing.seconds, "ok"
+
+
+def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
+         quants: list[str] | None, store: Path, budget: float, strategy: str = "exhaustive", seed: int = 0,
+         retime: int = 3, out=sys.stderr) -> list[Record]:
+    """Tune `kernels` on `targets`; every result is appended to `store` as it comes."""
+    checked = check(parse(source))
+    me = host()
+    done = {(r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True))
+            for r in load_store(store) if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
+    plans: list[tuple[str, Plan]] = []
+    for target in targets:
+        for kernel in kernels:
+            kinfo = checked.kernels[kernel]
+            qs = (quants or list(checked.quants)) if kinfo.ast.generics else [None]
+            for q in qs:
+                for shape in shapes.get(kernel) or SPECS[kernel][1]:
+                    for t in variants(checked, kernel):
+                        plans.append((target, Plan(kernel, q, shape, t)))
+    if strategy == "random":
+        random.Random(seed).shuffle(plans)
+    elif strategy != "exhaustive":
+        raise ValueError(f"unknown strategy {strategy!r}: exhaustive or random")
+    new: list[Record] = []
+    start = time.monotonic()
+    try:
+        for i, (target, p) in enumerate(plans, 1):
+            shape = "x".join(map(str, p.shape))
+            if (p.kernel, p.quant, target, shape, json.dumps(p.tune, sort_keys=True)) in done:
+                continue
+            if time.monotonic() - start > budget:
+                print(f"\ntime budget of {budget:.0f} s used; {len(plans) - i + 1} variant(s) left", file=out)
+                break
+            name = variant_name(p.kernel, p.quant, p.tune)
+            print(f"\r[{i}/{len(plans)}] {target} {name} {shape} ...".ljust(79), end="", file=out, flush=True)
+            seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune)
+            rec = Record(p.kernel, p.quant, target, shape, kernel_hash(checked, p.kernel), me, p.tune, seconds, status)
+            append_record(store, rec)
+            new.append(rec)
+        new += _retime_best(source, checked, new, store, retime, out)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {len(new)} result(s) kept in {store}", file=out)
+    print(file=out)
+    return new
+
+
+def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path, n: int, out) -> list[Record]:
+    """Time the best few of each (kernel, quant, target, shape) again before the pick."""
+    groups: dict[tuple, list[Record]] = {}
+    for r in recs:
+        if r.seconds is not None:
+            groups.setdefault((r.kernel, r.quant, r.target, r.shape), []).append(r)
+    again = []
+    for (kernel, quant, target, shape), rs in groups.items():
+        for r in sorted(rs, key=lambda r: r.seconds)[:n]:
+            print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape}".ljust(79), end="",
+                  file=out, flush=True)
+            seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune)
+            rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True)
+            append_record(store, rec)
+            again.append(rec)
+    return again
