@@ -3,6 +3,7 @@ files) print a message and exit 2; nothing is written unless every target built.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from .check import check, resolve_tune
 from .lower import lower
 from .errors import DslError, KernelgenError
 from .parse import parse
+from .store import STORE, load_store
 
 EXIT_USER = 2
 EXIT_INTERNAL = 70
@@ -47,9 +49,28 @@ def _read(dsl: Path) -> str:
         raise KernelgenError(f"{dsl}: cannot read ({e.strerror if isinstance(e, OSError) else e})") from None
 
 
+def _store(args: argparse.Namespace) -> Path | None:
+    if args.no_store:
+        return None
+    if args.store is not None and not args.store.is_file():
+        raise KernelgenError(f"--store {args.store}: no such file")
+    return args.store or (STORE if STORE.is_file() else None)
+
+
+def _tune_host(args: argparse.Namespace) -> dict | None:
+    """--tune-host-from MANIFEST: build with the tunings of the host that manifest was built for."""
+    if args.tune_host_from is None:
+        return None
+    try:
+        manifest = json.loads(args.tune_host_from.read_text(encoding="utf-8"))
+        return manifest["tune"]["host"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KernelgenError(f"--tune-host-from {args.tune_host_from}: not a kernelgen manifest ({e})") from None
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     _read(args.dsl)
-    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune))
+    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), _store(args), _tune_host(args))
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
     print(f"{len(changed)} file(s) written under {args.out}" if changed else f"{args.out} is up to date")
@@ -62,6 +83,47 @@ def cmd_check(args: argparse.Namespace) -> int:
     for t in TARGET_NAMES:
         lower(checked, t, values)  # type-checks every kernel body for the target
     print(f"{args.dsl}: ok ({len(checked.kernels)} kernels, {len(checked.quants)} quant types)")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .tune import SPECS, parse_shape, tune
+
+    source = _read(args.dsl)
+    checked = check(parse(source, str(args.dsl)))
+    kernels = [k for k in SPECS if fnmatch.fnmatch(k, args.kernel)]
+    if not kernels:
+        raise KernelgenError(f"--kernel {args.kernel!r} matches no tunable kernel ({', '.join(SPECS)})")
+    for k in kernels:
+        if k not in checked.kernels:
+            raise KernelgenError(f"{args.dsl}: kernel {k} is not declared")
+    try:
+        shapes = {k: [parse_shape(s) for s in args.shape] for k in kernels} if args.shape else {}
+    except ValueError as e:
+        raise KernelgenError(str(e)) from None
+    for q in args.quant or []:
+        if q not in checked.quants:
+            raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
+    store = args.store or STORE
+    recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed)
+    ok = [r for r in recs if r.seconds is not None]
+    failed = [r for r in recs if r.seconds is None]
+    print(f"{len(ok)} timing(s) and {len(failed)} failed variant(s) appended to {store}")
+    for r in failed:
+        print(f"  {r.target} {r.kernel} {r.tune} {r.shape}: {r.status}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import as_json, format_table, run
+
+    source = _read(args.dsl)
+    check(parse(source, str(args.dsl)))
+    store = _store(args)
+    rows, env = run(source, args.target, load_store(store) if store else None,
+                    progress=lambda s: print(f"\r{s}".ljust(60), end="", file=sys.stderr, flush=True))
+    print(file=sys.stderr)
+    print(json.dumps(as_json(rows, env), indent=2) if args.json else format_table(rows, env))
     return 0
 
 
@@ -100,15 +162,34 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dsl", type=Path, default=Path("kernels.dsl"), help="kernel source (default kernels.dsl)")
+    stored = argparse.ArgumentParser(add_help=False)
+    stored.add_argument("--store", type=Path, help=f"tuning store (default {STORE} when it exists)")
+    stored.add_argument("--no-store", action="store_true", help="ignore the tuning store: declared defaults")
     tune = argparse.ArgumentParser(add_help=False)
     tune.add_argument("--tune", action="append", default=[], metavar="KERNEL.PARAM=VALUE",
                       help="override a tune parameter's default (repeatable)")
-    b = sub.add_parser("build", parents=[common, tune], help="compile to out/<target>/kernels.{wat,wasm,json}")
+    b = sub.add_parser("build", parents=[common, tune, stored], help="compile to out/<target>/kernels.{wat,wasm,json}")
     b.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     b.add_argument("--out", type=Path, default=Path("out"), help="output directory (default out)")
+    b.add_argument("--tune-host-from", type=Path, metavar="MANIFEST",
+                   help="use the tunings recorded for the host a manifest was built for (reproduces a committed out/)")
     b.set_defaults(func=cmd_build)
     c = sub.add_parser("check", parents=[common, tune], help="parse and check for every target, write nothing")
     c.set_defaults(func=cmd_check)
+    t = sub.add_parser("tune", parents=[common], help="time every variant of tunable kernels, append to the store")
+    t.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
+    t.add_argument("--kernel", default="*", help="kernel name pattern (default: every tunable kernel)")
+    t.add_argument("--shape", action="append", default=[], help="NxK (repeatable; default: each kernel's shapes)")
+    t.add_argument("--quant", action="append", help="quant types for generic kernels (default: all)")
+    t.add_argument("--budget", type=float, default=600.0, help="seconds to spend (default 600)")
+    t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive")
+    t.add_argument("--seed", type=int, default=0, help="for --strategy random")
+    t.add_argument("--store", type=Path, help=f"where results go (default {STORE})")
+    t.set_defaults(func=cmd_tune)
+    be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
+    be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
+    be.add_argument("--json", action="store_true", help="print the results as JSON")
+    be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_list)
