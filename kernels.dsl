@@ -221,54 +221,68 @@ inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x
     return r;
 }
 
+# Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
+# the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
+kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, nb: i32) -> f32 {
+    var acc[A]: f32x4 = f32x4.splat(0.0);
+    let nbs = nb - nb % (4 * A);
+    for b in 0..nbs step 4 * A {
+        unroll s in 0..A {
+            let ab = aq + (b + 4 * s) * Q.block;
+            let da4 = f32x4.load(ad + (b + 4 * s) * 4);
+            acc[s] = qstep4[Q](w, r * nb + b + 4 * s, ab, da4, ascaled4[Q](ab, da4), acc[s]);
+        }
+    }
+    for b in nbs..nb {
+        acc[0] = qstep1[Q](w, r * nb + b, aq + b * Q.block, f32.load(ad + b * 4), acc[0]);
+    }
+    unroll s in 1..A {
+        acc[0] = acc[0] + acc[s];
+    }
+    return hsum(acc[0]);
+}
+
 # Dot of one packed row with quantized activations.
 #   w: packed row of k / Q.block blocks
 #   aq: activations from quantize_act, k bytes
 #   ad: activation scales from quantize_act, k / 32 f32
 #   k: row length, a multiple of Q.block
 export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
-    let nb = k / Q.block;
-    let nb4 = nb - nb % 4;
-    var acc: f32x4 = f32x4.splat(0.0);
-    for b in 0..nb4 step 4 {
-        let ab = aq + b * Q.block;
-        let da4 = f32x4.load(ad + b * 4);
-        acc = qstep4[Q](w, b, ab, da4, ascaled4[Q](ab, da4), acc);
-    }
-    for b in nb4..nb {
-        acc = qstep1[Q](w, b, aq + b * Q.block, f32.load(ad + b * 4), acc);
-    }
-    return hsum(acc);
+    return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
 }
 
 # Rows r0 .. r0 + N - 1 of y = W a, their accumulators side by side in registers, sharing each
 # activation group's loads; A accumulators per row take turns over the four-block steps (more
-# independent work in flight), then the leftover blocks go one at a time.
+# independent work in flight). Summation order per row is qrowsum's, so results do not depend on N.
 kernel qrows[Q: quant, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, nb: i32) {
-    var acc[N * A]: f32x4 = f32x4.splat(0.0);
-    let nbs = nb - nb % (4 * A);
-    for b in 0..nbs step 4 * A {
-        unroll s in 0..A {
-            let ab = aq + (b + 4 * s) * Q.block;
-            let da4 = f32x4.load(ad + (b + 4 * s) * 4);
-            let as4 = ascaled4[Q](ab, da4);
-            unroll r in 0..N {
-                acc[r * A + s] = qstep4[Q](w, (r0 + r) * nb + b + 4 * s, ab, da4, as4, acc[r * A + s]);
+    static if N == 1 {
+        f32.store(y + r0 * 4, qrowsum[Q, A](w, aq, ad, r0, nb));
+    } else {
+        var acc[N * A]: f32x4 = f32x4.splat(0.0);
+        let nbs = nb - nb % (4 * A);
+        for b in 0..nbs step 4 * A {
+            unroll s in 0..A {
+                let ab = aq + (b + 4 * s) * Q.block;
+                let da4 = f32x4.load(ad + (b + 4 * s) * 4);
+                let as4 = ascaled4[Q](ab, da4);
+                unroll r in 0..N {
+                    acc[r * A + s] = qstep4[Q](w, (r0 + r) * nb + b + 4 * s, ab, da4, as4, acc[r * A + s]);
+                }
             }
         }
-    }
-    for b in nbs..nb {
-        let ab = aq + b * Q.block;
-        let da = f32.load(ad + b * 4);
+        for b in nbs..nb {
+            let ab = aq + b * Q.block;
+            let da = f32.load(ad + b * 4);
+            unroll r in 0..N {
+                acc[r * A] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r * A]);
+            }
+        }
         unroll r in 0..N {
-            acc[r * A] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r * A]);
+            unroll s in 1..A {
+                acc[r * A] = acc[r * A] + acc[r * A + s];
+            }
+            f32.store(y + (r0 + r) * 4, hsum(acc[r * A]));
         }
-    }
-    unroll r in 0..N {
-        unroll s in 1..A {
-            acc[r * A] = acc[r * A] + acc[r * A + s];
-        }
-        f32.store(y + (r0 + r) * 4, hsum(acc[r * A]));
     }
 }
 
@@ -345,9 +359,19 @@ inline kernel exp4(x: f32x4) -> f32x4 {
     return er * s1 * s2;
 }
 
-# A lane mask of the first `m` lanes (0 <= m <= 4): where a partial last vector is valid.
+# A lane mask of the first `m` lanes (all four when m >= 4): where a partial last vector is valid.
 inline kernel first_lanes(m: i32) -> i32x4 {
     return i32x4.iota() < i32x4.splat(m);
+}
+
+# Store v at p: all four lanes when valid >= 4, else only the first `valid`, the others keeping
+# what they held (a partial last vector never changes memory past the data).
+inline kernel store_first(p: ptr, v: f32x4, valid: i32) {
+    if valid >= 4 {
+        f32x4.store(p, v);
+    } else {
+        f32x4.store(p, select(first_lanes(valid), v, f32x4.load(p)));
+    }
 }
 
 # y = exp(x) over n f32 values.
@@ -355,20 +379,14 @@ inline kernel first_lanes(m: i32) -> i32x4 {
 #   y: f32[n], written; may be x
 #   n: element count; the last partial vector is read whole but only its first n % 4 lanes are written
 export kernel exp_f32(x: ptr, y: ptr, n: i32) {
-    let full = n - n % 4;
-    for i in 0..full step 4 {
-        f32x4.store(y + i * 4, exp4(f32x4.load(x + i * 4)));
-    }
-    if full < n {
-        let old = f32x4.load(y + full * 4);
-        f32x4.store(y + full * 4, select(first_lanes(n - full), exp4(f32x4.load(x + full * 4)), old));
+    for i in 0..n step 4 {
+        store_first(y + i * 4, exp4(f32x4.load(x + i * 4)), n - i);
     }
 }
 
 # Softmax of rows r0 .. r1 - 1 (see softmax_f32).
 kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
     let full = t - t % 4;
-    let tail = first_lanes(t - full);
     for r in r0..r1 {
         let row = x + r * stride * 4;
         var vmax: f32x4 = f32x4.splat(-1.0 / 0.0);
@@ -384,15 +402,10 @@ kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
         }
         let vm = f32x4.splat(m);
         var vsum: f32x4 = f32x4.splat(0.0);
-        for i in 0..full step 4 {
-            let e = exp4(f32x4.load(row + i * 4) - vm);
-            f32x4.store(row + i * 4, e);
+        for i in 0..t step 4 {
+            let e = select(first_lanes(t - i), exp4(f32x4.load(row + i * 4) - vm), f32x4.splat(0.0));
+            store_first(row + i * 4, e, t - i);
             vsum = vsum + e;
-        }
-        var last: f32x4 = f32x4.splat(0.0);
-        if full < t {
-            last = select(tail, exp4(f32x4.load(row + full * 4) - vm), f32x4.splat(0.0));
-            vsum = vsum + last;
         }
         let s = hsum(vsum);
         var inv: f32 = 0.0;
@@ -400,11 +413,8 @@ kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
             inv = 1.0 / s;
         }
         let vinv = f32x4.splat(inv);
-        for i in 0..full step 4 {
-            f32x4.store(row + i * 4, f32x4.load(row + i * 4) * vinv);
-        }
-        if full < t {
-            f32x4.store(row + full * 4, select(tail, last * vinv, f32x4.load(row + full * 4)));
+        for i in 0..t step 4 {
+            store_first(row + i * 4, f32x4.load(row + i * 4) * vinv, t - i);
         }
     }
 }
@@ -440,19 +450,15 @@ inline kernel silu4(x: f32x4) -> f32x4 {
 }
 
 # Vector groups g0 .. g1 - 1 (values 4 g0 .. 4 g1 - 1, the last group cut at n) of y = silu(x),
-# times g when GATED. A partial last group is read whole and only its valid lanes written.
-kernel silu_groups[GATED: i32](x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
+# times g unless g is 0 (no buffer lives at address 0). A partial last group is read whole and only
+# its valid lanes written.
+kernel silu_groups(x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
     for i in g0..g1 {
-        let at = i * 16;
-        var v: f32x4 = silu4(f32x4.load(x + at));
-        static if GATED {
-            v = v * f32x4.load(g + at);
+        var v: f32x4 = silu4(f32x4.load(x + i * 16));
+        if g != 0 {
+            v = v * f32x4.load(g + i * 16);
         }
-        if i * 4 + 4 <= n {
-            f32x4.store(y + at, v);
-        } else {
-            f32x4.store(y + at, select(first_lanes(n - i * 4), v, f32x4.load(y + at)));
-        }
+        store_first(y + i * 16, v, n - i * 4);
     }
 }
 
@@ -462,7 +468,7 @@ kernel silu_groups[GATED: i32](x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32)
 #   y: f32[n], written; may be x or g
 #   n: element count; a partial last vector is read whole, only its valid lanes written
 export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
-    silu_groups[1](x, g, y, 0, (n + 3) / 4, n);
+    silu_groups(x, g, y, 0, (n + 3) / 4, n);
 }
 
 # y = silu(x) over n values.
@@ -470,7 +476,7 @@ export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
 #   y: f32[n], written; may be x
 #   n: element count; a partial last vector is read whole, only its valid lanes written
 export kernel silu_f32(x: ptr, y: ptr, n: i32) {
-    silu_groups[0](x, x, y, 0, (n + 3) / 4, n);
+    silu_groups(x, 0, y, 0, (n + 3) / 4, n);
 }
 
 # swiglu_f32 on the thread pool: items are groups of 4 values, (n + 3) / 4 of them, so no two
@@ -480,7 +486,7 @@ export kernel silu_f32(x: ptr, y: ptr, n: i32) {
 #   y: f32[n], written
 #   n: element count
 job kernel swiglu_job(begin: i32, end: i32, x: ptr, g: ptr, y: ptr, n: i32) {
-    silu_groups[1](x, g, y, begin, end, n);
+    silu_groups(x, g, y, begin, end, n);
 }
 
 # silu_f32 on the thread pool: items are groups of 4 values, (n + 3) / 4 of them.
@@ -488,7 +494,7 @@ job kernel swiglu_job(begin: i32, end: i32, x: ptr, g: ptr, y: ptr, n: i32) {
 #   y: f32[n], written
 #   n: element count
 job kernel silu_job(begin: i32, end: i32, x: ptr, y: ptr, n: i32) {
-    silu_groups[0](x, x, y, begin, end, n);
+    silu_groups(x, 0, y, begin, end, n);
 }
 
 # ---- f64 sin, cos, exp, log (wasm has none) and RoPE -------------------------------------------
@@ -532,7 +538,7 @@ inline kernel cos_kernel(r: f64, rl: f64) -> f64 {
 
 # sin (want_cos = 0) or cos (1) of x: x = n pi/2 + (r + rl) by three-part Cody-Waite reduction,
 # then the kernel of the quadrant (n + want_cos) mod 4.
-inline kernel sincos64[WANT_COS: i32](x: f64) -> f64 {
+kernel sincos64[WANT_COS: i32](x: f64) -> f64 {
     let n = nearest(x * INV_PIO2);
     let r1 = x - n * PIO2_1;
     let w = n * PIO2_2;
@@ -568,7 +574,7 @@ const EXP64_4: f64 = -0.00000165339022054652515390;
 const EXP64_5: f64 = 0.0000000413813679705723846039;
 
 # exp(x) in f64: x = k ln2 + r, e^r by a rational approximation, 2^k in two halves (as exp4).
-inline kernel exp64(x: f64) -> f64 {
+kernel exp64(x: f64) -> f64 {
     let xc = max(min(x, 709.9), -746.0);
     let k = nearest(xc * INV_LN2);
     let hi = xc - k * LN2_HI;
@@ -592,7 +598,7 @@ const LOG_7: f64 = 0.1479819860511658591;
 
 # log(x) in f64: x = 2^k (1 + f) with 1 + f in [sqrt(2)/2, sqrt(2)), log(1 + f) from s = f / (2 + f)
 # and a polynomial in s^2. Subnormals are scaled up first; x < 0 or NaN -> NaN, 0 -> -inf, inf -> inf.
-inline kernel log64(x: f64) -> f64 {
+kernel log64(x: f64) -> f64 {
     var v: f64 = x;
     var k: i64 = 0;
     if v < 2.2250738585072014e-308 {
