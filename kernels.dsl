@@ -330,6 +330,7 @@ const EXP_C1: f32 = 0.693359375;
 const EXP_C2: f32 = -0.000212194440;
 const EXP_HI: f32 = 88.8;      # above ln(FLT_MAX): the result is +inf
 const EXP_LO: f32 = -104.0;    # below ln(smallest subnormal / 2): the result is 0
+const ROUND_MAGIC: f32 = 12582912.0;  # 1.5 * 2^23: adding it rounds to an integer
 const EXP_P0: f32 = 0.000198756915;
 const EXP_P1: f32 = 0.00139819995;
 const EXP_P2: f32 = 0.00833345190;
@@ -339,11 +340,13 @@ const EXP_P5: f32 = 0.500000012;
 
 # exp of four f32 lanes: x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial, 2^k
 # built in the exponent bits as 2^(k/2) * 2^(k - k/2) so that k from -150 to 128 (subnormal
-# results and the last binade before overflow) needs no special case. NaN propagates (min/max
-# keep it), +inf -> inf, -inf -> 0.
+# results and the last binade before overflow) needs no special case. k is rounded by adding
+# 1.5 * 2^23 (the integer then sits in the low mantissa bits: no float-to-int conversion).
+# NaN propagates (pmin/pmax keep a NaN first operand), +inf -> inf, -inf -> 0.
 inline kernel exp4(x: f32x4) -> f32x4 {
-    let xc = max(min(x, f32x4.splat(EXP_HI)), f32x4.splat(EXP_LO));
-    let k = floor(madd(xc, f32x4.splat(LOG2E), f32x4.splat(0.5)));
+    let xc = pmax(pmin(x, f32x4.splat(EXP_HI)), f32x4.splat(EXP_LO));
+    let shifted = madd(xc, f32x4.splat(LOG2E), f32x4.splat(ROUND_MAGIC));
+    let k = shifted - f32x4.splat(ROUND_MAGIC);
     let r = madd(k, f32x4.splat(-EXP_C2), madd(k, f32x4.splat(-EXP_C1), xc));
     var p: f32x4 = f32x4.splat(EXP_P0);
     p = madd(p, r, f32x4.splat(EXP_P1));
@@ -352,7 +355,7 @@ inline kernel exp4(x: f32x4) -> f32x4 {
     p = madd(p, r, f32x4.splat(EXP_P4));
     p = madd(p, r, f32x4.splat(EXP_P5));
     let er = madd(p, r * r, r) + f32x4.splat(1.0);
-    let ki = i32x4.trunc_sat(k);
+    let ki = i32x4.bits(shifted) - i32x4.bits(f32x4.splat(ROUND_MAGIC));
     let k1 = ki >> 1;
     let s1 = f32x4.bits((k1 + 127) << 23);
     let s2 = f32x4.bits((ki - k1 + 127) << 23);
@@ -391,7 +394,7 @@ kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
         let row = x + r * stride * 4;
         var vmax: f32x4 = f32x4.splat(-1.0 / 0.0);
         for i in 0..full step 4 {
-            vmax = max(vmax, f32x4.load(row + i * 4));
+            vmax = pmax(f32x4.load(row + i * 4), vmax);  # may drop a NaN: exp(NaN - m) still makes the row NaN
         }
         var m: f32 = hmax(vmax);
         for i in full..t {
@@ -403,9 +406,15 @@ kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
         let vm = f32x4.splat(m);
         var vsum: f32x4 = f32x4.splat(0.0);
         for i in 0..t step 4 {
-            let e = select(first_lanes(t - i), exp4(f32x4.load(row + i * 4) - vm), f32x4.splat(0.0));
-            store_first(row + i * 4, e, t - i);
-            vsum = vsum + e;
+            let e = exp4(f32x4.load(row + i * 4) - vm);
+            if i + 4 <= t {
+                f32x4.store(row + i * 4, e);
+                vsum = vsum + e;
+            } else {
+                let keep = first_lanes(t - i);
+                f32x4.store(row + i * 4, select(keep, e, f32x4.load(row + i * 4)));
+                vsum = vsum + select(keep, e, f32x4.splat(0.0));
+            }
         }
         let s = hsum(vsum);
         var inv: f32 = 0.0;

@@ -110,6 +110,20 @@ def _minmax(name: str) -> Op:
     return lower
 
 
+def _pminmax(name: str) -> Op:
+    """pmin(a, b) = b < a ? b : a and pmax(a, b) = a < b ? b : a on float vectors: one instruction on
+    x86 (wasm's min/max must order NaN and -0 and take several); a NaN in `a` is kept."""
+
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        a, b = _same(c, _arity(c, args, 2, name), name)
+        t = _common_type(a, b)
+        if t not in ("f32x4", "f64x2"):
+            raise c.error(f"{name}() takes float vectors, not {t}")
+        return Val(I(f"{t}.{name}", c.materialize(a, t), c.materialize(b, t)), t)
+
+    return lower
+
+
 def _horizontal(name: str, combine: str) -> Op:
     """hsum / hmax: fold the lanes of a 4-lane vector into a scalar, pairs first ((0,1),(2,3))."""
 
@@ -490,6 +504,8 @@ SIMD128: dict[str, Op] = {
     "trunc": _unary_float_or_vec("trunc"),
     "min": _minmax("min"),
     "max": _minmax("max"),
+    "pmin": _pminmax("pmin"),
+    "pmax": _pminmax("pmax"),
     "hsum": _horizontal("hsum", "add"),
     "hmax": _horizontal("hmax", "max"),
     "load": _load,
