@@ -100,6 +100,10 @@ class QuantInfo:
             "dequant": _text(self.scale) + " * q" + (f" + {_text(self.offset)}" if self.offset is not None else ""),
             "planes": {name: {"dtype": np.dtype(dt).str, "bytes_per_block": n} for name, (dt, n) in self.planes.items()},
             "value_fields": list(self.value_fields),
+            "interleaved": list(self.interleaved),
+            # The formulas as trees, for hosts that pack blocks themselves (runtime/kernelgen.mjs).
+            "formulas": {"unpack": _tree(self.unpack), "scale": _tree(self.scale),
+                         "offset": _tree(self.offset) if self.offset is not None else None},
         }
 
     # ---- numpy reference, derived from the declaration
@@ -390,6 +394,25 @@ def _lower_unpack(qi: QuantInfo, e: A.Expr, base: Instr, j: int) -> Instr:
 
 def _off(n: int) -> tuple[str, ...]:
     return (f"offset={n}",) if n else ()
+
+
+def _tree(e: A.Expr) -> dict:
+    """A formula as JSON: {"int": n} {"float": x} {"i": true} {"field": f} {"index": f} for f[i],
+    {"call": "nib"|"nibi"|"bit", "field": f}, {"neg": t}, {"op": "+", "args": [a, b]}."""
+    if isinstance(e, A.IntLit):
+        return {"int": e.value}
+    if isinstance(e, A.FloatLit):
+        return {"float": e.value}
+    if isinstance(e, A.Name):
+        return {"i": True} if e.id == "i" else {"field": e.id}
+    if isinstance(e, A.Index):
+        return {"index": e.base.id}
+    if isinstance(e, A.Call):
+        return {"call": e.func.id, "field": e.args[0].id}
+    if isinstance(e, A.Unary):
+        return {"neg": _tree(e.operand)}
+    assert isinstance(e, A.Binary)
+    return {"op": e.op, "args": [_tree(e.left), _tree(e.right)]}
 
 
 def _text(e: A.Expr) -> str:
