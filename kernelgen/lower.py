@@ -512,7 +512,7 @@ class Lowerer:
         if v.type == t:
             return v
         if v.type == T.INT_LIT and (T.is_int(t) or T.is_float(t)) or v.type == T.FLOAT_LIT and T.is_float(t):
-            return Val(None, t, v.const) if T.is_scalar(t) else Val(self.materialize(v, t), t)
+            return Val(None, t, v.const) if T.is_scalar(t) else Val(self.materialize(v, t), t, v.const)
         raise self.error(f"expected {t}, got {v.type}")
 
     def _expr(self, e: A.Expr) -> Val:

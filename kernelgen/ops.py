@@ -64,6 +64,8 @@ def _binary(op: str) -> Op:
             name = _CMP_FLOAT[op] if v.is_float or op in ("==", "!=") else _CMP_INT[op][:-1] + v.sign
             return Val(I(f"{v.prefix}.{name}", c.materialize(a), c.materialize(b)), T.mask_type(t))
         table = _FLOAT if v.is_float else _VEC_INT
+        if op == "*" and not v.is_float and _power_of_two(b) is not None:  # i32x4.mul is slow on x86: shift
+            return Val(I(f"{v.prefix}.shl", c.materialize(a), I("i32.const", _power_of_two(b))), t)
         if op not in table or (v.lane, op) in _VEC_MISSING:
             raise c.error(f"operator '{op}' is not available for {t} (wasm SIMD has no such instruction)")
         name = table[op]
@@ -73,6 +75,13 @@ def _binary(op: str) -> Op:
         return Val(I(f"{v.prefix}.{name}", c.materialize(a), rhs), t)
 
     return lower
+
+
+def _power_of_two(v: Val) -> int | None:
+    """log2 of a compile-time positive power of two, else None."""
+    if isinstance(v.const, int) and v.const > 0 and v.const & (v.const - 1) == 0:
+        return v.const.bit_length() - 1
+    return None
 
 
 def _unary_float_or_vec(name: str, ints: bool = False) -> Op:

@@ -1253,9 +1253,9 @@
         (local.set $d
           (i32x4.sub
             (local.get $d)
-            (i32x4.mul
+            (i32x4.shl
               (v128.load (i32.add (local.get $w_sum) (i32.mul (local.get $blk) (i32.const 4))))
-              (v128.const i32x4 64 64 64 64))))
+              (i32.const 6))))
         (local.set $ret_1 (local.get $d))
         ;; kernels.dsl:208: var r: f32x4 = madd(f32x4.convert(qdots4[Q](w, blk, a)), f32x4.load(w.scale + blk * 4) ...
         (local.set $r_1
@@ -1500,9 +1500,9 @@
         (local.set $d
           (i32x4.sub
             (local.get $d)
-            (i32x4.mul
+            (i32x4.shl
               (v128.load (i32.add (local.get $w_sum) (i32.mul (local.get $blk) (i32.const 4))))
-              (v128.const i32x4 64 64 64 64))))
+              (i32.const 6))))
         (local.set $ret_1 (local.get $d))
         ;; kernels.dsl:208: var r: f32x4 = madd(f32x4.convert(qdots4[Q](w, blk, a)), f32x4.load(w.scale + blk * 4) ...
         (local.set $r_1
@@ -1835,9 +1835,9 @@
         (local.set $d
           (i32x4.sub
             (local.get $d)
-            (i32x4.mul
+            (i32x4.shl
               (v128.load (i32.add (local.get $w_sum) (i32.mul (local.get $blk) (i32.const 4))))
-              (v128.const i32x4 64 64 64 64))))
+              (i32.const 6))))
         (local.set $ret_1 (local.get $d))
         ;; kernels.dsl:208: var r: f32x4 = madd(f32x4.convert(qdots4[Q](w, blk, a)), f32x4.load(w.scale + blk * 4) ...
         (local.set $r_1
@@ -2115,9 +2115,9 @@
         (local.set $d
           (i32x4.sub
             (local.get $d)
-            (i32x4.mul
+            (i32x4.shl
               (v128.load (i32.add (local.get $w_sum) (i32.mul (local.get $blk) (i32.const 4))))
-              (v128.const i32x4 64 64 64 64))))
+              (i32.const 6))))
         (local.set $ret_1 (local.get $d))
         ;; kernels.dsl:208: var r: f32x4 = madd(f32x4.convert(qdots4[Q](w, blk, a)), f32x4.load(w.scale + blk * 4) ...
         (local.set $r_1
