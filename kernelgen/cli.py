@@ -70,7 +70,10 @@ def _tune_host(args: argparse.Namespace) -> dict | None:
 
 def cmd_build(args: argparse.Namespace) -> int:
     _read(args.dsl)
-    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), _store(args), _tune_host(args))
+    store, tune_host = _store(args), _tune_host(args)
+    if args.tune_host_from is not None and tune_host is None:
+        store = None  # that build used no tunings: neither does this one
+    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host)
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
     print(f"{len(changed)} file(s) written under {args.out}" if changed else f"{args.out} is up to date")
@@ -111,6 +114,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"{len(ok)} timing(s) and {len(failed)} failed variant(s) appended to {store}")
     for r in failed:
         print(f"  {r.target} {r.kernel} {r.tune} {r.shape}: {r.status}")
+    if args.plot:
+        try:
+            from .tune import plot
+            plot(recs, args.plot)
+        except ImportError:
+            raise KernelgenError("--plot needs matplotlib: pip install 'kernelgen[plot]'") from None
+        print(f"plot written to {args.plot}")
     return 0
 
 
@@ -185,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive")
     t.add_argument("--seed", type=int, default=0, help="for --strategy random")
     t.add_argument("--store", type=Path, help=f"where results go (default {STORE})")
+    t.add_argument("--plot", type=Path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")

@@ -194,3 +194,31 @@ def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path,
             append_record(store, rec)
             again.append(rec)
     return again
+
+
+def plot(records: list[Record], path: Path) -> None:
+    """Bar charts of a tuning run: per (target, kernel, quant, shape), each variant's latest time,
+    failed variants marked. Needs matplotlib (`pip install 'kernelgen[plot]'`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple, dict[str, float | None]] = {}
+    for r in sorted(records, key=lambda r: r.when):
+        name = "_".join(f"{k}{v}" for k, v in r.tune.items()) or "default"
+        groups.setdefault((r.target, r.kernel, r.quant, r.shape), {})[name] = r.seconds
+    fig, axes = plt.subplots(len(groups), 1, figsize=(8, 2.2 * max(1, len(groups))), squeeze=False)
+    for ax, ((target, kernel, quant, shape), times) in zip(axes[:, 0], groups.items()):
+        names = list(times)
+        values = [(times[n] or 0) * 1e6 for n in names]
+        bars = ax.barh(names, values, color=["tab:blue" if times[n] else "tab:red" for n in names])
+        best = min((v for v in values if v > 0), default=0)
+        for bar, v in zip(bars, values):
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {v:.1f} us" + (" (best)" if v == best else "") if v else " failed", va="center", fontsize=8)
+        ax.set_title(f"{kernel}{'_' + quant if quant else ''} {shape} on {target}", fontsize=9)
+        ax.set_xlabel("us per call (median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -5,6 +5,7 @@ compiler's own code, so this comparison is what catches an out/ left stale by a 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,13 +14,20 @@ from kernelgen.build import TARGET_NAMES, build
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("kernels.wat", "kernels.wasm", "kernels.json")
-HOW = "out/ is stale: run `kernelgen build` (from the repository root) and commit out/"
+STORE = ROOT / "tuning" / "store.jsonl"
+HOW = ("out/ is stale: run `kernelgen build --tune-host-from out/relaxed-simd/kernels.json` (from the "
+       "repository root) and commit out/")
 
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A build of each target with the tunings the committed manifest was built with: the committed
+    store's records for the host it names (or none, when it used no store)."""
     out = tmp_path_factory.mktemp("fresh") / "out"
-    build(ROOT / "kernels.dsl", out, TARGET_NAMES)
+    for target in TARGET_NAMES:
+        manifest = json.loads((ROOT / "out" / target / "kernels.json").read_text(encoding="utf-8"))
+        tune_host = manifest["tune"]["host"]
+        build(ROOT / "kernels.dsl", out, (target,), store=STORE if tune_host else None, tune_host=tune_host)
     return out
 
 
