@@ -160,6 +160,10 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
         if not k.tunes:
             raise DslError(r.span, f"{k.name}: 'restrict' constrains tune parameters; this kernel has none")
         _check_restrict_names(k, r.cond, {t.name for t in k.tunes})
+        defaults = {t.name: Val(None, "i32", t.default) for t in k.tunes}
+        if not _const_value(r.cond, defaults):
+            raise DslError(r.span, f"{k.name}: the declared defaults "
+                                   f"({', '.join(f'{t.name}={t.default}' for t in k.tunes)}) break this restriction")
     if k.mode == "inline":
         _check_inline_returns(k, k.body, top=True)
     if k.mode == "job":

@@ -65,10 +65,9 @@ def kernel_hash(checked: Checked, kernel: str) -> str:
         if decl is None:
             continue
         texts.append("\n".join(lines[decl.span.line - 1:decl.span.end_line]))
-        if node is not None:
-            todo.extend(_names(node))
-            if node.generics:
-                todo.extend(q.name for q in checked.program.quants)
+        todo.extend(_names(decl))  # a kernel's callees and consts, a const's own consts
+        if node is not None and any(g.kind == "quant" for g in node.generics):
+            todo.extend(q.name for q in checked.program.quants)
     return hashlib.sha256("\n\0".join(sorted(texts)).encode()).hexdigest()
 
 
@@ -105,6 +104,33 @@ class Record:
         return (self.kernel, self.quant, self.target, self.shape, self.dsl_hash, json.dumps(self.host, sort_keys=True))
 
 
+def _check_record(data: object) -> Record:
+    """A Record from one parsed JSON line, every field of the type it must have; ValueError else."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError("not a kernelgen tuning record of this format")
+    fields = {k: v for k, v in data.items() if k != "format"}
+    if set(fields) != set(Record.__dataclass_fields__):
+        raise ValueError("not a kernelgen tuning record of this format")
+
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    checks = {
+        "kernel": isinstance(fields["kernel"], str), "quant": fields["quant"] is None or isinstance(fields["quant"], str),
+        "target": isinstance(fields["target"], str), "shape": isinstance(fields["shape"], str),
+        "dsl_hash": isinstance(fields["dsl_hash"], str), "host": isinstance(fields["host"], dict),
+        "tune": isinstance(fields["tune"], dict) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                          for v in fields["tune"].values()),
+        "seconds": fields["seconds"] is None or (number(fields["seconds"]) and fields["seconds"] > 0),
+        "status": isinstance(fields["status"], str), "retimed": isinstance(fields["retimed"], bool),
+        "when": number(fields["when"]),
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"bad {', '.join(bad)}")
+    return Record(**fields)
+
+
 def load_store(path: Path) -> list[Record]:
     """All well-formed records; anything else is skipped with a warning naming its line."""
     records: list[Record] = []
@@ -114,16 +140,8 @@ def load_store(path: Path) -> list[Record]:
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
-            if data.pop("format", None) != FORMAT:
-                raise ValueError("not a kernelgen tuning record of this format")
-            rec = Record(**data)
-            if not isinstance(rec.tune, dict) or not all(isinstance(v, int) for v in rec.tune.values()):
-                raise ValueError("bad tune values")
-            if rec.seconds is not None and not (isinstance(rec.seconds, (int, float)) and rec.seconds > 0):
-                raise ValueError("bad time")
-            records.append(rec)
-        except (ValueError, TypeError) as e:
+            records.append(_check_record(json.loads(line)))
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
             warnings.warn(f"{path}:{n}: skipped ({e})", stacklevel=2)
     return records
 

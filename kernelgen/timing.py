@@ -38,6 +38,9 @@ export kernel bench_stream_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {
 """
 
 
+MAX_REPS = 1 << 24
+
+
 def repeat_name(kernel: str) -> str:
     return f"bench_{kernel}"
 
@@ -69,9 +72,9 @@ def measure(call: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:
         t0 = time.perf_counter()
         call(reps)
         dt = time.perf_counter() - t0
-        if dt >= min_batch or reps >= 1 << 24:
+        if dt >= min_batch or reps >= MAX_REPS:
             break
-        reps = max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2))
+        reps = min(MAX_REPS, max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2)))
     call(reps)  # warm-up at the final size
     times = []
     for _ in range(samples):

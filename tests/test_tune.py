@@ -1,0 +1,758 @@
+"""Tuning: variant enumeration and restrictions, the JSON-lines store (loading, keys, the pick rule),
+builds that read the store, the tuner end to end on a tiny case, the timing protocol and the bench
+report. Nothing asserts on wall-clock time: timings come from fake records or a fake clock, and the
+tuner runs with a short measuring protocol. Everything is written under pytest's tmp_path.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import math
+import types
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+import kernelgen.timing
+import kernelgen.tune
+from kernelgen import store as S
+from kernelgen.bench import Row, as_json, format_table
+from kernelgen.build import compile_source
+from kernelgen.check import check, resolve_tune, variants
+from kernelgen.cli import main
+from kernelgen.errors import DslError
+from kernelgen.parse import parse
+from kernelgen.store import Record, append_record, best_tune, kernel_hash, load_store
+from kernelgen.timing import measure
+from kernelgen.tune import parse_shape, tune
+
+DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
+SOURCE = DSL_PATH.read_text(encoding="utf-8")
+HOST_A = {"cpu": "Test CPU A", "cores": 8, "wasmtime": "50.0.1", "wabt": "1.0.42"}
+HOST_B = {"cpu": "Test CPU B", "cores": 4, "wasmtime": "50.0.1", "wabt": "1.0.42"}
+RESTRICT = "    restrict rows * accs <= 4;"
+DOT_RETURN = "    return fdot[unroll](x, y, n);"
+
+
+def line_of(source: str, text: str) -> int:
+    """1-based number of the only line containing `text`."""
+    hits = [n for n, line in enumerate(source.splitlines(), 1) if text in line]
+    assert len(hits) == 1, f"{text!r} occurs on lines {hits}"
+    return hits[0]
+
+
+def edit(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times"
+    return source.replace(old, new)
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@functools.cache
+def checked_of(source: str):
+    """check(parse(source)), once per source text (parsing the library takes a while)."""
+    return check(parse(source, str(DSL_PATH)))
+
+
+@pytest.fixture(scope="module")
+def checked():
+    return checked_of(SOURCE)
+
+
+def rec(checked, tune: dict, seconds: float | None, shape: str = "256", *, when: float = 0.0,
+        status: str | None = None, kernel: str = "dot_f32", quant: str | None = None,
+        target: str = "simd128", host: dict = HOST_A, dsl_hash: str | None = None,
+        retimed: bool = False) -> Record:
+    """A hand-made record for the current DSL (unless dsl_hash says otherwise)."""
+    if status is None:
+        status = "ok" if seconds is not None else "failed: trapped (test)"
+    return Record(kernel, quant, target, shape, dsl_hash or kernel_hash(checked, kernel), dict(host), dict(tune),
+                  seconds, status, retimed, when)
+
+
+# ---- variants and restrictions -----------------------------------------------------------------
+
+
+def test_variants_of_dot_f32_defaults_first_then_the_rest_of_the_domain(checked) -> None:
+    assert variants(checked, "dot_f32") == [{"unroll": 2}, {"unroll": 1}, {"unroll": 4}]
+
+
+def test_variants_of_qmatvec_respect_the_restriction(checked) -> None:
+    vs = variants(checked, "qmatvec")
+    assert vs[0] == {"rows": 1, "accs": 1}  # the declared defaults
+    assert len(vs) == len({json.dumps(v, sort_keys=True) for v in vs}), "a variant is listed twice"
+    assert {(v["rows"], v["accs"]) for v in vs} == {(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)}
+    assert all(v["rows"] * v["accs"] <= 4 for v in vs)
+
+
+def test_kernel_without_tunes_has_one_empty_variant(checked) -> None:
+    assert variants(checked, "quantize_act") == [{}]
+
+
+SMALL = """
+export kernel k(x: ptr, n: i32) {
+    tune a: i32 in {1, 2, 3, 4} = 2;
+    tune b: i32 in {1, 2, 4} = 1;
+    restrict a * b <= 4;
+    restrict a != 3;
+    f32.store(x, f32(n));
+}
+"""
+
+
+def test_variants_enumerate_every_assignment_meeting_every_restriction() -> None:
+    vs = variants(check(parse(SMALL)), "k")
+    expected = [{"a": a, "b": b} for a in (1, 2, 3, 4) for b in (1, 2, 4) if a * b <= 4 and a != 3]
+    assert vs[0] == {"a": 2, "b": 1}
+    assert sorted(map(lambda v: (v["a"], v["b"]), vs)) == sorted((v["a"], v["b"]) for v in expected)
+    assert len(vs) == len(expected)
+
+
+def broken_defaults() -> str:
+    """The library with a qmatvec restriction its defaults (rows=1, accs=1) break."""
+    return edit(SOURCE, RESTRICT, "    restrict rows * accs >= 2;")
+
+
+def test_restriction_the_defaults_break_is_rejected_at_the_restrict_line() -> None:
+    broken = broken_defaults()
+    line = line_of(broken, "restrict rows * accs >= 2;")
+    with pytest.raises(DslError) as e:
+        compile_source(broken, str(DSL_PATH), targets=("simd128",))
+    assert e.value.span is not None and e.value.span.line == line
+    assert "break this restriction" in str(e.value)
+    with pytest.raises(DslError) as e:  # caught by check() already, before any build
+        checked_of(broken)
+    assert e.value.span.line == line
+
+
+def test_variants_never_return_an_assignment_that_breaks_a_restriction() -> None:
+    broken = broken_defaults()
+    line = line_of(broken, "restrict rows * accs >= 2;")
+    try:
+        vs = variants(check(parse(broken)), "qmatvec")
+    except DslError as e:
+        assert e.span is not None and e.span.line == line
+        return
+    assert all(v["rows"] * v["accs"] >= 2 for v in vs), vs
+
+
+@pytest.mark.parametrize("restriction, bad", [
+    ("restrict rows * n <= 4;", "n"),              # a parameter
+    ("restrict rows * ACT_ZERO <= 4;", "ACT_ZERO"),  # a target constant
+    ("restrict rows * EXP_HI <= 4;", "EXP_HI"),      # a const
+    ("restrict rows * nothing <= 4;", "nothing"),    # nothing at all
+])
+def test_restriction_naming_a_non_tune_name_is_rejected(restriction: str, bad: str) -> None:
+    source = edit(SOURCE, RESTRICT, "    " + restriction)
+    with pytest.raises(DslError) as e:
+        check(parse(source))
+    assert e.value.span is not None and e.value.span.line == line_of(source, restriction)
+    assert "only tune parameters and numbers" in str(e.value) and repr(bad) in str(e.value)
+
+
+def test_restriction_on_a_kernel_without_tunes_is_rejected() -> None:
+    source = edit(SMALL, "    tune a: i32 in {1, 2, 3, 4} = 2;\n    tune b: i32 in {1, 2, 4} = 1;\n", "")
+    source = edit(source, "    restrict a != 3;\n", "")
+    with pytest.raises(DslError) as e:
+        check(parse(source))
+    assert "has none" in str(e.value) and e.value.span.line == line_of(source, "restrict a * b <= 4;")
+
+
+# ---- the store: loading and appending ----------------------------------------------------------
+
+
+def _line(r: Record, **changes) -> str:
+    data = {"format": S.FORMAT, **r.__dict__, **changes}
+    return json.dumps(data)
+
+
+def test_load_store_keeps_good_records_and_warns_about_each_bad_line(checked, tmp_path: Path) -> None:
+    good = rec(checked, {"unroll": 4}, 1.5e-6, when=100.0)
+    failed = rec(checked, {"unroll": 1}, None, when=101.0, status="failed: wrong results (test)")
+    no_format = {k: v for k, v in json.loads(_line(good)).items() if k != "format"}
+    missing = json.loads(_line(good))
+    del missing["target"]
+    lines = [
+        _line(good),                                  # 1 good
+        '{"kernel": "dot_f32", "tune": ',             # 2 corrupt: not JSON
+        json.dumps({"hello": "world"}),               # 3 foreign keys
+        _line(good, format=2),                        # 4 another format
+        json.dumps(no_format),                        # 5 no format at all
+        _line(good, colour="blue"),                   # 6 an extra key
+        _line(good, seconds=-1e-6),                   # 7 a negative time
+        "",                                           # 8 empty: skipped silently
+        "   \t",                                      # 9 blank: skipped silently
+        _line(good, seconds=0.0),                     # 10 a zero time
+        _line(good, tune={"unroll": "4"}),            # 11 a tune value that is not an integer
+        json.dumps(missing),                          # 12 a key missing
+        "[1, 2, 3]",                                  # 13 JSON, but not an object
+        _line(failed),                                # 14 good (a failed variant)
+    ]
+    path = tmp_path / "store.jsonl"
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe not utf-8\n")  # 15 undecodable
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_store(path)
+    assert loaded == [good, failed]
+    messages = [str(w.message) for w in caught]
+    bad_lines = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 15]
+    for n in bad_lines:
+        assert sum(m.startswith(f"{path}:{n}:") for m in messages) == 1, (n, messages)
+    assert len(messages) == len(bad_lines), messages
+    assert all(issubclass(w.category, UserWarning) for w in caught)
+
+
+@pytest.mark.parametrize("line", ["42", '"a string"', "null", "true"])
+def test_load_store_skips_json_scalars_with_a_warning(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "store.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_store(path) == []
+    assert [str(w.message).split(" ")[0] for w in caught] == [f"{path}:1:"]
+
+
+def test_a_record_with_a_wrongly_typed_field_never_crashes_the_pick(checked, tmp_path: Path) -> None:
+    path = tmp_path / "store.jsonl"
+    good = rec(checked, {"unroll": 1}, 1e-6, when=1.0)
+    append_record(path, good)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(_line(rec(checked, {"unroll": 4}, 1e-7), when="yesterday") + "\n")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        records = load_store(path)
+    assert best_tune(records, checked, "dot_f32", "simd128", HOST_A) == {"unroll": 1}
+
+
+def test_load_store_of_a_missing_file_is_empty(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_store(tmp_path / "nope.jsonl") == []
+
+
+def test_append_record_then_load_store_round_trips(checked, tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "er" / "store.jsonl"  # parents are created
+    recs = [rec(checked, {"unroll": 2}, 3.25e-7, when=1.0),
+            rec(checked, {"unroll": 1}, None, when=2.0, status="failed: trapped (x)"),
+            rec(checked, {"rows": 4, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant="q4_1", when=3.0,
+                retimed=True, target="relaxed-simd", host=HOST_B)]
+    for r in recs:
+        append_record(path, r)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 3 and all(json.loads(line)["format"] == S.FORMAT for line in lines)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_store(path) == recs
+    append_record(path, recs[0])
+    assert load_store(path) == recs + [recs[0]]  # appending never rewrites what is there
+
+
+# ---- best_tune ---------------------------------------------------------------------------------
+
+
+def test_best_tune_is_the_lowest_geometric_mean_of_time_over_best(checked) -> None:
+    # unroll1: ratios (1, 4) -> geometric mean 2; unroll4: (4.5, 1) -> 2.12; unroll2: (2.1, 2.1) -> 2.1.
+    # The arithmetic mean of ratios and the total time would both pick unroll2.
+    records = [
+        rec(checked, {"unroll": 1}, 1e-6, "256"), rec(checked, {"unroll": 1}, 4e-5, "4096"),
+        rec(checked, {"unroll": 4}, 4.5e-6, "256"), rec(checked, {"unroll": 4}, 1e-5, "4096"),
+        rec(checked, {"unroll": 2}, 2.1e-6, "256"), rec(checked, {"unroll": 2}, 2.1e-5, "4096"),
+    ]
+    assert best_tune(records, checked, "dot_f32", "simd128", HOST_A) == {"unroll": 1}
+    assert best_tune(records[::-1], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 1}
+
+
+def test_best_tune_counts_only_variants_timed_on_every_shape(checked) -> None:
+    records = [
+        rec(checked, {"unroll": 1}, 2e-6, "256"), rec(checked, {"unroll": 1}, 2e-5, "4096"),
+        rec(checked, {"unroll": 2}, 3e-6, "256"), rec(checked, {"unroll": 2}, 3e-5, "4096"),
+        rec(checked, {"unroll": 4}, 1e-9, "256"),  # far faster, but never timed on 4096
+    ]
+    assert best_tune(records, checked, "dot_f32", "simd128", HOST_A) == {"unroll": 1}
+    # Quant types count as separate shapes of a generic kernel.
+    q = [rec(checked, {"rows": 1, "accs": 1}, 2e-3, "256x4096", kernel="qmatvec", quant="q8_0"),
+         rec(checked, {"rows": 1, "accs": 1}, 2e-3, "256x4096", kernel="qmatvec", quant="q4_0"),
+         rec(checked, {"rows": 4, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant="q8_0")]
+    assert best_tune(q, checked, "qmatvec", "simd128", HOST_A) == {"rows": 1, "accs": 1}
+    q.append(rec(checked, {"rows": 4, "accs": 1}, 1.5e-3, "256x4096", kernel="qmatvec", quant="q4_0"))
+    assert best_tune(q, checked, "qmatvec", "simd128", HOST_A) == {"rows": 4, "accs": 1}
+
+
+def test_best_tune_later_timings_replace_earlier_ones(checked) -> None:
+    base = [rec(checked, {"unroll": 2}, 2e-6, when=1.0)]
+    slow_then_fast = [rec(checked, {"unroll": 4}, 9e-6, when=2.0),
+                      rec(checked, {"unroll": 4}, 1e-6, when=3.0, retimed=True)]
+    fast_then_slow = [rec(checked, {"unroll": 4}, 1e-6, when=2.0),
+                      rec(checked, {"unroll": 4}, 9e-6, when=3.0, retimed=True)]
+    for order in (1, -1):  # `when` decides, not the order of the list
+        assert best_tune((base + slow_then_fast)[::order], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 4}
+        assert best_tune((base + fast_then_slow)[::order], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 2}
+
+
+def test_best_tune_failed_records_never_win(checked) -> None:
+    ok = rec(checked, {"unroll": 2}, 5e-6, when=1.0)
+    # A failed latest record removes the variant, however fast it was before.
+    records = [ok, rec(checked, {"unroll": 4}, 1e-9, when=2.0),
+               rec(checked, {"unroll": 4}, None, when=3.0, status="failed: wrong results (x)")]
+    assert best_tune(records, checked, "dot_f32", "simd128", HOST_A) == {"unroll": 2}
+    # A failure with a time, or "ok" without one, is not a timing either.
+    records = [ok, rec(checked, {"unroll": 1}, 1e-9, when=2.0, status="failed: trapped (x)"),
+               rec(checked, {"unroll": 4}, None, when=2.0, status="ok")]
+    assert best_tune(records, checked, "dot_f32", "simd128", HOST_A) == {"unroll": 2}
+    # Only failures: nothing to pick.
+    assert best_tune(records[1:], checked, "dot_f32", "simd128", HOST_A) is None
+    # An earlier failure followed by a good timing counts.
+    records = [ok, rec(checked, {"unroll": 4}, None, when=2.0), rec(checked, {"unroll": 4}, 1e-6, when=3.0)]
+    assert best_tune(records, checked, "dot_f32", "simd128", HOST_A) == {"unroll": 4}
+
+
+def test_best_tune_ignores_other_hosts_targets_dsl_and_kernels(checked) -> None:
+    mine = rec(checked, {"unroll": 1}, 5e-6)
+    fast = {"unroll": 4}
+    foreign = [
+        rec(checked, fast, 1e-9, host=HOST_B),
+        rec(checked, fast, 1e-9, host={**HOST_A, "wasmtime": "49.0.0"}),
+        rec(checked, fast, 1e-9, host={**HOST_A, "cores": 2}),
+        rec(checked, fast, 1e-9, target="relaxed-simd"),
+        rec(checked, fast, 1e-9, dsl_hash="0" * 64),
+        rec(checked, fast, 1e-9, kernel="matvec_f32", dsl_hash=kernel_hash(checked, "dot_f32")),
+    ]
+    assert best_tune([mine, *foreign], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 1}
+    assert best_tune(foreign, checked, "dot_f32", "simd128", HOST_A) is None
+    assert best_tune([], checked, "dot_f32", "simd128", HOST_A) is None
+    # Host key order does not matter.
+    reordered = dict(reversed(list(HOST_A.items())))
+    assert best_tune([mine], checked, "dot_f32", "simd128", reordered) == {"unroll": 1}
+
+
+# ---- kernel_hash -------------------------------------------------------------------------------
+
+
+def _hash(source: str, kernel: str) -> str:
+    return kernel_hash(checked_of(source), kernel)
+
+
+def test_kernel_hash_is_stable(checked) -> None:
+    h = kernel_hash(checked, "dot_f32")
+    assert len(h) == 64 and int(h, 16) >= 0
+    assert h == _hash(SOURCE, "dot_f32")
+    assert kernel_hash(checked, "qmatvec") != h
+
+
+def test_kernel_hash_unchanged_by_an_unrelated_kernel() -> None:
+    edited = edit(SOURCE, "        store_first(y + i * 4, exp4(f32x4.load(x + i * 4)), n - i);",
+                  "        store_first(y + i * 4, exp4(f32x4.load(x + i * 4)) * f32x4.splat(1.0), n - i);")
+    for k in ("dot_f32", "matvec_f32", "qmatvec"):
+        assert _hash(edited, k) == _hash(SOURCE, k), k
+    assert _hash(edited, "exp_f32") != _hash(SOURCE, "exp_f32")
+    # An edit outside any declaration (a comment line) changes nothing.
+    commented = edit(SOURCE, "# x . y over n f32 values.", "# x . y over n f32 values (the dot product).")
+    assert _hash(commented, "dot_f32") == _hash(SOURCE, "dot_f32")
+
+
+def test_kernel_hash_changes_with_the_kernel_itself() -> None:
+    body = edit(SOURCE, DOT_RETURN, "    return fdot[unroll](y, x, n);")
+    domain = edit(SOURCE, "    tune unroll: i32 in {1, 2, 4} = 2;\n    return fdot",
+                  "    tune unroll: i32 in {1, 2, 4, 8} = 2;\n    return fdot")
+    restrict = edit(SOURCE, RESTRICT, "    restrict rows * accs <= 2;")
+    assert _hash(body, "dot_f32") != _hash(SOURCE, "dot_f32")
+    assert _hash(domain, "dot_f32") != _hash(SOURCE, "dot_f32")
+    assert _hash(restrict, "qmatvec") != _hash(SOURCE, "qmatvec")
+
+
+def test_kernel_hash_changes_with_what_the_kernel_calls() -> None:
+    inline = edit(SOURCE, "    var s: f32 = hsum(acc[0]);", "    var s: f32 = hsum(acc[0]) + 0.0;")
+    for k in ("dot_f32", "matvec_f32"):  # matvec_f32 reaches fdot through fmatvec_rows
+        assert _hash(inline, k) != _hash(SOURCE, k), k
+    assert _hash(inline, "qmatvec") == _hash(SOURCE, "qmatvec")
+    const = edit(SOURCE, "const EXP_P5: f32 = 0.500000012;", "const EXP_P5: f32 = 0.5;")
+    assert _hash(const, "exp_f32") != _hash(SOURCE, "exp_f32")  # exp_f32 -> exp4 -> EXP_P5
+    assert _hash(const, "dot_f32") == _hash(SOURCE, "dot_f32")
+    quant = edit(SOURCE, "    unpack nib(qs, i);", "    unpack nib(qs, i) + 0;")  # q4_1
+    for k in ("qmatvec", "qdot"):  # generic kernels are built for every quant type
+        assert _hash(quant, k) != _hash(SOURCE, k), k
+    internal = edit(SOURCE, "    let full = r1 - (r1 - r0) % R;", "    let full = r1 - (r1 - r0) % R;  # R rows a pass")
+    assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qmatvec_rows (internal)
+    assert _hash(internal, "dot_f32") == _hash(SOURCE, "dot_f32")
+    deep = edit(SOURCE, "    return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);",
+                "    return i32x4.shuffle(ab, cd, 2, 3, 6, 7) + i32x4.shuffle(ab, cd, 0, 1, 4, 5);")
+    assert _hash(deep, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> ... -> qdots4 -> lanesums4
+
+
+def test_kernel_hash_follows_a_const_defined_from_another_const() -> None:
+    split = edit(SOURCE, "const LOG2E: f32 = 1.44269504088896341;",
+                 "const BASE: f32 = 1.44269504088896341;\nconst LOG2E: f32 = BASE;")
+    changed = edit(split, "const BASE: f32 = 1.44269504088896341;", "const BASE: f32 = 1.5;")
+    assert _hash(changed, "exp_f32") != _hash(split, "exp_f32")
+
+
+def test_kernel_hash_of_a_non_quant_kernel_ignores_quant_types() -> None:
+    quant = edit(SOURCE, "    unpack nib(qs, i);", "    unpack nib(qs, i) + 0;")
+    assert _hash(quant, "dot_f32") == _hash(SOURCE, "dot_f32")
+
+
+# ---- builds that read the store ------------------------------------------------------------------
+
+
+def _dot_records(checked, host: dict, best: int, target: str = "simd128") -> list[Record]:
+    return [rec(checked, {"unroll": u}, (1e-6 if u == best else 3e-6), host=host, target=target)
+            for u in (1, 2, 4)]
+
+
+def test_build_uses_the_stores_best_for_the_tune_host(checked) -> None:
+    records = (_dot_records(checked, HOST_A, best=4) + _dot_records(checked, HOST_B, best=1)
+               + [rec(checked, {"rows": 2, "accs": 2}, 1e-3, "256x4096", kernel="qmatvec", quant="q8_0"),
+                  rec(checked, {"rows": 1, "accs": 1}, 2e-3, "256x4096", kernel="qmatvec", quant="q8_0")])
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A)
+    t = b.manifest["tune"]
+    assert t["values"]["dot_f32"] == {"unroll": 4} and t["values"]["qmatvec"] == {"rows": 2, "accs": 2}
+    assert t["source"] == {"dot_f32": "store", "matvec_f32": "default", "qmatvec": "store"}
+    assert t["host"] == HOST_A
+    exports = b.manifest["exports"]
+    assert "dot_f32__unroll4" in exports and "dot_f32__unroll2" not in exports
+    assert exports["dot_f32__unroll4"]["tune"] == {"unroll": 4}
+    assert "qmatvec_q8_0__rows2_accs2" in exports and "matvec_f32__unroll2" in exports
+
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_B)
+    assert b.manifest["tune"]["values"]["dot_f32"] == {"unroll": 1} and "dot_f32__unroll1" in b.manifest["exports"]
+    assert b.manifest["tune"]["source"]["qmatvec"] == "default" and b.manifest["tune"]["host"] == HOST_B
+
+
+def test_build_falls_back_to_defaults_for_another_host_or_target(checked) -> None:
+    records = _dot_records(checked, HOST_A, best=4)
+    for target, host in (("simd128", HOST_B), ("relaxed-simd", HOST_A)):
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=(target,), records=records, tune_host=host)
+        t = b.manifest["tune"]
+        assert t["values"]["dot_f32"] == {"unroll": 2}
+        assert t["source"] == {"dot_f32": "default", "matvec_f32": "default", "qmatvec": "default"}
+        assert t["host"] is None
+        assert "dot_f32__unroll2" in b.manifest["exports"]
+    (plain,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",))
+    (other,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_B)
+    assert plain.wasm == other.wasm and plain.manifest == other.manifest
+
+
+def test_build_override_beats_the_store(checked) -> None:
+    records = _dot_records(checked, HOST_A, best=4)
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), tune={"dot_f32": {"unroll": 1}},
+                          records=records, tune_host=HOST_A)
+    t = b.manifest["tune"]
+    assert t["values"]["dot_f32"] == {"unroll": 1}
+    assert t["source"]["dot_f32"] == "override"
+    assert "dot_f32__unroll1" in b.manifest["exports"]
+    assert t["host"] is None  # nothing came from the store
+
+
+def _store_file(path: Path, records: list[Record]) -> Path:
+    for r in records:
+        append_record(path, r)
+    return path
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_cli_build_tune_host_from_reproduces_a_build(checked, tmp_path: Path) -> None:
+    me = S.host()
+    store = _store_file(tmp_path / "store.jsonl",
+                        _dot_records(checked, me, best=4) + _dot_records(checked, HOST_B, best=1))
+    common = ("build", "--dsl", str(DSL_PATH), "--target", "simd128", "--store", str(store))
+    code, _, err = run_cli(*common, "--out", str(tmp_path / "o1"))
+    assert code == 0, err
+    manifest = tmp_path / "o1" / "simd128" / "kernels.json"
+    m = json.loads(manifest.read_text(encoding="utf-8"))
+    assert m["tune"]["host"] == me and m["tune"]["source"]["dot_f32"] == "store"
+    assert m["tune"]["values"]["dot_f32"] == {"unroll": 4}
+    code, _, err = run_cli(*common, "--out", str(tmp_path / "o2"), "--tune-host-from", str(manifest))
+    assert code == 0, err
+    assert _files(tmp_path / "o1") == _files(tmp_path / "o2")
+
+    # A manifest naming another host builds that host's tunings, exactly as compile_source does.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**m, "tune": {**m["tune"], "host": HOST_B}}), encoding="utf-8")
+    code, _, err = run_cli(*common, "--out", str(tmp_path / "o3"), "--tune-host-from", str(other))
+    assert code == 0, err
+    (want,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=load_store(store), tune_host=HOST_B)
+    assert want.manifest["tune"]["values"]["dot_f32"] == {"unroll": 1}
+    assert (tmp_path / "o3" / "simd128" / "kernels.wasm").read_bytes() == want.wasm
+    assert (tmp_path / "o3" / "simd128" / "kernels.wat").read_text(encoding="utf-8") == want.wat
+    assert json.loads((tmp_path / "o3" / "simd128" / "kernels.json").read_text(encoding="utf-8")) == want.manifest
+
+
+def test_cli_tune_host_from_a_default_build_reproduces_it(checked, tmp_path: Path) -> None:
+    store = _store_file(tmp_path / "store.jsonl", _dot_records(checked, S.host(), best=4))
+    base = ("build", "--dsl", str(DSL_PATH), "--target", "simd128")
+    code, _, err = run_cli(*base, "--no-store", "--out", str(tmp_path / "o1"))
+    assert code == 0, err
+    manifest = tmp_path / "o1" / "simd128" / "kernels.json"
+    assert json.loads(manifest.read_text(encoding="utf-8"))["tune"]["host"] is None
+    # The store holds records for this machine, but the manifest's build used none: neither may this one.
+    code, _, err = run_cli(*base, "--store", str(store), "--tune-host-from", str(manifest),
+                           "--out", str(tmp_path / "o2"))
+    assert code == 0, err
+    assert _files(tmp_path / "o1") == _files(tmp_path / "o2")
+
+
+def test_cli_build_store_options(checked, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _store_file(tmp_path / S.STORE, _dot_records(checked, S.host(), best=4))  # the default store, found in cwd
+    base = ("build", "--dsl", str(DSL_PATH), "--target", "simd128")
+
+    code, _, err = run_cli(*base, "--store", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o0"))
+    assert code == 2 and "no such file" in err
+    assert not (tmp_path / "o0").exists()
+
+    code, _, err = run_cli(*base, "--out", str(tmp_path / "o1"))
+    assert code == 0, err
+    m = json.loads((tmp_path / "o1" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert m["tune"]["values"]["dot_f32"] == {"unroll": 4} and m["tune"]["source"]["dot_f32"] == "store"
+
+    code, _, err = run_cli(*base, "--no-store", "--out", str(tmp_path / "o2"))
+    assert code == 0, err
+    m = json.loads((tmp_path / "o2" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert m["tune"]["values"]["dot_f32"] == {"unroll": 2}
+    assert set(m["tune"]["source"].values()) == {"default"} and m["tune"]["host"] is None
+    assert "dot_f32__unroll2" in m["exports"]
+
+    not_manifest = tmp_path / "junk.json"
+    not_manifest.write_text("[]", encoding="utf-8")
+    code, _, err = run_cli(*base, "--tune-host-from", str(not_manifest), "--out", str(tmp_path / "o3"))
+    assert code == 2 and "not a kernelgen manifest" in err
+    assert not (tmp_path / "o3").exists()
+
+
+# ---- the tuner end to end ------------------------------------------------------------------------
+
+
+def _fast_measure(call, *_args, **_kwargs):
+    return measure(call, min_batch=0.001, samples=3)
+
+
+@pytest.fixture
+def fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernelgen.tune, "measure", _fast_measure)
+
+
+def _tune_dot(source: str, store: Path, **kw) -> list[Record]:
+    return tune(source, ["simd128"], ["dot_f32"], {"dot_f32": [(256,)]}, None, store, budget=120.0,
+                out=io.StringIO(), **kw)
+
+
+def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, fast) -> None:
+    store = tmp_path / "tuning" / "store.jsonl"
+    new = _tune_dot(SOURCE, store, retime=2)
+    on_disk = load_store(store)
+    assert on_disk == new
+    me, h = S.host(), kernel_hash(checked, "dot_f32")
+    first = [r for r in on_disk if not r.retimed]
+    again = [r for r in on_disk if r.retimed]
+    assert [r.tune for r in first] == variants(checked, "dot_f32")
+    fastest = sorted(first, key=lambda r: r.seconds)[:2]  # the best two of the first pass are timed again
+    assert [r.tune for r in again] == [r.tune for r in fastest]
+    assert on_disk.index(again[0]) > on_disk.index(first[-1])  # re-timings come after the first pass
+    for r in on_disk:
+        assert (r.kernel, r.quant, r.target, r.shape, r.dsl_hash, r.host) == ("dot_f32", None, "simd128", "256", h, me)
+        assert r.status == "ok" and isinstance(r.seconds, float) and r.seconds > 0 and math.isfinite(r.seconds)
+    assert best_tune(on_disk, checked, "dot_f32", "simd128", me) in variants(checked, "dot_f32")
+
+    # A rerun skips everything recorded.
+    before = store.read_bytes()
+    assert _tune_dot(SOURCE, store) == []
+    assert store.read_bytes() == before
+
+    # Resume after an interruption: only what is missing is timed.
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text(before.decode().splitlines()[0] + "\n", encoding="utf-8")
+    rest = _tune_dot(SOURCE, partial, retime=0)
+    assert [r.tune for r in rest] == variants(checked, "dot_f32")[1:]
+    assert not any(r.retimed for r in rest)
+
+
+def test_tune_with_no_budget_times_nothing(tmp_path: Path, fast) -> None:
+    out = io.StringIO()
+    store = tmp_path / "store.jsonl"
+    assert tune(SOURCE, ["simd128"], ["dot_f32"], {"dot_f32": [(256,)]}, None, store, budget=-1.0, out=out) == []
+    assert "time budget" in out.getvalue() and not store.exists()
+
+
+def test_tune_unknown_strategy_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown strategy"):
+        tune(SOURCE, ["simd128"], ["dot_f32"], {}, None, tmp_path / "s.jsonl", 1.0, strategy="greedy",
+             out=io.StringIO())
+
+
+def wrong_at_4() -> str:
+    """The library with dot_f32 wrong for unroll 4 only: it adds unroll / 4 (0 for 1 and 2, 1 for 4)."""
+    return edit(SOURCE, DOT_RETURN, "    return fdot[unroll](x, y, n) + f32(unroll / 4);")
+
+
+def test_tune_records_a_wrong_variant_as_failed_and_never_picks_it(tmp_path: Path, fast) -> None:
+    wrong = wrong_at_4()
+    store = tmp_path / "store.jsonl"
+    new = _tune_dot(wrong, store)
+    wrong_checked = checked_of(wrong)
+    on_disk = load_store(store)
+    assert on_disk == new
+    bad = [r for r in on_disk if r.tune == {"unroll": 4}]
+    assert len(bad) == 1 and not bad[0].retimed  # a failed variant is not timed again
+    assert bad[0].status.startswith("failed: wrong results") and bad[0].seconds is None
+    good = [r for r in on_disk if r.tune != {"unroll": 4}]
+    assert good and all(r.status == "ok" and r.seconds > 0 for r in good)
+    assert {json.dumps(r.tune) for r in good if r.retimed} == {'{"unroll": 2}', '{"unroll": 1}'}
+    me = S.host()
+    # Even a (fake) earlier record making unroll 4 the fastest cannot win over the later failure.
+    earlier = rec(wrong_checked, {"unroll": 4}, 1e-12, when=0.0, host=me)
+    for records in (on_disk, [earlier, *on_disk]):
+        assert best_tune(records, wrong_checked, "dot_f32", "simd128", me) in ({"unroll": 1}, {"unroll": 2})
+    (b,) = compile_source(wrong, targets=("simd128",), records=[earlier, *on_disk], tune_host=me)
+    assert b.manifest["tune"]["source"]["dot_f32"] == "store"
+    assert b.manifest["tune"]["values"]["dot_f32"] != {"unroll": 4}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--kernel", "nomatch"), "matches no tunable kernel"),
+    (("--kernel", "dot_f32", "--shape", "0x5"), "dimensions must be positive"),
+    (("--kernel", "dot_f32", "--shape", "big"), "write N or NxK"),
+    (("--kernel", "qmatvec", "--quant", "nope"), "--quant nope"),
+])
+def test_cli_tune_bad_options_exit_2(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:
+    store = tmp_path / "store.jsonl"
+    code, _, err = run_cli("tune", "--dsl", str(DSL_PATH), "--target", "simd128", "--store", str(store),
+                           "--budget", "0", *argv)
+    assert code == 2, err
+    assert message in err
+    assert not store.exists()
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("256") == (256,)
+    assert parse_shape("4096x4096") == (4096, 4096)
+    assert parse_shape("256X64") == (256, 64)
+    for bad in ("0x5", "5x0", "-4", "", "x", "4x", "four"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+
+
+# ---- measure -----------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """perf_counter for kernelgen.timing: only calls advance it, by reps * per_rep * factor."""
+
+    def __init__(self, per_rep: float, factors: list[float] | None = None) -> None:
+        self.now = 1000.0
+        self.per_rep = per_rep
+        self.factors = factors or []
+        self.calls: list[int] = []
+        self.calibrating = True
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def call(self, reps: int) -> None:
+        self.calls.append(reps)
+        factor = 1.0
+        if not self.calibrating and self.factors:
+            factor = self.factors.pop(0)
+        self.now += reps * self.per_rep * factor
+
+
+def _fake_time(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
+    monkeypatch.setattr(kernelgen.timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+
+
+def test_measure_grows_reps_warms_up_and_takes_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(per_rep=1e-4)
+    _fake_time(monkeypatch, clock)
+    sample_factors = [3.0, 1.0, 2.0, 50.0, 4.0]  # median 3, mean 12
+
+    def call(reps: int) -> None:
+        # Calibration ends with the first batch lasting min_batch; then the warm-up (factor 1) and samples.
+        if clock.calibrating and clock.calls and clock.calls[-1] * clock.per_rep >= 0.02:
+            clock.calibrating = False
+            clock.factors = [1.0, *sample_factors]
+        clock.call(reps)
+
+    t = measure(call, min_batch=0.02, samples=5)
+    calls = clock.calls
+    final = t.reps
+    calib = calls[:-6]
+    assert calib[0] == 1
+    assert all(b > a for a, b in zip(calib, calib[1:])), calib  # reps only grow
+    assert all(r * 1e-4 < 0.02 for r in calib[:-1]) and calib[-1] * 1e-4 >= 0.02
+    assert calib[-1] == final
+    assert calls[-6:] == [final] * 6  # one warm-up batch, then five samples, all at the final size
+    assert t.samples == tuple(pytest.approx(f * 1e-4) for f in sample_factors)
+    assert t.seconds == pytest.approx(3e-4)  # the median, not the mean
+
+
+def test_measure_takes_the_requested_number_of_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(per_rep=0.5)  # one rep already lasts min_batch: no growth
+    _fake_time(monkeypatch, clock)
+    t = measure(clock.call, min_batch=0.1, samples=7)
+    assert t.reps == 1 and clock.calls == [1] * (1 + 1 + 7)  # calibration, warm-up, 7 samples
+    assert len(t.samples) == 7 and t.seconds == pytest.approx(0.5)
+
+
+def test_measure_stops_growing_for_a_call_that_takes_no_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(per_rep=0.0)
+    _fake_time(monkeypatch, clock)
+    t = measure(clock.call, min_batch=0.02, samples=3)
+    assert t.reps >= 1 << 24 and len(clock.calls) < 10
+    assert t.seconds == 0.0
+
+
+def test_measure_with_a_real_counting_call() -> None:
+    count = []
+    t = measure(lambda reps: count.append(reps), min_batch=0.0005, samples=3)
+    assert len(t.samples) == 3 and t.seconds >= 0 and t.reps >= 1
+    assert count[-4:] == [t.reps] * 4
+
+
+# ---- bench report ------------------------------------------------------------------------------
+
+
+ROWS = [
+    Row("qmatvec q8_0", "relaxed-simd", "4096x4096", 1.5e-3, 11.18, "G weights/s", 75.4,
+        goal="relaxed-simd >= 70% of roofline", met=True),
+    Row("qmatvec q8_0 relaxed vs simd128", "both", "256x4096", 2.5e-6, 0.0, "", None, 1.25, "simd128",
+        "relaxed >= 1.4x simd128", False),
+    Row("exp_f32", "simd128", "2^20", 4.2e-4, 2.5, "G elements/s"),
+]
+ENV = {"build_seconds_all_targets": 1.234, "wasm_bytes": {"simd128": 15317, "relaxed-simd": 17000},
+       "goals": {"build < 3 s": True, "relaxed-simd wasm <= 16 KB": False}}
+
+
+def test_format_table_shows_goals_met_and_not_met() -> None:
+    text = format_table(ROWS, ENV)
+    lines = text.splitlines()
+    row_of = {r.name: next(line for line in lines if line.startswith(r.name + " ")) for r in ROWS}
+    met = row_of["qmatvec q8_0"]
+    assert met.endswith("relaxed-simd >= 70% of roofline: met") and "NOT met" not in met
+    assert "1.500 ms" in met and "11.18 G weights/s" in met and "75%" in met
+    unmet = row_of["qmatvec q8_0 relaxed vs simd128"]
+    assert unmet.endswith("relaxed >= 1.4x simd128: NOT met")
+    assert "2.50 us" in unmet and "1.25x simd128" in unmet
+    plain = row_of["exp_f32"]
+    assert "met" not in plain and plain.rstrip().endswith("G elements/s")
+    assert "build --target all: 1.23 s" in text and "simd128 15317" in text
+    goals = next(line for line in lines if line.startswith("goals: "))
+    assert "build < 3 s: met" in goals and "relaxed-simd wasm <= 16 KB: NOT met" in goals
+
+
+def test_as_json_is_serializable_and_complete() -> None:
+    data = as_json(ROWS, ENV)
+    back = json.loads(json.dumps(data))
+    assert back == {"rows": [asdict(r) for r in ROWS], "env": ENV}
+    assert [r["met"] for r in back["rows"]] == [True, False, None]
+    assert back["rows"][0]["goal"] == "relaxed-simd >= 70% of roofline"
