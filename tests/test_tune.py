@@ -22,7 +22,7 @@ import kernelgen.tune
 from kernelgen import store as S
 from kernelgen.bench import Row, as_json, format_table
 from kernelgen.build import compile_source
-from kernelgen.check import check, resolve_tune, variants
+from kernelgen.check import check, variants
 from kernelgen.cli import main
 from kernelgen.errors import DslError
 from kernelgen.parse import parse
