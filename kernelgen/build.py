@@ -96,7 +96,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             continue
         if name in overrides:
             sources[name] = "override"
-        elif records and (best := best_tune(records, checked, name, target, want)) is not None:
+        elif records and (best := best_tune(records, checked, name, target, want,
+                                            {t.name: t.default for t in k.ast.tunes})) is not None:
             overrides[name] = best
             sources[name] = "store"
         else:

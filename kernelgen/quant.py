@@ -153,7 +153,12 @@ class QuantInfo:
                   "scale": self.scale_ref(blocks).reshape(-1)}
         if self.offset is not None:
             planes["offset"] = self.offset_ref(blocks).reshape(-1)
-        planes["sum"] = self.unpack_ref(blocks).sum(axis=-1, dtype=np.int32).reshape(-1)
+        values = self.unpack_ref(blocks)
+        if values.size and (values.min() < -128 or values.max() > 127):
+            bad = np.argwhere((values < -128) | (values > 127))[0]
+            raise ValueError(f"{self.name}: block {tuple(bad[:-1])} unpacks to {values[tuple(bad)]} at element "
+                             f"{bad[-1]}, outside int8: not a valid {self.name} block (the kernels' weights are int8)")
+        planes["sum"] = values.sum(axis=-1, dtype=np.int32).reshape(-1)
         return planes
 
     def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:

@@ -152,11 +152,19 @@ def append_record(path: Path, rec: Record) -> None:
         f.write(json.dumps({"format": FORMAT, **rec.__dict__}, sort_keys=True) + "\n")
 
 
-def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict) -> dict | None:
+# A variant replaces the declared defaults only when it is this much faster (geometric mean over
+# the shapes): on a shared machine smaller differences are noise, and a needless variant costs
+# code size (multi-row passes are separate functions).
+MARGIN = 1.03
+
+
+def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+              default: dict | None = None) -> dict | None:
     """The variant to build for `kernel` on `target`: among successful timings on `want_host` for
     the current DSL, the one with the lowest geometric mean of time / best time over the shapes
-    measured, counting only variants timed on every shape. The latest timing of a (variant, shape)
-    wins (re-timings replace first timings). None when nothing matches."""
+    measured, counting only variants timed on every shape; `default` unless the winner beats it
+    by MARGIN. The latest timing of a (variant, shape) wins (re-timings replace first timings).
+    None when nothing matches."""
     h = kernel_hash(checked, kernel)
     hk = json.dumps(want_host, sort_keys=True)
     latest: dict[tuple[str, str], float] = {}
@@ -178,6 +186,10 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
             scores[tune] = math.exp(sum(math.log(r / best_per_shape[s]) for r, s in zip(ratios, shapes)) / len(shapes))
     if not scores:
         return None
-    return json.loads(min(sorted(scores), key=lambda t: scores[t]))
+    best = min(sorted(scores), key=lambda t: scores[t])
+    kept = json.dumps(default, sort_keys=True) if default is not None else None
+    if kept in scores and scores[kept] <= scores[best] * MARGIN:
+        return default
+    return json.loads(best)
 
 

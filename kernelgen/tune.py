@@ -48,6 +48,8 @@ def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random
     for f in q.fields:
         if f.type in ("f16", "f32") and f.count is None:
             blocks[f.name] = rng.uniform(-0.05, 0.05, blocks.shape).astype(blocks[f.name].dtype)
+        elif f.count is None and f.name in q.value_fields:  # a per-block offset such as a zero point:
+            blocks[f.name] = rng.integers(0, 16, blocks.shape)  # small, so values stay in int8
     w = k.pack(quant, blocks)
     act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
     aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * n)

@@ -1151,3 +1151,17 @@ def test_relaxed_deterministic_flag_changes_no_result(any_module):
                 out += [m.qmatvec(m.pack(qn, b), act), np.float32(m.qdot(m.pack(qn, b[:1]), act))]
             outs.append(out)
         assert_bitwise_equal(outs[0], outs[1], f"relaxed det vs nondet, rows={r}")
+
+
+def test_pack_rejects_blocks_whose_values_do_not_fit_int8(mode, kgen):
+    """q4_onnx's zero point is a UINT4: a byte of 200 would unpack to 0 - 200, outside the kernels'
+    int8 weights; pack says so instead of computing garbage."""
+    k = kgen()
+    q = k.quants["q4_onnx"]
+    blocks = np.zeros((1, 1), q.dtype)
+    blocks["d"] = 1.0
+    blocks["z"] = 200
+    with pytest.raises(ValueError, match="outside int8"):
+        k.pack("q4_onnx", blocks)
+    blocks["z"] = 15
+    k.pack("q4_onnx", blocks)  # the extreme of the format is fine

@@ -756,3 +756,19 @@ def test_as_json_is_serializable_and_complete() -> None:
     assert back == {"rows": [asdict(r) for r in ROWS], "env": ENV}
     assert [r["met"] for r in back["rows"]] == [True, False, None]
     assert back["rows"][0]["goal"] == "relaxed-simd >= 70% of roofline"
+
+
+def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() -> None:
+    checked = check(parse(SOURCE))
+    me = {"cpu": "test", "cores": 2}
+    h = S.kernel_hash(checked, "qmatvec")
+    default, other = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}
+
+    def rec(tune: dict, seconds: float) -> S.Record:
+        return S.Record("qmatvec", "q8_0", "simd128", "4x4", h, me, tune, seconds, "ok")
+
+    close = [rec(default, 1.0), rec(other, 1.0 / (S.MARGIN * 0.99))]  # within the margin: noise
+    assert S.best_tune(close, checked, "qmatvec", "simd128", me, default) == default
+    assert S.best_tune(close, checked, "qmatvec", "simd128", me) == other  # no default given: the fastest
+    clear = [rec(default, 1.0), rec(other, 1.0 / (S.MARGIN * 1.05))]
+    assert S.best_tune(clear, checked, "qmatvec", "simd128", me, default) == other
