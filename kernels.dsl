@@ -488,8 +488,8 @@ export kernel silu_f32(x: ptr, y: ptr, n: i32) {
     silu_groups(x, 0, y, 0, (n + 3) / 4, n);
 }
 
-# swiglu_f32 on the thread pool: items are groups of 4 values, (n + 3) / 4 of them, so no two
-# threads ever share a vector.
+# swiglu_f32 on the thread pool: items are groups of 4 values ((n + 3) / 4 of them).
+# No two threads ever share a vector.
 #   x: f32[n]
 #   g: f32[n]
 #   y: f32[n], written
@@ -498,7 +498,7 @@ job kernel swiglu_job(begin: i32, end: i32, x: ptr, g: ptr, y: ptr, n: i32) {
     silu_groups(x, g, y, begin, end, n);
 }
 
-# silu_f32 on the thread pool: items are groups of 4 values, (n + 3) / 4 of them.
+# silu_f32 on the thread pool: items are groups of 4 values ((n + 3) / 4 of them).
 #   x: f32[n]
 #   y: f32[n], written
 #   n: element count

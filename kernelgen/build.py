@@ -63,13 +63,16 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         "tools": {"wat2wasm": wabt_version()},
         "memory": memory,
         "constants": dict(t.constants),
+        # quantize_act's blocks: ACT_MAX-scaled values per this many f32, stored + ACT_ZERO.
+        "activation": {"block": 32, "zero": t.constants["ACT_ZERO"], "max": t.constants["ACT_MAX"],
+                       "dtype": "int8" if t.constants["ACT_ZERO"] == 0 else "uint8"},
         "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
                    for name, q in checked.quants.items()},
         "tune": {"values": tune, **(tune_info or {"source": {k: "default" for k in tune}, "host": None})},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
                              "result": e.result, "line": e.line} for e in lowered.exports},
-        "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "args": j.params[2:], "line": j.line}
-                 for i, j in enumerate(lowered.jobs)},
+        "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "items": j.items, "args": j.params[2:],
+                          "line": j.line} for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
     }
     return Built(target, wat, wasm, manifest)

@@ -8,6 +8,7 @@ WAT. Types are computed here as the code is built; the rules for ops live in ops
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class Export:
     params: list[dict]
     result: str | None
     line: int
+    items: str = ""  # for a job: what its items are, from "items are ..." in its doc comment
 
 
 class _Return(Exception):
@@ -140,8 +142,9 @@ class Lowerer:
             else:
                 params.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"),
                                "dsl_type": p.type, "meaning": meaning})
+        items = next((m.group(1) for d in k.doc if (m := re.search(r"items are ([^.:;]+)", d))), "")
         return Export(name, k.name, quant.name if quant else None, dict(tune), params,
-                      T.resolve(k.ast.ret) if k.ast.ret else None, k.ast.span.line)
+                      T.resolve(k.ast.ret) if k.ast.ret else None, k.ast.span.line, items)
 
     # ---- scopes and locals -----------------------------------------------------------------------
     def error(self, message: str) -> DslError:

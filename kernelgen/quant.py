@@ -238,8 +238,10 @@ def _check_unpack(q: A.Quant, e: A.Expr, fields: dict[str, FieldInfo], used: lis
         if not isinstance(node, A.Name) or node.id not in fields:
             raise err(node, f"{how} needs a field name")
         f = fields[node.id]
-        if f.type not in ("i8", "u8") or f.count is None:
-            raise err(node, f"{how} reads a byte array field; {f.name} is {f.type}{f'[{f.count}]' if f.count else ''}")
+        allowed = ("i8", "u8") if kind == "index" else ("u8",)  # nibbles and bits are unsigned
+        if f.type not in allowed or f.count is None:
+            raise err(node, f"{how} reads a{'' if kind == 'index' else 'n unsigned'} byte array field "
+                            f"({' or '.join(allowed)}[n]); {f.name} is {f.type}{f'[{f.count}]' if f.count else ''}")
         if f.count != want:
             raise err(node, f"{how}: {f.name} must have {want} bytes for a block of {q.block}, has {f.count}")
         used.append((f.name, kind))

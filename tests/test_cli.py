@@ -44,9 +44,10 @@ def expected_files(targets=TARGETS) -> list[str]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """`kernelgen build --target all` of the repository's kernels.dsl into a fresh directory."""
+    """`kernelgen build --target all --no-store` of the repository's kernels.dsl into a fresh
+    directory (declared defaults: the same tune values on both targets whatever this machine is)."""
     out = tmp_path_factory.mktemp("cli") / "out"
-    code, stdout, stderr = run("build", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(out))
+    code, stdout, stderr = run("build", "--target", "all", "--no-store", "--dsl", str(DSL_PATH), "--out", str(out))
     assert code == 0, stderr
     return out, stdout
 
@@ -84,14 +85,14 @@ def test_build_all_writes_both_targets(built: tuple[Path, str]) -> None:
 
 def test_second_build_is_identical_and_up_to_date(built: tuple[Path, str], out_copy: Path) -> None:
     before = snapshot(out_copy)
-    code, stdout, stderr = run("build", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(out_copy))
+    code, stdout, stderr = run("build", "--no-store", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(out_copy))
     assert code == 0, stderr
     assert "is up to date" in stdout
     assert snapshot(out_copy) == before  # same bytes, same mtimes: nothing rewritten, nothing added
 
 
 def test_two_fresh_builds_give_identical_bytes(built: tuple[Path, str], tmp_path: Path) -> None:
-    code, _, stderr = run("build", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(tmp_path / "again"))
+    code, _, stderr = run("build", "--no-store", "--target", "all", "--dsl", str(DSL_PATH), "--out", str(tmp_path / "again"))
     assert code == 0, stderr
     first = {k: v[0] for k, v in snapshot(built[0]).items()}
     second = {k: v[0] for k, v in snapshot(tmp_path / "again").items()}
@@ -102,7 +103,7 @@ def test_build_rewrites_only_changed_files(out_copy: Path) -> None:
     stale = out_copy / "simd128" / "kernels.wat"
     stale.write_text(";; stale\n", encoding="utf-8")
     others = {k: v for k, v in snapshot(out_copy).items() if k != "simd128/kernels.wat"}
-    code, stdout, stderr = run("build", "--dsl", str(DSL_PATH), "--out", str(out_copy))
+    code, stdout, stderr = run("build", "--no-store", "--dsl", str(DSL_PATH), "--out", str(out_copy))
     assert code == 0, stderr
     assert "1 file(s) written" in stdout
     after = snapshot(out_copy)

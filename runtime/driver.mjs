@@ -1,0 +1,439 @@
+// The driver: one built target's module, its shared memory and pool, and the kernels over typed
+// arrays. It runs where blocking is allowed: Node's main thread, or the driver worker in a browser
+// (runtime/worker.mjs), and mirrors kernelgen/api.py: inputs are copied into the module's memory,
+// per-call buffers are freed when the call returns, packed weights stay until reset().
+
+import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
+import { packInto, planeLayout } from './pack.mjs';
+import { hardwareThreads, isNode, readBytes, readJson } from './platform.mjs';
+import { MAX_THREADS, Pool } from './pool.mjs';
+
+const PAGE_BYTES = 65536;
+const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
+const VECTOR_BYTES = 16; // elementwise kernels read a partial last vector whole
+const LANES = 4; // f32 lanes per vector: the items of the elementwise jobs
+const TARGETS = ['relaxed-simd', 'simd128'];
+
+/** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
+export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'dotF32', 'matvecF32', 'exp', 'softmax',
+  'rope', 'ropeTable', 'silu', 'swiglu', 'setThreads', 'runJob', 'reset', 'bench'];
+
+function f32Array(what, x) {
+  if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
+  return x;
+}
+
+function positiveInt(what, n) {
+  if (!Number.isInteger(n) || n < 1) throw new RangeError(`${what}: expected a positive integer, got ${n}`);
+  return n;
+}
+
+/** Which target to load: the one asked for, else relaxed SIMD where its dot is usable. */
+function chooseTarget(requested, relaxed) {
+  if (requested !== undefined && !TARGETS.includes(requested)) {
+    throw new RangeError(`target must be one of ${TARGETS.join(', ')}, got ${requested}`);
+  }
+  if (requested === 'relaxed-simd' && !relaxed.usable) throw new Error(`relaxed-simd requested, but ${relaxed.note}`);
+  if (requested) return { target: requested, why: 'requested' };
+  return relaxed.usable
+    ? { target: 'relaxed-simd', why: 'relaxed SIMD is available and its dot is exact in the 7-bit contract' }
+    : { target: 'simd128', why: relaxed.note };
+}
+
+export class Driver {
+  /**
+   * Load `baseUrl`/<target>/kernels.{json,wasm} (baseUrl: the build's out/ directory as a URL) and
+   * start a pool of `threads` threads. `stopFlag`: an Int32Array[1] on a SharedArrayBuffer whose
+   * nonzero value ends a bench loop (or null).
+   */
+  static async load({ baseUrl, target, threads, stopFlag = null }) {
+    const relaxed = await probeRelaxedDot();
+    const chosen = chooseTarget(target, relaxed);
+    const dir = new URL(`${chosen.target}/`, baseUrl);
+    const [manifest, wasm] = await Promise.all([readJson(new URL('kernels.json', dir)), readBytes(new URL('kernels.wasm', dir))]);
+    const shared = sharedMemoryStatus();
+    const notes = [];
+    let size = threads ?? Math.min(hardwareThreads(), MAX_THREADS);
+    if (!shared.canThread && size > 1) {
+      notes.push('no SharedArrayBuffer (the page is not cross-origin isolated): one thread');
+      size = 1;
+    }
+    const { min_pages: initial, max_pages: maximum } = manifest.memory;
+    let memory;
+    try {
+      memory = new WebAssembly.Memory({ initial, maximum, shared: true });
+    } catch (e) {
+      throw new Error(`this engine cannot create the module's shared memory (${e.message}); a browser page `
+        + 'needs Cross-Origin-Opener-Policy: same-origin and Cross-Origin-Embedder-Policy: require-corp');
+    }
+    const module = await WebAssembly.compile(wasm);
+    const { exports } = await WebAssembly.instantiate(module, { env: { memory } });
+    const pool = await Pool.start({ module, memory, manifest, exports, threads: size });
+    const info = {
+      environment: isNode ? `node ${process.versions.node}` : 'browser',
+      target: chosen.target,
+      targetReason: chosen.why,
+      relaxedDot: relaxed,
+      sharedArrayBuffer: shared.sharedArrayBuffer,
+      crossOriginIsolated: shared.crossOriginIsolated,
+      threads: pool.size,
+      notes,
+      kernelgen: manifest.kernelgen,
+      inputsSha256: manifest.inputs_sha256,
+    };
+    return new Driver(manifest, memory, exports, pool, info, stopFlag);
+  }
+
+  #actArray;
+  #exports;
+  #memory;
+  #pool;
+  #top;
+  #exportNames = new Map(); // "kernel/quant" -> export name
+  #jobNames = new Map(); // "kernel/quant" -> job name
+
+  constructor(manifest, memory, exports, pool, info, stopFlag) {
+    this.manifest = manifest;
+    this.info = info;
+    this.stopFlag = stopFlag;
+    this.#memory = memory;
+    this.#exports = exports;
+    this.#pool = pool;
+    this.#top = manifest.memory.heap_base;
+    // Activation bytes are int8 where stored as they are, uint8 where offset by ACT_ZERO.
+    this.#actArray = manifest.constants.ACT_ZERO === 0 ? Int8Array : Uint8Array;
+    for (const [name, e] of Object.entries(manifest.exports)) this.#exportNames.set(`${e.kernel}/${e.quant}`, name);
+    for (const [name, j] of Object.entries(manifest.jobs)) this.#jobNames.set(`${j.kernel}/${j.quant}`, name);
+  }
+
+  // ---- names ---------------------------------------------------------------------------------
+
+  /** The exported variant of `kernel` (for `quant`), e.g. qmatvec_q8_0__rows1_accs1. */
+  exportName(kernel, quant = null) {
+    const name = this.#exportNames.get(`${kernel}/${quant}`);
+    if (name === undefined) throw new Error(`no export for kernel ${kernel}${quant ? ` and quant ${quant}` : ''}`);
+    return name;
+  }
+
+  jobName(kernel, quant = null) {
+    const name = this.#jobNames.get(`${kernel}/${quant}`);
+    if (name === undefined) throw new Error(`no job ${kernel}${quant ? ` for quant ${quant}` : ''}`);
+    return name;
+  }
+
+  // ---- memory --------------------------------------------------------------------------------
+
+  #live() {
+    if (this.#exports === null) throw new Error('these kernels were terminated');
+  }
+
+  /** Reserve `nbytes` at an aligned address, growing the memory as needed (not zeroed). */
+  #alloc(nbytes) {
+    const { align, max_pages: maxPages, heap_base: heapBase } = this.manifest.memory;
+    const addr = Math.ceil(this.#top / align) * align;
+    const end = addr + nbytes;
+    const size = this.#memory.buffer.byteLength;
+    if (end > size) {
+      const need = Math.ceil((end - size) / PAGE_BYTES);
+      if (size / PAGE_BYTES + need > maxPages) {
+        throw new RangeError(`out of memory: ${nbytes} more bytes need ${size / PAGE_BYTES + need} pages, the module `
+          + `allows ${maxPages}; ${addr - heapBase} bytes are in use (reset() frees packed weights)`);
+      }
+      this.#memory.grow(need);
+    }
+    this.#top = end;
+    return addr;
+  }
+
+  /** Copy a typed array into fresh memory followed by `pad` zero bytes. */
+  #put(array, pad = 0) {
+    const addr = this.#alloc(array.byteLength + pad);
+    const bytes = new Uint8Array(this.#memory.buffer);
+    bytes.set(new Uint8Array(array.buffer, array.byteOffset, array.byteLength), addr);
+    bytes.fill(0, addr + array.byteLength, addr + array.byteLength + pad);
+    return addr;
+  }
+
+  /** A copy (on an ordinary ArrayBuffer, transferable) of `count` elements at `addr`. */
+  #get(addr, ArrayType, count) {
+    const out = new ArrayType(count);
+    new Uint8Array(out.buffer).set(new Uint8Array(this.#memory.buffer, addr, out.byteLength));
+    return out;
+  }
+
+  /** Run fn with a fresh allocation scope: what it allocates is freed when it returns. */
+  #scoped(fn) {
+    this.#live();
+    const mark = this.#top;
+    try {
+      return fn();
+    } finally {
+      this.#top = mark;
+    }
+  }
+
+  /** Free all memory the kernels hold, packed weights included. */
+  reset() {
+    this.#top = this.manifest.memory.heap_base;
+  }
+
+  // ---- running kernels -----------------------------------------------------------------------
+
+  /** Run `kernel` here, or with {threads: true} its job through the pool (same bits: every output
+   * element is computed by one thread in a fixed order). */
+  #run(kernel, quant, exportArgs, job, jobArgs, count, opts = {}) {
+    if (!opts.threads) {
+      this.#exports[this.exportName(kernel, quant)](...exportArgs);
+      return;
+    }
+    const chunk = opts.chunk ?? Math.max(1, Math.ceil(count / (this.#pool.size * 4)));
+    this.#pool.run(this.jobName(job, quant), count, chunk, jobArgs);
+  }
+
+  /** Run a pool job by its manifest name with raw argument words (addresses and scalars). */
+  runJob(job, count, chunk, args) {
+    this.#live();
+    this.#pool.run(job, count, chunk, args);
+  }
+
+  /** Use `k` threads (1 .. the pool's size) for threaded calls from now on. */
+  setThreads(k) {
+    this.#live();
+    this.#pool.setThreads(k);
+  }
+
+  // ---- weights and activations ---------------------------------------------------------------
+
+  /** f32[n] (n a positive multiple of 32) -> {q, d}: q Int8Array on simd128, Uint8Array holding
+   * q + ACT_ZERO on relaxed SIMD; d one f32 scale per 32 values. */
+  quantizeAct(x) {
+    f32Array('quantizeAct x', x);
+    if (x.length === 0 || x.length % ACT_BLOCK) {
+      throw new RangeError(`quantizeAct: length must be a positive multiple of ${ACT_BLOCK}, got ${x.length}`);
+    }
+    return this.#scoped(() => {
+      const px = this.#put(x);
+      const pq = this.#alloc(x.length);
+      const pd = this.#alloc((x.length / ACT_BLOCK) * 4);
+      this.#exports[this.exportName('quantize_act')](px, x.length, pq, pd);
+      return { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, x.length / ACT_BLOCK) };
+    });
+  }
+
+  /** Stored blocks (`rows` rows of k / block blocks, each stored_bytes bytes) -> a Packed handle
+   * {quant, rows, k, planes: {name: address}} to weights that stay in memory until reset(). */
+  pack(quant, blocks, rows, k) {
+    this.#live();
+    const spec = this.manifest.quants[quant];
+    if (!spec) throw new Error(`unknown quant type ${quant}; this build has ${Object.keys(this.manifest.quants).join(', ')}`);
+    if (!(blocks instanceof Uint8Array)) throw new TypeError(`pack(${quant}): blocks must be a Uint8Array`);
+    positiveInt(`pack(${quant}) rows`, rows);
+    positiveInt(`pack(${quant}) k`, k);
+    if (k % spec.block) throw new RangeError(`pack(${quant}): k=${k} is not a multiple of the block, ${spec.block}`);
+    const nblocks = rows * (k / spec.block);
+    if (blocks.length !== nblocks * spec.stored_bytes) {
+      throw new RangeError(`pack(${quant}): ${rows} rows of ${k} need ${nblocks * spec.stored_bytes} bytes `
+        + `(${nblocks} blocks of ${spec.stored_bytes}), got ${blocks.length}`);
+    }
+    const mark = this.#top;
+    const planes = {};
+    const views = {};
+    for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {
+      planes[name] = this.#alloc(perBlock * nblocks * Array.BYTES_PER_ELEMENT);
+      views[name] = new Array(this.#memory.buffer, planes[name], perBlock * nblocks);
+    }
+    try {
+      packInto(spec, blocks, nblocks, views);
+    } catch (e) {
+      this.#top = mark; // the planes are packed in place: give them back
+      throw new RangeError(`pack(${quant}): ${e.message}`);
+    }
+    return Object.freeze({ quant, rows, k, planes: Object.freeze(planes) });
+  }
+
+  #packedArgs(w, what) {
+    const spec = this.manifest.quants[w?.quant];
+    const names = spec && Object.keys(spec.planes);
+    if (!spec || !w.planes || names.some((n) => !Number.isInteger(w.planes[n])) || !Number.isInteger(w.rows) || !Number.isInteger(w.k)) {
+      throw new TypeError(`${what}: weights must come from pack()`);
+    }
+    return names.map((n) => w.planes[n]); // the kernels take the planes in the manifest's order
+  }
+
+  #actArgs(act, k, what) {
+    if (!(act?.q instanceof this.#actArray) || !(act.d instanceof Float32Array)) {
+      throw new TypeError(`${what}: activations must come from quantizeAct (q a ${this.#actArray.name} on ${this.info.target})`);
+    }
+    if (act.q.length !== k || act.d.length !== k / ACT_BLOCK) {
+      throw new RangeError(`${what}: activations have ${act.q.length} values and ${act.d.length} scales, the weights' rows have ${k}`);
+    }
+    return [this.#put(act.q), this.#put(act.d)];
+  }
+
+  // ---- kernels -------------------------------------------------------------------------------
+
+  /** Dot of a one-row packed matrix with quantized activations. */
+  qdot(w, act) {
+    const planes = this.#packedArgs(w, 'qdot');
+    if (w.rows !== 1) throw new RangeError(`qdot: expected one packed row, got ${w.rows} (use qmatvec)`);
+    return this.#scoped(() => this.#exports[this.exportName('qdot', w.quant)](...planes, ...this.#actArgs(act, w.k, 'qdot'), w.k));
+  }
+
+  /** y = W a, Float32Array(rows). */
+  qmatvec(w, act, opts) {
+    const planes = this.#packedArgs(w, 'qmatvec');
+    return this.#scoped(() => {
+      const a = this.#actArgs(act, w.k, 'qmatvec');
+      const py = this.#alloc(4 * w.rows);
+      this.#run('qmatvec', w.quant, [...planes, ...a, py, w.rows, w.k], 'qmatvec_job', [...planes, ...a, py, w.k], w.rows, opts);
+      return this.#get(py, Float32Array, w.rows);
+    });
+  }
+
+  dotF32(x, y) {
+    f32Array('dotF32 x', x);
+    f32Array('dotF32 y', y);
+    if (x.length !== y.length) throw new RangeError(`dotF32: lengths differ, ${x.length} and ${y.length}`);
+    return this.#scoped(() => this.#exports[this.exportName('dot_f32')](this.#put(x), this.#put(y), x.length));
+  }
+
+  /** y = W x for row-major w (its length a multiple of x's: rows = w.length / x.length). */
+  matvecF32(w, x, opts) {
+    f32Array('matvecF32 w', w);
+    f32Array('matvecF32 x', x);
+    if (x.length === 0 || w.length % x.length) {
+      throw new RangeError(`matvecF32: w has ${w.length} values, not whole rows of x's ${x.length}`);
+    }
+    const rows = w.length / x.length;
+    return this.#scoped(() => {
+      const py = this.#alloc(4 * rows);
+      const pw = this.#put(w);
+      const px = this.#put(x);
+      this.#run('matvec_f32', null, [pw, px, py, rows, x.length], 'matvec_f32_job', [pw, px, py, x.length], rows, opts);
+      return this.#get(py, Float32Array, rows);
+    });
+  }
+
+  /** An elementwise kernel `kernel(in..., out, n)` over equal-length arrays (with `job`, through
+   * the pool: items are groups of LANES values, so no two threads share a vector). */
+  #map(kernel, job, inputs, opts) {
+    const n = inputs[0].length;
+    if (inputs.some((a) => a.length !== n)) throw new RangeError(`${kernel}: lengths differ, ${inputs.map((a) => a.length).join(', ')}`);
+    return this.#scoped(() => {
+      const ins = inputs.map((a) => this.#put(a, VECTOR_BYTES));
+      const out = this.#alloc(4 * n + VECTOR_BYTES);
+      if (opts?.threads && job === null) throw new Error(`${kernel} has no pool job`);
+      this.#run(kernel, null, [...ins, out, n], job, [...ins, out, n], Math.ceil(n / LANES), opts);
+      return this.#get(out, Float32Array, n);
+    });
+  }
+
+  exp(x) {
+    return this.#map('exp_f32', null, [f32Array('exp x', x)]);
+  }
+
+  silu(x, opts) {
+    return this.#map('silu_f32', 'silu_job', [f32Array('silu x', x)], opts);
+  }
+
+  /** silu(x) * g. */
+  swiglu(x, g, opts) {
+    return this.#map('swiglu_f32', 'swiglu_job', [f32Array('swiglu x', x), f32Array('swiglu g', g)], opts);
+  }
+
+  /** Softmax over the first t of every `stride` values (stride a multiple of 4, the padding after
+   * column t kept as it is); returns the whole array as the kernel left it. */
+  softmax(x, t, stride, opts) {
+    f32Array('softmax x', x);
+    if (!Number.isInteger(stride) || stride < 1 || stride % LANES || !Number.isInteger(t) || t < 1 || t > stride || x.length % stride) {
+      throw new RangeError(`softmax: need 1 <= t <= stride, stride a multiple of ${LANES} and whole rows; got t=${t}, `
+        + `stride=${stride}, ${x.length} values`);
+    }
+    const rows = x.length / stride;
+    return this.#scoped(() => {
+      const p = this.#put(x);
+      this.#run('softmax_f32', null, [p, rows, t, stride], 'softmax_job', [p, t, stride], rows, opts);
+      return this.#get(p, Float32Array, x.length);
+    });
+  }
+
+  /** cos and sin tables, Float32Array(npos * dim / 2) each, of angles (pos0 + p) * theta^(-2i / dim). */
+  ropeTable(npos, dim, theta = 10000, pos0 = 0) {
+    if (!Number.isInteger(dim) || dim <= 0 || dim % 2 || !Number.isInteger(npos) || npos < 0
+        || !Number.isInteger(pos0) || pos0 < 0 || !(theta > 0)) {
+      throw new RangeError(`ropeTable: need even dim > 0, npos >= 0, pos0 >= 0, theta > 0; got dim=${dim}, `
+        + `npos=${npos}, pos0=${pos0}, theta=${theta}`);
+    }
+    return this.#scoped(() => {
+      const n = npos * (dim / 2);
+      const pc = this.#alloc(4 * n);
+      const ps = this.#alloc(4 * n);
+      this.#exports[this.exportName('rope_table')](pc, ps, pos0, npos, dim, theta);
+      return { cos: this.#get(pc, Float32Array, n), sin: this.#get(ps, Float32Array, n) };
+    });
+  }
+
+  /** Rotate heads x[heads * dim] by one position's table rows (cos, sin: dim / 2 values);
+   * {interleaved: true} pairs (x[2i], x[2i+1]), else (x[i], x[i + dim/2]). Returns a rotated copy. */
+  rope(x, cos, sin, opts = {}) {
+    f32Array('rope x', x);
+    f32Array('rope cos', cos);
+    f32Array('rope sin', sin);
+    const dim = 2 * cos.length;
+    if (dim % 8 || sin.length !== cos.length || x.length % dim) {
+      throw new RangeError(`rope: cos and sin hold dim / 2 values with dim a multiple of 8, x whole heads; got `
+        + `${x.length} values, cos ${cos.length}, sin ${sin.length}`);
+    }
+    const heads = x.length / dim;
+    const kind = opts.interleaved ? 'pairs' : 'halves';
+    return this.#scoped(() => {
+      const p = this.#put(x);
+      const pc = this.#put(cos);
+      const ps = this.#put(sin);
+      this.#run(`rope_${kind}_f32`, null, [p, pc, ps, heads, dim], `rope_${kind}_job`, [p, pc, ps, dim], heads, opts);
+      return this.#get(p, Float32Array, x.length);
+    });
+  }
+
+  // ---- benchmarks, shutdown ------------------------------------------------------------------
+
+  /**
+   * Call API method `method` with `args` again and again in this thread: untimed for `warmupMs`
+   * (the engine compiles hot code again, optimized, after a while), then timed for about `minMs`,
+   * at most `maxIterations` times. A nonzero stop flag ends the loop early.
+   * Returns {iterations, msPerCall, stopped}.
+   */
+  bench(method, args, { minMs = 200, warmupMs = minMs / 4, maxIterations = 10_000 } = {}) {
+    if (!API.includes(method) || method === 'bench') throw new Error(`bench: not an API method: ${method}`);
+    const flag = this.stopFlag;
+    if (flag) Atomics.store(flag, 0, 0);
+    const loop = (ms, most) => {
+      const start = performance.now();
+      let now = start;
+      let iterations = 0;
+      while (iterations < most && (iterations === 0 || now - start < ms)) {
+        if (flag && Atomics.load(flag, 0)) return { iterations, ms: now - start, stopped: true };
+        this[method](...args);
+        iterations++;
+        now = performance.now();
+      }
+      return { iterations, ms: now - start, stopped: false };
+    };
+    const warm = loop(warmupMs, maxIterations);
+    if (warm.stopped) return { iterations: 0, msPerCall: NaN, stopped: true };
+    const { iterations, ms, stopped } = loop(minMs, maxIterations);
+    return { iterations, msPerCall: iterations ? ms / iterations : NaN, stopped };
+  }
+
+  /** Stop the pool's workers and let go of the memory. */
+  async close() {
+    if (this.#exports === null) return;
+    this.#exports = null;
+    try {
+      await this.#pool.close();
+    } finally {
+      this.#memory = null;
+      this.#pool = null;
+    }
+  }
+}

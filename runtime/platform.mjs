@@ -1,0 +1,64 @@
+// The few things Node and browsers do differently: reading files, workers and their messages.
+
+export const isNode = typeof process === 'object' && process.versions?.node !== undefined;
+
+const nodeWorkers = isNode ? await import('node:worker_threads') : null;
+const nodeOs = isNode ? await import('node:os') : null;
+
+/** The bytes at `url` (file: URLs in Node, anything fetch takes in a browser). */
+export async function readBytes(url) {
+  if (isNode && url.protocol === 'file:') {
+    const { readFile } = await import('node:fs/promises');
+    return new Uint8Array(await readFile(url));
+  }
+  const res = await fetch(url);
+  if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
+  return new Uint8Array(await res.arrayBuffer());
+}
+
+export async function readJson(url) {
+  return JSON.parse(new TextDecoder().decode(await readBytes(url)));
+}
+
+/** How many threads the machine can run at once. */
+export function hardwareThreads() {
+  return isNode ? nodeOs.availableParallelism() : navigator.hardwareConcurrency || 1;
+}
+
+/**
+ * Start runtime/worker.mjs. Returns {post(message, transfer), onMessage(fn), onError(fn), terminate()}
+ * over a Node worker thread or a (module) Web Worker. Node workers inherit execArgv, so they get
+ * the same --experimental-wasm-relaxed-simd / --no-liftoff as this process.
+ */
+export function startWorker(name) {
+  const url = new URL('./worker.mjs', import.meta.url);
+  if (isNode) {
+    const w = new nodeWorkers.Worker(url, { name });
+    w.unref(); // a pool left running never keeps the process alive
+    return {
+      post: (msg, transfer) => w.postMessage(msg, transfer),
+      onMessage: (fn) => w.on('message', fn),
+      onError: (fn) => w.on('error', fn),
+      terminate: () => w.terminate(),
+    };
+  }
+  const w = new Worker(url, { type: 'module', name });
+  return {
+    post: (msg, transfer) => w.postMessage(msg, transfer),
+    onMessage: (fn) => w.addEventListener('message', (e) => fn(e.data)),
+    onError: (fn) => w.addEventListener('error', (e) => fn(e.error ?? new Error(e.message || `worker ${name} failed to start`))),
+    terminate: () => w.terminate(),
+  };
+}
+
+/** Inside a worker: {post, onMessage} towards the thread that started it. */
+export function parentChannel() {
+  if (isNode) {
+    const port = nodeWorkers.parentPort;
+    return { post: (msg, transfer) => port.postMessage(msg, transfer), onMessage: (fn) => port.on('message', fn) };
+  }
+  return {
+    post: (msg, transfer) => self.postMessage(msg, transfer),
+    onMessage: (fn) => self.addEventListener('message', (e) => fn(e.data)),
+  };
+}

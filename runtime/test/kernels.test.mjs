@@ -1,0 +1,202 @@
+// The runtime in Node: the pool (threaded = one thread, traps, stop, shutdown), argument checks,
+// and, with KERNELGEN_VECTORS set (tests/test_js.py writes them), every kernel bit-identical to
+// wasmtime on both targets. Run: node --experimental-wasm-relaxed-simd --no-liftoff --test runtime/test/
+
+import assert from 'node:assert/strict';
+import { readFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import { Worker } from 'node:worker_threads';
+
+import { JobError, loadKernels, probeRelaxedDot } from '../kernelgen.mjs';
+import { halfToFloat } from '../pack.mjs';
+import { firstDifference, runVectors } from '../testing/vectors.mjs';
+
+const VECTORS = process.env.KERNELGEN_VECTORS;
+const THREADS = 3;
+const probe = await probeRelaxedDot();
+const TARGETS = [['simd128', null], ['relaxed-simd', probe.usable ? null : probe.note]];
+
+/** A seeded generator of uint32s (mulberry32): the same data every run. */
+function random(seed) {
+  let s = seed >>> 0;
+  return () => {
+    s = (s + 0x6d2b79f5) >>> 0;
+    let t = Math.imul(s ^ (s >>> 15), 1 | s);
+    t ^= t + Math.imul(t ^ (t >>> 7), 61 | t);
+    return (t ^ (t >>> 14)) >>> 0;
+  };
+}
+
+function normals(rand, n) {
+  return Float32Array.from({ length: n }, () => (rand() / 2 ** 32 - 0.5) * 6);
+}
+
+/** Plausible stored blocks of any quant type from its manifest fields: small positive scales,
+ * zero points within a nibble, random value bytes. */
+function randomBlocks(spec, nblocks, rand) {
+  const bytes = new Uint8Array(nblocks * spec.stored_bytes);
+  const view = new DataView(bytes.buffer);
+  for (let b = 0; b < nblocks; b++) {
+    for (const f of spec.fields) {
+      const at = b * spec.stored_bytes + f.offset;
+      if (f.type === 'f16') view.setUint16(at, 0x2000 | (rand() & 0x3ff), true); // about 0.008 to 0.016
+      else if (f.type === 'f32') view.setFloat32(at, 0.01 * (1 + (rand() & 0xff) / 256), true);
+      else if (f.count === null) view.setUint8(at, rand() & 15);
+      else for (let i = 0; i < f.count; i++) view.setUint8(at + i, rand() & 0xff);
+    }
+  }
+  return bytes;
+}
+
+test('halfToFloat decodes normals, subnormals, zeros, infinities and NaN', () => {
+  const cases = [[0x3c00, 1], [0xc000, -2], [0x7bff, 65504], [0x0001, 2 ** -24], [0x8000, -0], [0x7c00, Infinity], [0xfc00, -Infinity]];
+  for (const [bits, want] of cases) assert.ok(Object.is(halfToFloat(bits), want), `0x${bits.toString(16)}`);
+  assert.ok(Number.isNaN(halfToFloat(0x7e00)));
+});
+
+test('probeRelaxedDot says what the engine does with the 7-bit operand', (t) => {
+  t.diagnostic(JSON.stringify(probe));
+  assert.equal(typeof probe.supported, 'boolean');
+  if (probe.usable) assert.ok(['signed', 'unsigned', 'unknown'].includes(probe.sevenBit));
+  else assert.match(probe.note, /./);
+});
+
+test('loadKernels picks relaxed SIMD exactly where its dot is usable, and says why', async () => {
+  const k = await loadKernels({ threads: 1 });
+  try {
+    assert.equal(k.info.target, probe.usable ? 'relaxed-simd' : 'simd128');
+    assert.match(k.info.targetReason, /./);
+    assert.deepEqual(k.info.relaxedDot, probe);
+    assert.equal(k.info.threads, 1);
+  } finally {
+    await k.terminate();
+  }
+});
+
+for (const [target, unusable] of TARGETS) {
+  describe(`${target}, ${THREADS} threads`, { skip: unusable ?? false }, () => {
+    let k;
+    before(async () => { k = await loadKernels({ target, threads: THREADS }); });
+    after(async () => { await k?.terminate(); });
+
+    test('every threaded kernel equals its one-thread run at 1..n threads', async () => {
+      const rand = random(7);
+      const kdim = 160;
+      const act = await k.quantizeAct(normals(rand, kdim));
+      const x = normals(rand, 1003);
+      const g = normals(rand, 1003);
+      const scores = normals(rand, 11 * 32);
+      const heads = normals(rand, 6 * 64);
+      const { cos, sin } = await k.ropeTable(1, 64);
+      const wf = normals(rand, 13 * 70);
+      const xf = normals(rand, 70);
+      const calls = {
+        matvecF32: (o) => k.matvecF32(wf, xf, o),
+        softmax: (o) => k.softmax(scores, 29, 32, o),
+        silu: (o) => k.silu(x, o),
+        swiglu: (o) => k.swiglu(x, g, o),
+        'rope halves': (o) => k.rope(heads, cos, sin, o),
+        'rope pairs': (o) => k.rope(heads, cos, sin, { ...o, interleaved: true }),
+      };
+      for (const [quant, spec] of Object.entries(k.manifest.quants)) {
+        const w = await k.pack(quant, randomBlocks(spec, 23 * kdim / spec.block, rand), 23, kdim);
+        calls[`qmatvec ${quant}`] = (o) => k.qmatvec(w, act, o);
+      }
+      for (const [name, call] of Object.entries(calls)) {
+        const want = await call({});
+        for (let threads = 1; threads <= THREADS; threads++) {
+          await k.setThreads(threads);
+          for (const chunk of [undefined, 1]) {
+            const got = await call({ threads: true, chunk });
+            assert.equal(firstDifference(got, want), null, `${name} at ${threads} threads, chunk ${chunk}`);
+          }
+        }
+      }
+      await k.setThreads(THREADS);
+    });
+
+    test('2,000 small jobs in a row neither deadlock nor differ', async () => {
+      const x = normals(random(11), 64);
+      const want = await k.silu(x);
+      for (let i = 0; i < 2000; i++) {
+        const got = await k.silu(x, { threads: true, chunk: 1 });
+        if (firstDifference(got, want)) assert.fail(`job ${i} differs`);
+      }
+    });
+
+    test('a trap in a job raises JobError in the caller, and the pool recovers', async () => {
+      const job = Object.keys(k.manifest.jobs).find((name) => k.manifest.jobs[name].kernel === 'matvec_f32_job');
+      const beyond = 0x7fff0000; // far past the memory: every row's load traps
+      await assert.rejects(k.runJob(job, 64, 1, [beyond, beyond, beyond, 64]), (e) => {
+        assert.ok(e instanceof JobError, e.message);
+        assert.ok(e.driverError && e.helperErrors.length === THREADS - 1, `${e.message}: helpers ${e.helperErrors}`);
+        return true;
+      });
+      const wf = normals(random(3), 40 * 64);
+      const xf = normals(random(4), 64);
+      assert.equal(firstDifference(await k.matvecF32(wf, xf, { threads: true, chunk: 1 }), await k.matvecF32(wf, xf)), null);
+    });
+
+    test('wrong arguments are refused before any memory is touched', async () => {
+      const x = new Float32Array(64);
+      await assert.rejects(k.quantizeAct(new Float64Array(64)), TypeError);
+      await assert.rejects(k.quantizeAct(new Float32Array(33)), RangeError);
+      await assert.rejects(k.pack('q8_0', new Uint8Array(33), 1, 32), RangeError);
+      await assert.rejects(k.pack('nope', new Uint8Array(34), 1, 32), /unknown quant type nope/);
+      const onnx = k.manifest.quants.q4_onnx;
+      if (onnx) { // a zero point of 255 unpacks to 0 - 255: not a weight the int8 kernels can hold
+        const block = randomBlocks(onnx, 1, random(9));
+        block[onnx.fields.find((f) => f.name === 'z').offset] = 255;
+        await assert.rejects(k.pack('q4_onnx', block, 1, 32), /pack\(q4_onnx\): block 0 unpacks to -2\d\d at element \d+, outside int8/);
+      }
+      await assert.rejects(k.qmatvec({ quant: 'q8_0' }, await k.quantizeAct(x)), TypeError);
+      const w = await k.pack('q8_0', new Uint8Array(2 * 34), 1, 64);
+      await assert.rejects(k.qmatvec(w, await k.quantizeAct(new Float32Array(32))), RangeError);
+      await assert.rejects(k.qmatvec(w, { q: new Float32Array(64), d: new Float32Array(2) }), TypeError);
+      await assert.rejects(k.softmax(x, 5, 6), RangeError);
+      await assert.rejects(k.rope(x, new Float32Array(3), new Float32Array(3)), RangeError);
+      await assert.rejects(k.setThreads(THREADS + 1), RangeError);
+      await assert.rejects(k.runJob('no_such_job', 1, 1, []), /no job/);
+    });
+
+    test('another thread setting the stop flag ends a bench loop', async () => {
+      const setter = new Worker('const { workerData } = require("node:worker_threads");'
+        + 'setTimeout(() => Atomics.store(workerData, 0, 1), 100);', { eval: true, workerData: k.stopFlag });
+      const x = normals(random(5), 4096);
+      const start = performance.now();
+      const r = await k.bench('silu', [x, { threads: true }], { minMs: 20_000, maxIterations: 1e9 });
+      await setter.terminate();
+      assert.ok(r.stopped && performance.now() - start < 10_000, JSON.stringify(r));
+    });
+  });
+}
+
+test('terminate stops the pool and frees the memory; a new pool can start', async () => {
+  for (let round = 0; round < 2; round++) {
+    const k = await loadKernels({ target: 'simd128', threads: THREADS });
+    assert.equal(k.info.threads, THREADS);
+    await k.terminate();
+    await assert.rejects(k.silu(new Float32Array(4)), /terminated/);
+  }
+});
+
+describe('test vectors from wasmtime (tests/test_js.py)', { skip: VECTORS ? false : 'KERNELGEN_VECTORS is not set' }, () => {
+  const read = async (file) => {
+    const b = await readFile(join(VECTORS, file));
+    return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength);
+  };
+  for (const [target, unusable] of TARGETS) {
+    test(target, { skip: unusable ?? false }, async (t) => {
+      const index = JSON.parse(await readFile(join(VECTORS, 'index.json'), 'utf8'));
+      const k = await loadKernels({ target, threads: index.threads });
+      try {
+        const results = await runVectors(k, index, read);
+        assert.ok(results.length > 0);
+        for (const r of results) await t.test(r.name, () => assert.ok(r.ok, r.detail));
+      } finally {
+        await k.terminate();
+      }
+    });
+  }
+});

@@ -1,0 +1,206 @@
+"""The JavaScript runtime (runtime/) gives wasmtime's results, bit for bit, in Node and in Chromium.
+
+This file makes the test vectors: inputs from numpy, outputs from kernelgen's Python API under
+wasmtime (simd128, and relaxed SIMD with wasmtime's native lowering: deterministic=False), written
+to a temp dir as raw little-endian .bin files and an index.json that runtime/test/vectors.mjs
+reads. It then runs the Node tests (runtime/test/kernels.test.mjs) and the browser test
+(runtime/test/browser.test.mjs: playwright-core driving Debian's /usr/bin/chromium) with
+KERNELGEN_VECTORS pointing at them. Without node, chromium or node_modules the tests skip, except
+under CI (the CI variable set), where .ci/run installs them and a skip would hide a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kernelgen
+from kernelgen import reference as R
+from kernelgen.api import Kernels, padded_rows
+from kernelgen.formats import onnx_uint4_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE = shutil.which("node")
+CHROMIUM = Path("/usr/bin/chromium")
+# Node 20 runs relaxed SIMD only behind a flag, and its baseline compiler (Liftoff) gets
+# i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
+NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
+# Relaxed SIMD as the engine natively lowers it, as V8 does; the kernels' 7-bit contract makes it
+# equal to the deterministic lowering (tests/test_kernels.py checks that).
+MODES = {"simd128": True, "relaxed-simd": False}
+THREADS = 3
+ROWS, K = 37, 320  # 10 blocks a row: two four-block steps and two blocks left over
+N = 1003  # elementwise length: a partial last vector
+
+
+def need(ok: object, reason: str) -> None:
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason} (CI must have it: .ci/run installs it)")
+        pytest.skip(reason)
+
+
+def special_f32(rng: np.random.Generator, n: int, scale: float = 3.0) -> np.ndarray:
+    """Normal values with the edge cases the kernels treat specially at the front."""
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    edge = [0.0, -0.0, np.inf, -np.inf, np.nan, 88.8, 88.7, -87.0, -103.0, -104.0, -120.0, 1e-30, -1e-30, 30.0]
+    x[:len(edge)] = edge
+    return x
+
+
+def quant_blocks(k: Kernels, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """(ROWS, K / 32) stored blocks of every quant type of the build, as bytes."""
+    w = rng.standard_normal((ROWS, K)).astype(np.float32)
+    made = {"q8_0": R.quantize_q8_0(w), "q4_0": R.quantize_q4_0(w), "q4_1": R.quantize_q4_1(w)}
+    if "q4_onnx" in k.quants:
+        packed, scale, zp = R.quantize_onnx_uint4(w.T)  # B[K, N] of a MatMul: one output per row of w
+        made["q4_onnx"] = onnx_uint4_blocks(k.quants["q4_onnx"], packed, scale, zp, K, ROWS)
+    missing = set(k.quants) - set(made)
+    assert not missing, f"test_js.py makes no blocks for quant types {sorted(missing)}: add them"
+    return {q: np.ascontiguousarray(b).view(np.uint8).reshape(ROWS, -1) for q, b in made.items()}
+
+
+class Vectors:
+    """Writes arrays and the index that runtime/test/vectors.mjs reads."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.index: dict = {"threads": THREADS, "arrays": {}, "packed": {}, "cases": [], "expected": {}, "builds": {}}
+
+    def array(self, name: str, a: np.ndarray) -> dict:
+        a = np.ascontiguousarray(a)
+        (self.root / "in").mkdir(exist_ok=True)
+        (self.root / "in" / f"{name}.bin").write_bytes(a.tobytes())
+        self.index["arrays"][name] = {"file": f"in/{name}.bin", "dtype": a.dtype.name}
+        return {"array": name}
+
+    def case(self, name: str, call: str, args: list, opts: dict | None = None, threaded: bool = False) -> None:
+        case = {"name": name, "call": call, "args": args, "threaded": threaded}
+        if opts is not None:
+            case["opts"] = opts
+        self.index["cases"].append(case)
+
+    def expect(self, target: str, name: str, outputs: dict[str, np.ndarray | float]) -> None:
+        d = self.root / target
+        d.mkdir(exist_ok=True)
+        entry = {}
+        for key, value in outputs.items():
+            a = np.ascontiguousarray(np.atleast_1d(np.asarray(value, np.float32) if isinstance(value, float) else value))
+            # NaN matches NaN in the comparison: outputs that were mostly NaN would prove nothing
+            assert a.dtype.kind != "f" or np.isfinite(a).mean() > 0.5, f"{target} {name}.{key}: mostly not finite"
+            (d / f"{name}.{key}.bin").write_bytes(a.tobytes())
+            entry[key] = {"file": f"{target}/{name}.{key}.bin", "dtype": a.dtype.name}
+        self.index["expected"].setdefault(target, {})[name] = entry
+
+    def save(self) -> None:
+        (self.root / "index.json").write_text(json.dumps(self.index, indent=1), encoding="utf-8")
+
+
+def write_vectors(root: Path) -> None:
+    v = Vectors(root)
+    rng = np.random.default_rng(20240607)
+    x_act = rng.standard_normal(K).astype(np.float32)
+    x_act[32:64] = 0.0  # an all-zero block: scale 0
+    x_act[64:96] *= 1e4
+    x_special = special_f32(rng, 128)  # quantize_act of infinities and NaN: a case of its own
+    x, g = special_f32(rng, N), special_f32(rng, N)
+    xn, y = rng.standard_normal(N).astype(np.float32), rng.standard_normal(N).astype(np.float32)
+    wf, xf = rng.standard_normal((13, 70)).astype(np.float32), rng.standard_normal(70).astype(np.float32)
+    scores = padded_rows(rng.standard_normal((11, 29)).astype(np.float32) * 4)
+    scores[3, 5] = -np.inf
+    scores[7, :29] = -np.inf  # a fully masked row
+    heads = rng.standard_normal((6, 64)).astype(np.float32)
+
+    first = kernelgen.load(ROOT / "out", "simd128")
+    blocks = quant_blocks(first, rng)
+    cos, sin = first.rope_table(5, 64)  # table rows are inputs here: the rope case reads position 3
+    args = {"x_act": v.array("x_act", x_act), "x_special": v.array("x_special", x_special), "x": v.array("x", x),
+            "xn": v.array("xn", xn), "y": v.array("y", y), "g": v.array("g", g),
+            "wf": v.array("wf", wf), "xf": v.array("xf", xf), "scores": v.array("scores", scores),
+            "heads": v.array("heads", heads), "cos3": v.array("cos3", cos[3]), "sin3": v.array("sin3", sin[3])}
+    for q, b in blocks.items():
+        v.array(f"blocks_{q}", b)
+        v.array(f"row_{q}", b[:1])
+        v.index["packed"][f"w_{q}"] = {"quant": q, "blocks": f"blocks_{q}", "rows": ROWS, "k": K}
+        v.index["packed"][f"row_{q}"] = {"quant": q, "blocks": f"row_{q}", "rows": 1, "k": K}
+
+    v.case("quantize_act", "quantizeAct", [args["x_act"]])
+    v.case("quantize_act_special", "quantizeAct", [args["x_special"]])
+    for q in blocks:
+        v.case(f"pack_{q}", "packPlanes", [q, {"array": f"blocks_{q}"}, ROWS * K // 32])
+        v.case(f"qdot_{q}", "qdot", [{"packed": f"row_{q}"}, {"act": "x_act"}])
+        v.case(f"qmatvec_{q}", "qmatvec", [{"packed": f"w_{q}"}, {"act": "x_act"}], {}, threaded=True)
+    v.case("dot_f32", "dotF32", [args["xn"], args["y"]])
+    v.case("matvec_f32", "matvecF32", [args["wf"], args["xf"]], {}, threaded=True)
+    v.case("exp_f32", "exp", [args["x"]])
+    v.case("softmax_f32", "softmax", [args["scores"], 29, scores.shape[1]], {}, threaded=True)
+    v.case("rope_halves", "rope", [args["heads"], args["cos3"], args["sin3"]], {"interleaved": False}, threaded=True)
+    v.case("rope_pairs", "rope", [args["heads"], args["cos3"], args["sin3"]], {"interleaved": True}, threaded=True)
+    v.case("rope_table", "ropeTable", [7, 64, 10000.0, 3])
+    v.case("rope_table_1e6", "ropeTable", [5, 128, 1e6, 4000])
+    v.case("silu_f32", "silu", [args["x"]], {}, threaded=True)
+    v.case("swiglu_f32", "swiglu", [args["x"], args["g"]], {}, threaded=True)
+
+    for target, deterministic in MODES.items():
+        k = kernelgen.load(ROOT / "out", target, deterministic=deterministic)
+        v.index["builds"][target] = k.manifest["inputs_sha256"]
+        act = k.quantize_act(x_act)
+        v.expect(target, "quantize_act", {"q": act.q, "d": act.d})
+        special = k.quantize_act(x_special)
+        v.expect(target, "quantize_act_special", {"q": special.q, "d": special.d})
+        for q, b in blocks.items():
+            v.expect(target, f"pack_{q}", k.quants[q].pack(b))
+            v.expect(target, f"qdot_{q}", {"value": k.qdot(k.pack(q, b[:1]), act)})
+            v.expect(target, f"qmatvec_{q}", {"out": k.qmatvec(k.pack(q, b), act)})
+        v.expect(target, "dot_f32", {"value": k.dot_f32(xn, y)})
+        v.expect(target, "matvec_f32", {"out": k.matvec_f32(wf, xf)})
+        v.expect(target, "exp_f32", {"out": k.exp_f32(x)})
+        v.expect(target, "softmax_f32", {"out": k.softmax_f32(scores, 29)})
+        v.expect(target, "rope_halves", {"out": k.rope(heads, cos[3], sin[3])})
+        v.expect(target, "rope_pairs", {"out": k.rope(heads, cos[3], sin[3], interleaved=True)})
+        for name, (npos, dim, theta, pos0) in {"rope_table": (7, 64, 10000.0, 3), "rope_table_1e6": (5, 128, 1e6, 4000)}.items():
+            c, s = k.rope_table(npos, dim, theta, pos0)
+            v.expect(target, name, {"cos": c, "sin": s})
+        v.expect(target, "silu_f32", {"out": k.silu_f32(x)})
+        v.expect(target, "swiglu_f32", {"out": k.swiglu_f32(x, g)})
+        k.reset()
+    v.save()
+
+
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("js-vectors")
+    write_vectors(root)
+    return root
+
+
+def run_node_tests(test_file: str, env: dict[str, str], timeout: float) -> None:
+    """Run one node:test file; fail with its report unless every test passed and none skipped
+    (a skip here would mean a prerequisite this file already checked went missing)."""
+    proc = subprocess.run([NODE, *NODE_FLAGS, "--test", "--test-reporter=tap", test_file], cwd=ROOT,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    report = proc.stdout + proc.stderr
+    counts = {k: int(n) for k, n in re.findall(r"^# (pass|fail|skipped|todo|cancelled) (\d+)$", report, re.M)}
+    ok = proc.returncode == 0 and counts.get("pass", 0) > 0 and not any(counts.get(k) for k in ("fail", "skipped", "cancelled"))
+    assert ok, f"node --test {test_file}: exit {proc.returncode}, {counts}\n{report[-6000:]}"
+
+
+def test_node_runtime_matches_wasmtime(vectors: Path) -> None:
+    need(NODE, "node is not installed")
+    run_node_tests("runtime/test/kernels.test.mjs", {"KERNELGEN_VECTORS": str(vectors)}, timeout=120)
+
+
+def test_chromium_runs_the_demo_and_matches_wasmtime(vectors: Path) -> None:
+    need(NODE, "node is not installed")
+    need(CHROMIUM.is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    shot = vectors / "demo.png"
+    run_node_tests("runtime/test/browser.test.mjs", {"KERNELGEN_VECTORS": str(vectors), "KERNELGEN_SCREENSHOT": str(shot)},
+                   timeout=180)
+    assert shot.stat().st_size > 0, "the browser test saved no screenshot"
