@@ -3,21 +3,11 @@
 // defaults. The page publishes its state as window.kernelgenDemo for runtime/test/browser.test.mjs.
 
 import { loadKernels } from '../kernelgen.mjs';
+import { random } from '../testing/random.mjs';
 
 const MIN_MS = 250; // time each measurement for about this long
 const params = new URLSearchParams(location.search);
 const $ = (id) => document.getElementById(id);
-
-/** A seeded generator of uint32s (mulberry32), so every load times the same data. */
-function random(seed) {
-  let s = seed >>> 0;
-  return () => {
-    s = (s + 0x6d2b79f5) >>> 0;
-    let t = Math.imul(s ^ (s >>> 15), 1 | s);
-    t ^= t + Math.imul(t ^ (t >>> 7), 61 | t);
-    return (t ^ (t >>> 14)) >>> 0;
-  };
-}
 
 const normals = (rand, n) => Float32Array.from({ length: n }, () => (rand() / 2 ** 32 - 0.5) * 6);
 

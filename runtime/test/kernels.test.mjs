@@ -11,22 +11,12 @@ import { Worker } from 'node:worker_threads';
 import { JobError, loadKernels, probeRelaxedDot } from '../kernelgen.mjs';
 import { halfToFloat } from '../pack.mjs';
 import { firstDifference, runVectors } from '../testing/vectors.mjs';
+import { random } from '../testing/random.mjs';
 
 const VECTORS = process.env.KERNELGEN_VECTORS;
 const THREADS = 3;
 const probe = await probeRelaxedDot();
 const TARGETS = [['simd128', null], ['relaxed-simd', probe.usable ? null : probe.note]];
-
-/** A seeded generator of uint32s (mulberry32): the same data every run. */
-function random(seed) {
-  let s = seed >>> 0;
-  return () => {
-    s = (s + 0x6d2b79f5) >>> 0;
-    let t = Math.imul(s ^ (s >>> 15), 1 | s);
-    t ^= t + Math.imul(t ^ (t >>> 7), 61 | t);
-    return (t ^ (t >>> 14)) >>> 0;
-  };
-}
 
 function normals(rand, n) {
   return Float32Array.from({ length: n }, () => (rand() / 2 ** 32 - 0.5) * 6);
