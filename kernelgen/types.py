@@ -75,10 +75,6 @@ def wasm_type(t: str) -> str:
     return "v128" if t in VECTORS else t
 
 
-def size_of(t: str) -> int:
-    return 16 if t in VECTORS else int(t[1:]) // 8
-
-
 def mask_type(t: str) -> str:
     """The type of a lane-wise comparison's result: an all-ones/all-zeros lane mask of the same width."""
     v = VECTORS[t]
