@@ -114,8 +114,10 @@ class Kernels:
             return
         if pool.kernels is not self:
             raise ValueError("this pool belongs to another module")
-        chunk = chunk or max(1, -(-count // (pool.size * 4)))
-        pool.run(self.job_name(job, quant), count, chunk, job_args)
+        name = self.job_name(job, quant)
+        tuned = self.manifest["jobs"][name].get("tuned") or {}
+        chunk = chunk or tuned.get("chunk") or max(1, -(-count // (pool.size * 4)))
+        pool.run(name, count, chunk, job_args)
 
     def tune_of(self, kernel: str, quant: str | None = None) -> dict[str, int]:
         return parse_variant(self.export_name(kernel, quant)).tune

@@ -21,15 +21,9 @@ from .names import variant_name
 from .parse import parse
 from .pool import Pool
 from .store import Record
-from .timing import STREAM_SOURCE, measure, measure_python, repeat_name, repeat_source
+from .timing import POOL_REPEAT, STREAM_SOURCE, measure, measure_python, repeat_name, repeat_source
 
-POOL_REPEAT = """
-export kernel bench_par_for(reps: i32, job: i32, count: i32, chunk: i32) {
-    for rep in 0..reps {
-        par_for(job, count, chunk);
-    }
-}
-"""
+
 
 
 @dataclass

@@ -68,11 +68,13 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                        "dtype": "int8" if t.constants["ACT_ZERO"] == 0 else "uint8"},
         "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
                    for name, q in checked.quants.items()},
-        "tune": {"values": tune, **(tune_info or {"source": {k: "default" for k in tune}, "host": None})},
+        "tune": {"values": tune, **{k: v for k, v in (tune_info or {"source": {k: "default" for k in tune},
+                                                                     "host": None}).items() if k != "pool"}},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
                              "result": e.result, "line": e.line} for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "items": j.items, "args": j.params[2:],
-                          "line": j.line} for i, j in enumerate(lowered.jobs)},
+                          "tuned": (tune_info or {}).get("pool", {}).get(j.kernel), "line": j.line}
+                 for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
     }
     return Built(target, wat, wasm, manifest)
@@ -106,8 +108,12 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
         else:
             sources[name] = "default"
     values = resolve_tune(checked, overrides)
-    used_store = "store" in sources.values()
-    return values, {"source": sources, "host": want if used_store else None}
+    pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
+    for name, k in checked.kernels.items():
+        if k.ast.mode == "job" and records and (best := best_tune(records, checked, name, target, want)) is not None:
+            pool[name] = best
+    used_store = "store" in sources.values() or bool(pool)
+    return values, {"source": sources, "host": want if used_store else None, "pool": pool}
 
 
 def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,

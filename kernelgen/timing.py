@@ -40,6 +40,15 @@ export kernel bench_stream_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {
 
 MAX_REPS = 1 << 24
 
+# The pool's par_for called reps times: a threaded job timed inside wasm.
+POOL_REPEAT = """
+export kernel bench_par_for(reps: i32, job: i32, count: i32, chunk: i32) {
+    for rep in 0..reps {
+        par_for(job, count, chunk);
+    }
+}
+"""
+
 
 def repeat_name(kernel: str) -> str:
     return f"bench_{kernel}"

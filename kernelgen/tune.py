@@ -8,6 +8,7 @@ by skipping what is recorded; the best few of each shape are timed again before 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -24,8 +25,9 @@ from .build import compile_source
 from .check import Checked, check, variants
 from .names import variant_name
 from .parse import parse
+from .pool import Pool
 from .store import Record, append_record, host, kernel_hash, load_store
-from .timing import measure, repeat_name, repeat_source
+from .timing import POOL_REPEAT, measure, repeat_name, repeat_source
 
 
 # ---- what is tuned: inputs, a numpy check, and the timed call per kernel ---------------------------
@@ -94,7 +96,34 @@ SPECS: dict[str, tuple[Callable, list[tuple[int, ...]]]] = {
     "qmatvec": (_case_qmatvec, [(4096, 4096), (256, 4096)]),
     "dot_f32": (_case_f32("dot_f32"), [(4096,)]),
     "matvec_f32": (_case_f32("matvec_f32"), [(1024, 1024)]),
+    "qmatvec_job": (_case_qmatvec, [(4096, 4096)]),
 }
+# Pool jobs are tuned at run time: threads taking part and items per claim. Each job reuses its
+# kernel's case; its arguments are the kernel's without the item count (at COUNT_ARG from the end).
+JOBS = frozenset({"qmatvec_job"})
+COUNT_ARG = -2
+CHUNKS = (8, 32, 128, 512)
+
+
+def job_variants() -> list[dict[str, int]]:
+    """threads 1 .. this machine's cores x CHUNKS, the pool API's default (all threads) first."""
+    cores = os.cpu_count() or 1
+    return [{"threads": t, "chunk": c} for t in range(cores, 0, -1) for c in CHUNKS]
+
+
+def _run_job(k: Kernels, job: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
+             samples: int) -> tuple[float | None, str]:
+    count = case.args[COUNT_ARG]
+    args = case.args[:COUNT_ARG] + case.args[COUNT_ARG + 1:]
+    name = k.job_name(job, quant)
+    with Pool(k, tune["threads"]) as pool:
+        pool.run(name, count, tune["chunk"], args)
+        problem = case.verify(None)
+        if problem:
+            return None, f"failed: wrong results ({problem})"
+        index = pool.job_index(name)
+        timing = measure(lambda reps: k.call("bench_par_for", reps, index, count, tune["chunk"]), min_batch, samples)
+    return timing.seconds, "ok"
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -122,10 +151,15 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
              tune: dict[str, int], min_batch: float = 0.02, samples: int = 5) -> tuple[float | None, str]:
     """Build one variant, verify it once, then time it inside wasm: (seconds per call, status)."""
     maker, _ = SPECS[kernel]
-    (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
+    if kernel in JOBS:
+        (built,) = compile_source(source + POOL_REPEAT, targets=(target,))
+    else:
+        (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
     k = from_built(built, deterministic=False)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
+        if kernel in JOBS:
+            return _run_job(k, kernel, quant, case, tune, min_batch, samples)
         problem = case.verify(k.call(k.export_name(kernel, quant), *case.args))
         if problem:
             return None, f"failed: wrong results ({problem})"
@@ -151,7 +185,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             qs = (quants or list(checked.quants)) if kinfo.ast.generics else [None]
             for q in qs:
                 for shape in shapes.get(kernel) or SPECS[kernel][1]:
-                    for t in variants(checked, kernel):
+                    for t in job_variants() if kernel in JOBS else variants(checked, kernel):
                         plans.append((target, Plan(kernel, q, shape, t)))
     if strategy == "random":
         random.Random(seed).shuffle(plans)

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kernelgen.timing
@@ -772,3 +773,33 @@ def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() ->
     assert S.best_tune(close, checked, "qmatvec", "simd128", me) == other  # no default given: the fastest
     clear = [rec(default, 1.0), rec(other, 1.0 / (S.MARGIN * 1.05))]
     assert S.best_tune(clear, checked, "qmatvec", "simd128", me, default) == other
+
+
+def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None:
+    """qmatvec_job's run-time choices: every (threads, chunk) is verified and timed; the build puts the
+    best into the manifest's job entries and the API uses its chunk."""
+    from kernelgen.api import compile_kernels
+    from kernelgen.tune import job_variants
+
+    store = tmp_path / "store.jsonl"
+    recs = tune(SOURCE, ["simd128"], ["qmatvec_job"], {"qmatvec_job": [(64, 256)]}, ["q8_0"], store,
+                budget=120.0, retime=1, out=io.StringIO())
+    first = [r for r in recs if not r.retimed]
+    assert [r.tune for r in first] == job_variants()
+    assert all(r.status == "ok" and r.seconds > 0 for r in recs)
+    (built,) = compile_source(SOURCE, targets=("simd128",), records=load_store(store), tune_host=S.host())
+    tuned = built.manifest["jobs"]["qmatvec_job_q8_0"]["tuned"]
+    assert tuned in job_variants() and built.manifest["tune"]["host"] == S.host()
+    assert built.manifest["jobs"]["softmax_job"]["tuned"] is None  # not tuned: the API's own default
+    k = compile_kernels(SOURCE, "simd128")
+    k.manifest["jobs"]["qmatvec_job_q8_0"]["tuned"] = tuned
+    rng = np.random.default_rng(0)
+    from kernelgen import reference
+    w = k.pack("q8_0", reference.quantize_q8_0(rng.standard_normal((64, 256))))
+    act = k.quantize_act(rng.standard_normal(256).astype(np.float32))
+    with k.pool(2) as pool:
+        chunks: list[int] = []
+        run = pool.run
+        pool.run = lambda job, count, chunk, args: (chunks.append(chunk), run(job, count, chunk, args))
+        assert k.qmatvec(w, act, pool).tobytes() == k.qmatvec(w, act).tobytes()
+        assert chunks == [tuned["chunk"]]
