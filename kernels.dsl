@@ -105,14 +105,9 @@ job kernel matvec_f32_job(begin: i32, end: i32, w: ptr, x: ptr, y: ptr, k: i32) 
 
 # ---- activations -------------------------------------------------------------------------------
 
-# Quantize activations per block of 32 for the integer dot: d = amax / ACT_MAX,
-# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO.
-#   x: f32[n]
-#   n: element count, a multiple of 32
-#   q: i8[n], written (u8 in [1, 127] on relaxed SIMD)
-#   d: f32[n / 32], written: the block scales
-export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
-    for b in 0..n / 32 {
+# Blocks b0 .. b1 - 1 of quantize_act.
+kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
+    for b in b0..b1 {
         let xb = x + b * 128;
         var m: f32x4 = f32x4.splat(0.0);
         unroll j in 0..8 {
@@ -137,6 +132,24 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
             i8x16.store(q + b * 32, h * 16, i8x16.narrow(lo, hi) + ACT_ZERO);
         }
     }
+}
+
+# Quantize activations per block of 32 for the integer dot: d = amax / ACT_MAX,
+# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO.
+#   x: f32[n]
+#   n: element count, a multiple of 32
+#   q: i8[n], written (u8 in [1, 127] on relaxed SIMD)
+#   d: f32[n / 32], written: the block scales
+export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
+    quantize_blocks(x, q, d, 0, n / 32);
+}
+
+# quantize_act on the thread pool: items are blocks of 32 values.
+#   x: f32[n]
+#   q: i8[n], written
+#   d: f32[n / 32], written
+job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
+    quantize_blocks(x, q, d, begin, end);
 }
 
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
@@ -382,9 +395,22 @@ inline kernel store_first(p: ptr, v: f32x4, valid: i32) {
 #   y: f32[n], written; may be x
 #   n: element count; the last partial vector is read whole but only its first n % 4 lanes are written
 export kernel exp_f32(x: ptr, y: ptr, n: i32) {
-    for i in 0..n step 4 {
-        store_first(y + i * 4, exp4(f32x4.load(x + i * 4)), n - i);
+    exp_groups(x, y, 0, (n + 3) / 4, n);
+}
+
+# Vector groups g0 .. g1 - 1 of exp_f32 (values 4 g0 .. 4 g1 - 1, the last group cut at n).
+kernel exp_groups(x: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
+    for i in g0..g1 {
+        store_first(y + i * 16, exp4(f32x4.load(x + i * 16)), n - i * 4);
     }
+}
+
+# exp_f32 on the thread pool: items are groups of 4 values ((n + 3) / 4 of them).
+#   x: f32[n]
+#   y: f32[n], written
+#   n: element count
+job kernel exp_job(begin: i32, end: i32, x: ptr, y: ptr, n: i32) {
+    exp_groups(x, y, begin, end, n);
 }
 
 # Softmax of rows r0 .. r1 - 1 (see softmax_f32).

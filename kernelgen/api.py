@@ -148,7 +148,7 @@ class Kernels:
         addrs = {name: self.module.put(arr) for name, arr in planes.items()}
         return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs)
 
-    def quantize_act(self, x: np.ndarray) -> Act:
+    def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
         """f32[n] (n a multiple of 32) -> activations in this target's form (see ACT_ZERO/ACT_MAX)."""
         x = _f32("quantize_act x", x, 1)
         if x.size == 0 or x.size % 32:
@@ -158,7 +158,8 @@ class Kernels:
             px = self.module.put(x)
             pq = self.module.alloc(x.size)
             pd = self.module.alloc(x.size // 32 * 4)
-            self.call(self.export_name("quantize_act"), px, x.size, pq, pd)
+            self._run("quantize_act", None, [px, x.size, pq, pd], "quantize_act_job", [px, pq, pd], x.size // 32,
+                      pool, chunk)
             return Act(self.module.get(pq, self._act_dtype, x.size), self.module.get(pd, np.float32, x.size // 32))
         finally:
             self.module.release(m)
@@ -251,8 +252,8 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    def exp_f32(self, x: np.ndarray) -> np.ndarray:
-        return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1))
+    def exp_f32(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+        return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1), job="exp_job", pool=pool, chunk=chunk)
 
     def silu_f32(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         return self._map("silu_f32", np.float32, _f32("silu_f32 x", x, 1), job="silu_job", pool=pool, chunk=chunk)

@@ -3,6 +3,7 @@ thread, traps surfacing in the caller, a 10,000-job stress test, clean shutdown.
 from __future__ import annotations
 
 import threading
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,7 @@ def test_threaded_kernels_are_bit_identical_to_one_thread(kernels, threads: int)
     def all_kernels(pool: Pool | None, chunk: int | None) -> list[np.ndarray]:
         out = [k.qmatvec(w, acts, pool, chunk) for w in packed.values()]
         return out + [k.matvec_f32(wf, xf, pool, chunk), k.softmax_f32(scores, 29, pool, chunk),
+                      k.exp_f32(x, pool, chunk), *astuple(k.quantize_act(x[:992], pool, chunk)),
                       k.silu_f32(x, pool, chunk), k.swiglu_f32(x, g, pool, chunk),
                       k.rope(heads, cos[4], sin[4], False, pool, chunk), k.rope(heads, cos[4], sin[4], True, pool, chunk)]
 
@@ -102,7 +104,8 @@ def test_every_kernel_of_the_library_has_a_job(kernels) -> None:
     jobs = {(j["kernel"], j["quant"]) for j in kernels.manifest["jobs"].values()}
     for q in kernels.quants:
         assert ("qmatvec_job", q) in jobs
-    for name in ("matvec_f32_job", "softmax_job", "silu_job", "swiglu_job", "rope_halves_job", "rope_pairs_job"):
+    for name in ("matvec_f32_job", "softmax_job", "silu_job", "swiglu_job", "rope_halves_job", "rope_pairs_job",
+                 "exp_job", "quantize_act_job"):
         assert (name, None) in jobs
     indices = sorted(j["index"] for j in kernels.manifest["jobs"].values())
     assert indices == list(range(len(indices)))  # derived, dense, no hand numbering
