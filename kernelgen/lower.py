@@ -158,8 +158,8 @@ class Lowerer:
             return self.c.consts[name]
         if name in self.target.constants:  # untyped: adapts to the operand it meets, like a literal
             return Val(None, T.INT_LIT, self.target.constants[name])
-        if name in layout.FIXED:
-            return Val(None, "i32", layout.FIXED[name])
+        if name in layout.FIXED:  # a named global in the WAT, as hand-written engines name their state
+            return Val(I("global.get", f"${name}"), "i32")
         return None
 
     def _new_local(self, name: str, type_: str) -> str:
@@ -272,9 +272,9 @@ class Lowerer:
 
     def _job_args(self, params: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """Load a job's arguments after (begin, end) from the JOB_ARGS words; they become locals."""
-        self.emit(Comment(f"arguments from JOB_ARGS ({layout.FIXED['JOB_ARGS']}), one 4-byte word each"))
+        self.emit(Comment("arguments from the JOB_ARGS words, one 4-byte word each"))
         for i, (name, wt) in enumerate(params[2:]):
-            load = I(f"{wt}.load", f"offset={layout.FIXED['JOB_ARGS'] + 4 * i}", I("i32.const", 0))
+            load = Instr(f"{wt}.load", (f"offset={4 * i}",) if i else (), (I("global.get", "$JOB_ARGS"),))
             self.emit(I("local.set", f"${name}", load))
         return params[:2]
 

@@ -6,10 +6,34 @@
   ;; [0, 4096) holds fixed-address state; the host allocates buffers above it.
   (import "env" "memory" (memory 1 32768 shared))
 
+  ;; Fixed addresses of the state all threads share (kernelgen/layout.py, manifest memory.fixed).
+  (global $POOL_GEN i32 (i32.const 64))
+  (global $POOL_LEFT i32 (i32.const 128))
+  (global $POOL_READY i32 (i32.const 192))
+  (global $POOL_NEXT i32 (i32.const 256))
+  (global $POOL_JOB i32 (i32.const 320))
+  (global $POOL_COUNT i32 (i32.const 324))
+  (global $POOL_CHUNK i32 (i32.const 328))
+  (global $POOL_WANT i32 (i32.const 332))
+  (global $POOL_STOP i32 (i32.const 384))
+  (global $JOB_ARGS i32 (i32.const 1024))
+
   ;; Pool jobs, called through the table by index (manifest "jobs"): items [begin, end).
   (type $job (func (param i32 i32)))
   (table $jobs 12 funcref)
-  (elem (table $jobs) (i32.const 0) func $matvec_f32_job $quantize_act_job $qmatvec_job_q8_0 $qmatvec_job_q4_0 $qmatvec_job_q4_1 $qmatvec_job_q4_onnx $exp_job $softmax_job $swiglu_job $silu_job $rope_halves_job $rope_pairs_job)
+  (elem (table $jobs) (i32.const 0) func
+    $matvec_f32_job  ;; 0
+    $quantize_act_job  ;; 1
+    $qmatvec_job_q8_0  ;; 2
+    $qmatvec_job_q4_0  ;; 3
+    $qmatvec_job_q4_1  ;; 4
+    $qmatvec_job_q4_onnx  ;; 5
+    $exp_job  ;; 6
+    $softmax_job  ;; 7
+    $swiglu_job  ;; 8
+    $silu_job  ;; 9
+    $rope_halves_job  ;; 10
+    $rope_pairs_job)  ;; 11
   ;; ACT_ZERO = 0 on this target (kernels see it as a compile-time constant)
   ;; ACT_MAX = 127 on this target (kernels see it as a compile-time constant)
 
@@ -114,11 +138,11 @@
   (func $matvec_f32_job
     (param $begin i32) (param $end i32)
     (local $w i32) (local $x i32) (local $y i32) (local $k i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $w (i32.load offset=1024 (i32.const 0)))
-    (local.set $x (i32.load offset=1028 (i32.const 0)))
-    (local.set $y (i32.load offset=1032 (i32.const 0)))
-    (local.set $k (i32.load offset=1036 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $w (i32.load (global.get $JOB_ARGS)))
+    (local.set $x (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $k (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:103: fmatvec_rows[matvec_f32.unroll](w, x, y, begin, end, k);
     (call $fmatvec_rows__4
       (local.get $w)
@@ -146,10 +170,10 @@
   (func $quantize_act_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $q i32) (local $d i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $q (i32.load offset=1028 (i32.const 0)))
-    (local.set $d (i32.load offset=1032 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $q (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $d (i32.load offset=8 (global.get $JOB_ARGS)))
     ;; kernels.dsl:152: quantize_blocks(x, q, d, begin, end);
     (call $quantize_blocks
       (local.get $x)
@@ -299,14 +323,14 @@
     (param $begin i32) (param $end i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $k i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $w_q (i32.load offset=1024 (i32.const 0)))
-    (local.set $w_scale (i32.load offset=1028 (i32.const 0)))
-    (local.set $w_sum (i32.load offset=1032 (i32.const 0)))
-    (local.set $aq (i32.load offset=1036 (i32.const 0)))
-    (local.set $ad (i32.load offset=1040 (i32.const 0)))
-    (local.set $y (i32.load offset=1044 (i32.const 0)))
-    (local.set $k (i32.load offset=1048 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $w_q (i32.load (global.get $JOB_ARGS)))
+    (local.set $w_scale (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $w_sum (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $aq (i32.load offset=12 (global.get $JOB_ARGS)))
+    (local.set $ad (i32.load offset=16 (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=20 (global.get $JOB_ARGS)))
+    (local.set $k (i32.load offset=24 (global.get $JOB_ARGS)))
     ;; kernels.dsl:335: qmatvec_rows[Q, qmatvec.rows, qmatvec.accs](w, aq, ad, y, begin, end, k / Q.block);
     (call $qmatvec_rows__q8_0__1__1
       (local.get $w_q)
@@ -325,14 +349,14 @@
     (param $begin i32) (param $end i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $k i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $w_q (i32.load offset=1024 (i32.const 0)))
-    (local.set $w_scale (i32.load offset=1028 (i32.const 0)))
-    (local.set $w_sum (i32.load offset=1032 (i32.const 0)))
-    (local.set $aq (i32.load offset=1036 (i32.const 0)))
-    (local.set $ad (i32.load offset=1040 (i32.const 0)))
-    (local.set $y (i32.load offset=1044 (i32.const 0)))
-    (local.set $k (i32.load offset=1048 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $w_q (i32.load (global.get $JOB_ARGS)))
+    (local.set $w_scale (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $w_sum (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $aq (i32.load offset=12 (global.get $JOB_ARGS)))
+    (local.set $ad (i32.load offset=16 (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=20 (global.get $JOB_ARGS)))
+    (local.set $k (i32.load offset=24 (global.get $JOB_ARGS)))
     ;; kernels.dsl:335: qmatvec_rows[Q, qmatvec.rows, qmatvec.accs](w, aq, ad, y, begin, end, k / Q.block);
     (call $qmatvec_rows__q4_0__1__1
       (local.get $w_q)
@@ -351,15 +375,15 @@
     (param $begin i32) (param $end i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $k i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $w_q (i32.load offset=1024 (i32.const 0)))
-    (local.set $w_scale (i32.load offset=1028 (i32.const 0)))
-    (local.set $w_offset (i32.load offset=1032 (i32.const 0)))
-    (local.set $w_sum (i32.load offset=1036 (i32.const 0)))
-    (local.set $aq (i32.load offset=1040 (i32.const 0)))
-    (local.set $ad (i32.load offset=1044 (i32.const 0)))
-    (local.set $y (i32.load offset=1048 (i32.const 0)))
-    (local.set $k (i32.load offset=1052 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $w_q (i32.load (global.get $JOB_ARGS)))
+    (local.set $w_scale (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $w_offset (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $w_sum (i32.load offset=12 (global.get $JOB_ARGS)))
+    (local.set $aq (i32.load offset=16 (global.get $JOB_ARGS)))
+    (local.set $ad (i32.load offset=20 (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=24 (global.get $JOB_ARGS)))
+    (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:335: qmatvec_rows[Q, qmatvec.rows, qmatvec.accs](w, aq, ad, y, begin, end, k / Q.block);
     (call $qmatvec_rows__q4_1__1__1
       (local.get $w_q)
@@ -379,14 +403,14 @@
     (param $begin i32) (param $end i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $k i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $w_q (i32.load offset=1024 (i32.const 0)))
-    (local.set $w_scale (i32.load offset=1028 (i32.const 0)))
-    (local.set $w_sum (i32.load offset=1032 (i32.const 0)))
-    (local.set $aq (i32.load offset=1036 (i32.const 0)))
-    (local.set $ad (i32.load offset=1040 (i32.const 0)))
-    (local.set $y (i32.load offset=1044 (i32.const 0)))
-    (local.set $k (i32.load offset=1048 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $w_q (i32.load (global.get $JOB_ARGS)))
+    (local.set $w_scale (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $w_sum (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $aq (i32.load offset=12 (global.get $JOB_ARGS)))
+    (local.set $ad (i32.load offset=16 (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=20 (global.get $JOB_ARGS)))
+    (local.set $k (i32.load offset=24 (global.get $JOB_ARGS)))
     ;; kernels.dsl:335: qmatvec_rows[Q, qmatvec.rows, qmatvec.accs](w, aq, ad, y, begin, end, k / Q.block);
     (call $qmatvec_rows__q4_onnx__1__1
       (local.get $w_q)
@@ -416,10 +440,10 @@
   (func $exp_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $y i32) (local $n i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $y (i32.load offset=1028 (i32.const 0)))
-    (local.set $n (i32.load offset=1032 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $n (i32.load offset=8 (global.get $JOB_ARGS)))
     ;; kernels.dsl:413: exp_groups(x, y, begin, end, n);
     (call $exp_groups
       (local.get $x)
@@ -449,10 +473,10 @@
   (func $softmax_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $t i32) (local $stride i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $t (i32.load offset=1028 (i32.const 0)))
-    (local.set $stride (i32.load offset=1032 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $t (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $stride (i32.load offset=8 (global.get $JOB_ARGS)))
     ;; kernels.dsl:475: softmax_rows(x, begin, end, t, stride);
     (call $softmax_rows
       (local.get $x)
@@ -493,11 +517,11 @@
   (func $swiglu_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $g i32) (local $y i32) (local $n i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $g (i32.load offset=1028 (i32.const 0)))
-    (local.set $y (i32.load offset=1032 (i32.const 0)))
-    (local.set $n (i32.load offset=1036 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $g (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $n (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:524: silu_groups(x, g, y, begin, end, n);
     (call $silu_groups
       (local.get $x)
@@ -512,10 +536,10 @@
   (func $silu_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $y i32) (local $n i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $y (i32.load offset=1028 (i32.const 0)))
-    (local.set $n (i32.load offset=1032 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $y (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $n (i32.load offset=8 (global.get $JOB_ARGS)))
     ;; kernels.dsl:532: silu_groups(x, 0, y, begin, end, n);
     (call $silu_groups
       (local.get $x)
@@ -681,11 +705,11 @@
   (func $rope_halves_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $cos i32) (local $sin i32) (local $dim i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $cos (i32.load offset=1028 (i32.const 0)))
-    (local.set $sin (i32.load offset=1032 (i32.const 0)))
-    (local.set $dim (i32.load offset=1036 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $cos (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $sin (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $dim (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:796: rope_heads[0](x, cos, sin, begin, end, dim);
     (call $rope_heads__0
       (local.get $x)
@@ -700,11 +724,11 @@
   (func $rope_pairs_job
     (param $begin i32) (param $end i32)
     (local $x i32) (local $cos i32) (local $sin i32) (local $dim i32)
-    ;; arguments from JOB_ARGS (1024), one 4-byte word each
-    (local.set $x (i32.load offset=1024 (i32.const 0)))
-    (local.set $cos (i32.load offset=1028 (i32.const 0)))
-    (local.set $sin (i32.load offset=1032 (i32.const 0)))
-    (local.set $dim (i32.load offset=1036 (i32.const 0)))
+    ;; arguments from the JOB_ARGS words, one 4-byte word each
+    (local.set $x (i32.load (global.get $JOB_ARGS)))
+    (local.set $cos (i32.load offset=4 (global.get $JOB_ARGS)))
+    (local.set $sin (i32.load offset=8 (global.get $JOB_ARGS)))
+    (local.set $dim (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:805: rope_heads[1](x, cos, sin, begin, end, dim);
     (call $rope_heads__1
       (local.get $x)
@@ -719,10 +743,10 @@
   ;;   for a helper whose job trapped, so the driver is never left waiting.
   (func $pool_done (export "pool_done")
     ;; kernels.dsl:834: if atomic_sub(POOL_LEFT, 1) == 1 {
-    (if (i32.eq (i32.atomic.rmw.sub (i32.const 128) (i32.const 1)) (i32.const 1))
+    (if (i32.eq (i32.atomic.rmw.sub (global.get $POOL_LEFT) (i32.const 1)) (i32.const 1))
       (then
         ;; kernels.dsl:835: notify(POOL_LEFT, 1);
-        (drop (memory.atomic.notify (i32.const 128) (i32.const 1))))))
+        (drop (memory.atomic.notify (global.get $POOL_LEFT) (i32.const 1))))))
 
   ;; pool_helper -- kernels.dsl:844
   ;;   A helper thread's loop: spin, then sleep, until the generation changes; take part when its id is
@@ -736,17 +760,18 @@
     (if (i32.eq (local.get $rejoin) (i32.const 0))
       (then
         ;; kernels.dsl:847: seen = atomic_load(POOL_GEN);
-        (local.set $seen (i32.atomic.load (i32.const 64)))
+        (local.set $seen (i32.atomic.load (global.get $POOL_GEN)))
         ;; kernels.dsl:848: atomic_add(POOL_READY, 1);
-        (drop (i32.atomic.rmw.add (i32.const 192) (i32.const 1)))))
+        (drop (i32.atomic.rmw.add (global.get $POOL_READY) (i32.const 1)))))
     ;; kernels.dsl:850: var spin: i32 = 0;
     (local.set $spin (i32.const 0))
     ;; kernels.dsl:851: while atomic_load(POOL_STOP) == 0 {
     (block $while_done
       (loop $while_loop
-        (br_if $while_done (i32.eqz (i32.eq (i32.atomic.load (i32.const 384)) (i32.const 0))))
+        (br_if $while_done
+          (i32.eqz (i32.eq (i32.atomic.load (global.get $POOL_STOP)) (i32.const 0))))
         ;; kernels.dsl:852: let gen = atomic_load(POOL_GEN);
-        (local.set $gen (i32.atomic.load (i32.const 64)))
+        (local.set $gen (i32.atomic.load (global.get $POOL_GEN)))
         ;; kernels.dsl:853: if gen == seen {
         (if (i32.eq (local.get $gen) (local.get $seen))
           (then
@@ -756,7 +781,8 @@
             (if (i32.gt_s (local.get $spin) (i32.const 4000))
               (then
                 ;; kernels.dsl:856: wait32(POOL_GEN, seen, -1);
-                (drop (memory.atomic.wait32 (i32.const 64) (local.get $seen) (i64.const -1))))))
+                (drop
+                  (memory.atomic.wait32 (global.get $POOL_GEN) (local.get $seen) (i64.const -1))))))
           (else
             ;; kernels.dsl:859: seen = gen;
             (local.set $seen (local.get $gen))
@@ -778,7 +804,7 @@
   (func $pool_wait (export "pool_wait")
     (local $left i32) (local $spin i32)
     ;; kernels.dsl:873: var left: i32 = atomic_load(POOL_LEFT);
-    (local.set $left (i32.atomic.load (i32.const 128)))
+    (local.set $left (i32.atomic.load (global.get $POOL_LEFT)))
     ;; kernels.dsl:874: var spin: i32 = 0;
     (local.set $spin (i32.const 0))
     ;; kernels.dsl:875: while left != 0 {
@@ -792,9 +818,10 @@
             (local.set $spin (i32.add (local.get $spin) (i32.const 1))))
           (else
             ;; kernels.dsl:879: wait32(POOL_LEFT, left, WAIT_NS);
-            (drop (memory.atomic.wait32 (i32.const 128) (local.get $left) (i64.const 1000000)))))
+            (drop
+              (memory.atomic.wait32 (global.get $POOL_LEFT) (local.get $left) (i64.const 1000000)))))
         ;; kernels.dsl:881: left = atomic_load(POOL_LEFT);
-        (local.set $left (i32.atomic.load (i32.const 128)))
+        (local.set $left (i32.atomic.load (global.get $POOL_LEFT)))
         (br $while_loop))))
 
   ;; par_for -- kernels.dsl:891
@@ -809,34 +836,34 @@
       (select
         (local.tee $t_2
           (select
-            (local.tee $t (i32.atomic.load (i32.const 192)))
-            (local.tee $t_1 (i32.atomic.load (i32.const 332)))
+            (local.tee $t (i32.atomic.load (global.get $POOL_READY)))
+            (local.tee $t_1 (i32.atomic.load (global.get $POOL_WANT)))
             (i32.lt_s (local.get $t) (local.get $t_1))))
         (i32.const 255)
         (i32.lt_s (local.get $t_2) (i32.const 255))))
     ;; kernels.dsl:893: atomic_store(POOL_JOB, job);
-    (i32.atomic.store (i32.const 320) (local.get $job))
+    (i32.atomic.store (global.get $POOL_JOB) (local.get $job))
     ;; kernels.dsl:894: atomic_store(POOL_COUNT, count);
-    (i32.atomic.store (i32.const 324) (local.get $count))
+    (i32.atomic.store (global.get $POOL_COUNT) (local.get $count))
     ;; kernels.dsl:895: atomic_store(POOL_CHUNK, chunk);
-    (i32.atomic.store (i32.const 328) (local.get $chunk))
+    (i32.atomic.store (global.get $POOL_CHUNK) (local.get $chunk))
     ;; kernels.dsl:896: atomic_store(POOL_NEXT, 0);
-    (i32.atomic.store (i32.const 256) (i32.const 0))
+    (i32.atomic.store (global.get $POOL_NEXT) (i32.const 0))
     ;; kernels.dsl:897: atomic_store(POOL_LEFT, nhelp);
-    (i32.atomic.store (i32.const 128) (local.get $nhelp))
+    (i32.atomic.store (global.get $POOL_LEFT) (local.get $nhelp))
     ;; kernels.dsl:898: atomic_store(POOL_GEN, (((atomic_load(POOL_GEN) >> 8) + 1) << 8) | nhelp);
     (i32.atomic.store
-      (i32.const 64)
+      (global.get $POOL_GEN)
       (i32.or
         (i32.shl
-          (i32.add (i32.shr_s (i32.atomic.load (i32.const 64)) (i32.const 8)) (i32.const 1))
+          (i32.add (i32.shr_s (i32.atomic.load (global.get $POOL_GEN)) (i32.const 8)) (i32.const 1))
           (i32.const 8))
         (local.get $nhelp)))
     ;; kernels.dsl:899: if nhelp > 0 {
     (if (i32.gt_s (local.get $nhelp) (i32.const 0))
       (then
         ;; kernels.dsl:900: notify(POOL_GEN, -1);
-        (drop (memory.atomic.notify (i32.const 64) (i32.const -1)))))
+        (drop (memory.atomic.notify (global.get $POOL_GEN) (i32.const -1)))))
     ;; kernels.dsl:902: pool_work();
     (call $pool_work)
     ;; kernels.dsl:903: pool_wait();
@@ -846,11 +873,13 @@
   ;;   Ask every helper to leave pool_helper (the host joins their threads afterwards).
   (func $pool_stop (export "pool_stop")
     ;; kernels.dsl:908: atomic_store(POOL_STOP, 1);
-    (i32.atomic.store (i32.const 384) (i32.const 1))
+    (i32.atomic.store (global.get $POOL_STOP) (i32.const 1))
     ;; kernels.dsl:909: atomic_store(POOL_GEN, atomic_load(POOL_GEN) + 256);
-    (i32.atomic.store (i32.const 64) (i32.add (i32.atomic.load (i32.const 64)) (i32.const 256)))
+    (i32.atomic.store
+      (global.get $POOL_GEN)
+      (i32.add (i32.atomic.load (global.get $POOL_GEN)) (i32.const 256)))
     ;; kernels.dsl:910: notify(POOL_GEN, -1);
-    (drop (memory.atomic.notify (i32.const 64) (i32.const -1))))
+    (drop (memory.atomic.notify (global.get $POOL_GEN) (i32.const -1))))
 
   ;; fmatvec_rows[4] -- kernels.dsl:80
   ;;   Rows r0 .. r1 - 1 of y = W x.
@@ -3694,13 +3723,13 @@
   (func $pool_work
     (local $job i32) (local $count i32) (local $chunk i32) (local $begin i32) (local $t i32)
     ;; kernels.dsl:821: let job = atomic_load(POOL_JOB);
-    (local.set $job (i32.atomic.load (i32.const 320)))
+    (local.set $job (i32.atomic.load (global.get $POOL_JOB)))
     ;; kernels.dsl:822: let count = atomic_load(POOL_COUNT);
-    (local.set $count (i32.atomic.load (i32.const 324)))
+    (local.set $count (i32.atomic.load (global.get $POOL_COUNT)))
     ;; kernels.dsl:823: let chunk = atomic_load(POOL_CHUNK);
-    (local.set $chunk (i32.atomic.load (i32.const 328)))
+    (local.set $chunk (i32.atomic.load (global.get $POOL_CHUNK)))
     ;; kernels.dsl:824: var begin: i32 = atomic_add(POOL_NEXT, chunk);
-    (local.set $begin (i32.atomic.rmw.add (i32.const 256) (local.get $chunk)))
+    (local.set $begin (i32.atomic.rmw.add (global.get $POOL_NEXT) (local.get $chunk)))
     ;; kernels.dsl:825: while begin < count {
     (block $while_done
       (loop $while_loop
@@ -3714,7 +3743,7 @@
             (i32.lt_s (local.get $t) (local.get $count)))
           (local.get $job))
         ;; kernels.dsl:827: begin = atomic_add(POOL_NEXT, chunk);
-        (local.set $begin (i32.atomic.rmw.add (i32.const 256) (local.get $chunk)))
+        (local.set $begin (i32.atomic.rmw.add (global.get $POOL_NEXT) (local.get $chunk)))
         (br $while_loop))))
 
   ;; qrows[q8_0, 1, 1] -- kernels.dsl:270
