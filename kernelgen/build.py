@@ -46,13 +46,15 @@ def inputs_hash(source: str, target: str, tune: dict) -> str:
 
 
 def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str,
-                   tune_info: dict | None = None) -> Built:
+                   tune_info: dict) -> Built:
+    """`tune_info` is choose_tune's account: where each kernel's values came from, the host, pool choices."""
     t = TARGETS[target]
     lowered = lower(checked, target, tune)
     digest = inputs_hash(checked.source, target, tune)
     memory = layout.describe()
-    wat, spans = render_module(lowered.funcs, jobs=[j.name for j in lowered.jobs], file="kernels.wat", version=__version__, dsl=dsl_name, target=target,
-                               inputs_hash=digest, features=t.features, memory=memory, constants=t.constants)
+    wat, spans = render_module(lowered.funcs, jobs=[j.name for j in lowered.jobs], file="kernels.wat",
+                               version=__version__, dsl=dsl_name, target=target, inputs_hash=digest,
+                               features=t.features, memory=memory, constants=t.constants)
     wasm = assemble(wat, t.wat2wasm_flags, spans, checked.source)
     manifest = {
         "kernelgen": __version__,
@@ -68,12 +70,11 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                        "dtype": "int8" if t.constants["ACT_ZERO"] == 0 else "uint8"},
         "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
                    for name, q in checked.quants.items()},
-        "tune": {"values": tune, **{k: v for k, v in (tune_info or {"source": {k: "default" for k in tune},
-                                                                     "host": None}).items() if k != "pool"}},
+        "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
                              "result": e.result, "line": e.line} for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "items": j.items, "args": j.params[2:],
-                          "tuned": (tune_info or {}).get("pool", {}).get(j.kernel), "line": j.line}
+                          "tuned": tune_info["pool"].get(j.kernel), "line": j.line}
                  for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
     }

@@ -147,21 +147,14 @@ def _mutate(rng: random.Random, s: str, depth: int = 0) -> tuple[str, str]:
             return s[:i] + s[i + 1:i + 2] + s[i] + s[i + 2:], f"chr_swap @{i}"
         ins = rng.choice(_INSERTABLE)
         return s[:i] + ins + s[i:], f"chr_ins {ins!r}@{i}"
-    if kind == "ident":
-        idents = _code_spans(_IDENT, s)
-        if not idents:
+    if kind in ("ident", "number"):  # replace one identifier (or number) by another
+        spans = _code_spans(_IDENT if kind == "ident" else _NUMBER, s)
+        if not spans:
             return s, "noop"
-        a, b = idents[rng.randrange(len(idents))]
-        pool = sorted({s[x:y] for x, y in idents}) + _KEYWORDS
+        a, b = spans[rng.randrange(len(spans))]
+        pool = sorted({s[x:y] for x, y in spans}) + _KEYWORDS if kind == "ident" else ["0", "-1", "3", "99999"]
         new = rng.choice(pool)
-        return s[:a] + new + s[b:], f"ident {s[a:b]!r}->{new!r}@{a}"
-    if kind == "number":
-        nums = _code_spans(_NUMBER, s)
-        if not nums:
-            return s, "noop"
-        a, b = nums[rng.randrange(len(nums))]
-        new = rng.choice(["0", "-1", "3", "99999"])
-        return s[:a] + new + s[b:], f"number {s[a:b]!r}->{new}@{a}"
+        return s[:a] + new + s[b:], f"{kind} {s[a:b]!r}->{new!r}@{a}"
     lines = s.splitlines(keepends=True)
     if kind in ("line_del", "line_dup") and lines:
         code = [k for k, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")] or [0]
