@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from .build import TARGET_NAMES, build
-from .check import check, resolve_tune
-from .lower import lower
+from .compiler.build import TARGET_NAMES, build
+from .compiler.check import check, resolve_tune
+from .compiler.lower import lower
 from .errors import DslError, KernelgenError
-from .parse import parse
-from .store import STORE, load_store
+from .compiler.parse import parse
+from .tuning.store import STORE, load_store
 
 EXIT_USER = 2
 EXIT_INTERNAL = 70
@@ -90,7 +90,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tune import SPECS, parse_shape, tune
+    from .tuning.tune import SPECS, parse_shape, tune
 
     source = _read(args.dsl)
     checked = check(parse(source, str(args.dsl)))
@@ -116,7 +116,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"  {r.target} {r.kernel} {r.tune} {r.shape}: {r.status}")
     if args.plot:
         try:
-            from .tune import plot
+            from .tuning.tune import plot
             plot(recs, args.plot)
         except ImportError:
             raise KernelgenError("--plot needs matplotlib: pip install 'kernelgen[plot]'") from None
@@ -125,7 +125,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import as_json, format_table, run
+    from .tuning.bench import as_json, format_table, run
 
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))

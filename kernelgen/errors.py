@@ -2,7 +2,10 @@
 source line and a caret, so an editor can jump to it; the CLI turns these into exit code 2."""
 from __future__ import annotations
 
-from .ast import Span
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # spans come from the compiler; the host raises these errors without it
+    from .compiler.ast import Span
 
 
 class KernelgenError(Exception):

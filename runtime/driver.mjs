@@ -1,6 +1,6 @@
 // The driver: one built target's module, its shared memory and pool, and the kernels over typed
 // arrays. It runs where blocking is allowed: Node's main thread, or the driver worker in a browser
-// (runtime/worker.mjs), and mirrors kernelgen/api.py: inputs are copied into the module's memory,
+// (runtime/worker.mjs), and mirrors kernelgen/host/api.py: inputs are copied into the module's memory,
 // per-call buffers are freed when the call returns, packed weights stay until reset().
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';

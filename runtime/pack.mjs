@@ -1,6 +1,6 @@
 // Packing stored quant blocks into the planes the kernels read, from the manifest alone.
 //
-// Mirrors QuantInfo.pack in kernelgen/quant.py: the manifest's "quants" entry of a type gives its
+// Mirrors QuantInfo.pack in kernelgen/compiler/quant.py: the manifest's "quants" entry of a type gives its
 // fields, value fields, interleaved fields and its formulas as JSON trees, so any declared type
 // packs here without code of its own. Planes (each contiguous, row-major, one entry per block):
 //   q       the value fields' bytes, concatenated in "value_fields" order ("interleaved" nibble

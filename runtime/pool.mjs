@@ -1,4 +1,4 @@
-// The thread pool's host side in JavaScript, mirroring kernelgen/pool.py.
+// The thread pool's host side in JavaScript, mirroring kernelgen/host/pool.py.
 //
 // Each helper is a worker (worker_threads in Node, a Web Worker in a browser) with its own
 // instance of the module on the one shared memory, sitting in the exported `pool_helper` loop;
@@ -13,7 +13,7 @@
 
 import { startWorker } from './platform.mjs';
 
-const START_TIMEOUT_MS = 10_000; // as kernelgen/pool.py
+const START_TIMEOUT_MS = 10_000; // as kernelgen/host/pool.py
 const STOP_TIMEOUT_MS = 10_000;
 const POLL_MS = 1;
 const ERROR_SLOT_BYTES = 1024; // one helper's trap message, UTF-8, cut to fit
@@ -81,7 +81,7 @@ class ErrorBoard {
 
 /**
  * A helper thread's life (in runtime/worker.mjs): its own instance on the shared memory, then
- * pool_helper until POOL_STOP. Mirrors Pool._helper in kernelgen/pool.py.
+ * pool_helper until POOL_STOP. Mirrors Pool._helper in kernelgen/host/pool.py.
  */
 export async function runHelper({ id, module, memory, fixed, board }) {
   const { exports } = await WebAssembly.instantiate(module, { env: { memory } });

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kernelgen.api import Kernels, compile_kernels
+from kernelgen.host.api import Kernels, compile_kernels
 
 DSL_PATH = Path(__file__).parents[1] / "kernels.dsl"
 TARGETS = ("simd128", "relaxed-simd")

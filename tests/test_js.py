@@ -22,8 +22,8 @@ import pytest
 
 import kernelgen
 from kernelgen import reference as R
-from kernelgen.api import Kernels, padded_rows
-from kernelgen.formats import onnx_uint4_blocks
+from kernelgen.host.api import Kernels, padded_rows
+from kernelgen.host.formats import onnx_uint4_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = shutil.which("node")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kernelgen import reference
-from kernelgen.api import Act, Kernels
-from kernelgen.parse import parse
-from kernelgen.quant import check_quant
+from kernelgen.host.api import Act, Kernels
+from kernelgen.compiler.parse import parse
+from kernelgen.compiler.quant import check_quant
 
 from conftest import TARGETS
 from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, rows_tune,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernelgen.api import compile_kernels
+from kernelgen.host.api import compile_kernels
 
 TARGETS = ("simd128", "relaxed-simd")
 
@@ -84,7 +84,7 @@ def k(request):
 
 
 def test_generic_kernel_instances_and_unroll_offsets_in_the_wat() -> None:
-    from kernelgen.build import compile_source
+    from kernelgen.compiler.build import compile_source
     (built,) = compile_source(SOURCE, targets=("simd128",))
     assert built.wat.count("(func $helper__2") == 1 and built.wat.count("(func $helper__3") == 1
     assert "(i32.store offset=12" in built.wat

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kernelgen import formats, reference
-from kernelgen.api import Act, Kernels, padded_rows
+from kernelgen import reference
+from kernelgen.host import formats
+from kernelgen.host.api import Act, Kernels, padded_rows
 
 from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close, bits_of, consts, rng_for, rows_tune,
                      same_as_deterministic, unit_scale_qmatvec_and_qdots)

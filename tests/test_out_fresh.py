@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelgen.build import TARGET_NAMES, build
+from kernelgen.compiler.build import TARGET_NAMES, build
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("kernels.wat", "kernels.wasm", "kernels.json")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kernelgen import reference as R
-from kernelgen.api import compile_kernels, padded_rows
-from kernelgen.pool import JobError, Pool
+from kernelgen.host.api import compile_kernels, padded_rows
+from kernelgen.host.pool import JobError, Pool
 
 DSL = (Path(__file__).resolve().parents[1] / "kernels.dsl").read_text(encoding="utf-8")
 # Test jobs, added to the library: each item counts itself; each item spins, then traps.

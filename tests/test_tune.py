@@ -18,18 +18,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kernelgen.timing
-import kernelgen.tune
-from kernelgen import store as S
-from kernelgen.bench import Row, as_json, format_table
-from kernelgen.build import compile_source
-from kernelgen.check import check, variants
+import kernelgen.tuning.timing
+import kernelgen.tuning.tune
+from kernelgen.tuning import store as S
+from kernelgen.tuning.bench import Row, as_json, format_table
+from kernelgen.compiler.build import compile_source
+from kernelgen.compiler.check import check, variants
 from kernelgen.cli import main
 from kernelgen.errors import DslError
-from kernelgen.parse import parse
-from kernelgen.store import Record, append_record, best_tune, kernel_hash, load_store
-from kernelgen.timing import measure
-from kernelgen.tune import parse_shape, tune
+from kernelgen.compiler.parse import parse
+from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash, load_store
+from kernelgen.tuning.timing import measure
+from kernelgen.tuning.tune import parse_shape, tune
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 SOURCE = DSL_PATH.read_text(encoding="utf-8")
@@ -541,7 +541,7 @@ def _fast_measure(call, *_args, **_kwargs):
 
 @pytest.fixture
 def fast(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernelgen.tune, "measure", _fast_measure)
+    monkeypatch.setattr(kernelgen.tuning.tune, "measure", _fast_measure)
 
 
 def _tune_dot(source: str, store: Path, **kw) -> list[Record]:
@@ -648,7 +648,7 @@ def test_parse_shape() -> None:
 
 
 class FakeClock:
-    """perf_counter for kernelgen.timing: only calls advance it, by reps * per_rep * factor."""
+    """perf_counter for kernelgen.tuning.timing: only calls advance it, by reps * per_rep * factor."""
 
     def __init__(self, per_rep: float, factors: list[float] | None = None) -> None:
         self.now = 1000.0
@@ -669,7 +669,7 @@ class FakeClock:
 
 
 def _fake_time(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
-    monkeypatch.setattr(kernelgen.timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(kernelgen.tuning.timing, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
 
 
 def test_measure_grows_reps_warms_up_and_takes_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -778,8 +778,8 @@ def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() ->
 def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None:
     """qmatvec_job's run-time choices: every (threads, chunk) is verified and timed; the build puts the
     best into the manifest's job entries and the API uses its chunk."""
-    from kernelgen.api import compile_kernels
-    from kernelgen.tune import job_variants
+    from kernelgen.host.api import compile_kernels
+    from kernelgen.tuning.tune import job_variants
 
     store = tmp_path / "store.jsonl"
     recs = tune(SOURCE, ["simd128"], ["qmatvec_job"], {"qmatvec_job": [(64, 256)]}, ["q8_0"], store,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from . import ast as A
-from .assemble import wabt_version
-from .check import Checked
+from ..compiler import ast as A
+from ..compiler.assemble import wabt_version
+from ..compiler.check import Checked
 
 STORE = Path("tuning") / "store.jsonl"
 FORMAT = 1

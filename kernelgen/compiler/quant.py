@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import ast as A
-from .errors import DslError
+from ..errors import DslError
 from .types import FIELD_TYPES
 from .wat import I, Instr
 

@@ -10,12 +10,12 @@ import lark
 from lark import Token, Transformer, v_args
 
 from . import ast as A
-from .errors import DslError
+from ..errors import DslError
 
 
 @cache
 def _parser() -> lark.Lark:
-    grammar = resources.files("kernelgen").joinpath("grammar.lark").read_text(encoding="utf-8")
+    grammar = resources.files("kernelgen.compiler").joinpath("grammar.lark").read_text(encoding="utf-8")
     return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 

@@ -16,8 +16,8 @@ from . import ast as A
 from . import layout
 from . import types as T
 from .check import Checked, KernelInfo
-from .errors import DslError
-from .names import variant_name
+from ..errors import DslError
+from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, wrap
 from .quant import QuantInfo
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number

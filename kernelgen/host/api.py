@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from . import host
-from .build import Built, compile_source
-from .errors import KernelgenError
-from .names import parse_variant
-from .parse import parse
+from . import module as host
+from ..compiler.build import Built, compile_source
+from ..errors import KernelgenError
+from ..names import parse_variant
+from ..compiler.parse import parse
 from .pool import Pool
-from .quant import QuantInfo, check_quant
+from ..compiler.quant import QuantInfo, check_quant
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ class Kernels:
         t = stride if t is None else t
         if stride % 4 or not 1 <= t <= stride:
             raise ValueError(f"softmax_f32: need 1 <= t <= stride and stride a multiple of 4, got t={t}, "
-                             f"shape {x.shape} (pad rows with kernelgen.api.padded_rows)")
+                             f"shape {x.shape} (pad rows with kernelgen.padded_rows)")
         m = self.module.mark()
         try:
             p = self.module.put(x)

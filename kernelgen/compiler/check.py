@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from . import ast as A
 from . import layout
 from . import types as T
-from .errors import DslError
-from .names import TUNE_NAME
+from ..errors import DslError
+from ..names import TUNE_NAME
 from .ops import TARGETS, Val, fold
 from .quant import QuantInfo, check_quant
 

@@ -14,12 +14,12 @@ from typing import Callable
 
 import numpy as np
 
-from .api import Kernels, from_built, padded_rows
-from .build import TARGET_NAMES, compile_source
-from .check import check
-from .names import variant_name
-from .parse import parse
-from .pool import Pool
+from ..host.api import Kernels, from_built, padded_rows
+from ..compiler.build import TARGET_NAMES, compile_source
+from ..compiler.check import check
+from ..names import variant_name
+from ..compiler.parse import parse
+from ..host.pool import Pool
 from .store import Record
 from .timing import POOL_REPEAT, STREAM_SOURCE, measure, measure_python, repeat_name, repeat_source
 

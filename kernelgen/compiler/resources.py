@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # the kernelgen package
 
 
 def template_dir() -> Path:

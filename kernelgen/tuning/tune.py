@@ -19,13 +19,13 @@ from typing import Callable, Iterable
 import numpy as np
 import wasmtime
 
-from . import reference
-from .api import Kernels, from_built
-from .build import compile_source
-from .check import Checked, check, variants
-from .names import variant_name
-from .parse import parse
-from .pool import Pool
+from .. import reference
+from ..host.api import Kernels, from_built
+from ..compiler.build import compile_source
+from ..compiler.check import Checked, check, variants
+from ..names import variant_name
+from ..compiler.parse import parse
+from ..host.pool import Pool
 from .store import Record, append_record, host, kernel_hash, load_store
 from .timing import POOL_REPEAT, measure, repeat_name, repeat_source
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quant import QuantInfo
+from ..compiler.quant import QuantInfo
 
 
 def onnx_uint4_blocks(q4_onnx: QuantInfo, packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import ast as A
-from .check import Checked
+from ..compiler import ast as A
+from ..compiler.check import Checked
 
 STREAM_SOURCE = """
 # The roofline: read nbytes (a multiple of 64) as fast as wasm can, XOR-folding so nothing is skipped.

@@ -13,10 +13,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, layout
+from .. import __version__
+from . import layout
 from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune
-from .store import Record, best_tune, host, load_store
+from ..tuning.store import Record, best_tune, host, load_store
 from .emit import render_module
 from .lower import lower
 from .ops import TARGETS
