@@ -809,7 +809,7 @@ job kernel rope_pairs_job(begin: i32, end: i32, x: ptr, cos: ptr, sin: ptr, dim:
 #
 # One thread, the driver, calls par_for; every other thread runs pool_helper on its own instance
 # over the same memory and stays in it until POOL_STOP is set. The words are at fixed addresses
-# (kernelgen/layout.py, manifest "memory.fixed"). POOL_GEN holds the job generation in its upper
+# (kernelgen/compiler/layout.py, manifest "memory.fixed"). POOL_GEN holds the job generation in its upper
 # 24 bits and the number of helpers taking part in its low 8, so a helper reads both at once: a
 # helper that wakes late can never mistake one job's helper count for another's.
 
