@@ -146,7 +146,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                      "returns": k.ast.ret,
                      "tune": {t.name: {"domain": list(t.domain), "default": t.default} for t in k.ast.tunes},
                      "line": k.ast.span.line} for k in checked.kernels.values()],
-        "quants": {n: q.describe() for n, q in checked.quants.items()},
+        "quants": {n: q.to_json() for n, q in checked.quants.items()},
     }
     if args.json:
         print(json.dumps(info, indent=2))

@@ -1,6 +1,6 @@
 // Packing stored quant blocks into the planes the kernels read, from the manifest alone.
 //
-// Mirrors QuantInfo.pack in kernelgen/compiler/quant.py: the manifest's "quants" entry of a type gives its
+// Mirrors QuantFormat.pack in kernelgen/quantformat.py: the manifest's "quants" entry of a type gives its
 // fields, value fields, interleaved fields and its formulas as JSON trees, so any declared type
 // packs here without code of its own. Planes (each contiguous, row-major, one entry per block):
 //   q       the value fields' bytes, concatenated in "value_fields" order ("interleaved" nibble
@@ -9,7 +9,7 @@
 //   offset  f32: the "offset" formula, only for types that have one
 //   sum     i32: the sum of the block's unpacked integers (removes the relaxed dot's +ACT_ZERO)
 
-const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantInfo.pack checks the same)
+const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantFormat.pack checks the same)
 const INT8_MAX = 127;
 const FIELD_BYTES = { i8: 1, u8: 1, i16: 2, u16: 2, f16: 2, i32: 4, u32: 4, f32: 4 };
 const FIELD_READERS = {
@@ -36,68 +36,78 @@ export function halfToFloat(h) {
 }
 
 // ---- formulas ----------------------------------------------------------------------------------
-// A block is read through a DataView `v` at byte offset `o` (the block's first byte).
+// A formula is the manifest's JSON tree (kernelgen/quantformat.py: {kind, attributes, args}). One
+// walker, `fold`, calls a consumer's method for the node's kind with its children's results; the two
+// consumers below turn a tree into a function of a block read through a DataView `v` at byte
+// offset `o` (the block's first byte) and, for unpack, the element index `i`.
 
-/** The unpack formula as (v, o, i) => int32, evaluated in int32 as numpy does in quant.py. */
-function compileUnpack(tree, fields) {
-  const f = tree.field !== undefined ? fields[tree.field] : undefined;
-  if ('int' in tree) return () => tree.int | 0;
-  if ('index' in tree) {
-    const g = fields[tree.index];
-    const read = FIELD_READERS[g.type];
-    return (v, o, i) => read(v, o + g.offset + i);
-  }
-  if ('call' in tree) {
+function fold(tree, consumer) {
+  const visit = consumer[tree.kind];
+  if (!visit) throw new Error(`formula: no ${tree.kind} node here`);
+  return visit(tree, ...(tree.args ?? []).map((t) => fold(t, consumer)));
+}
+
+const INT_OPS = {
+  '+': (a, b) => (a + b) | 0,
+  '-': (a, b) => (a - b) | 0,
+  '&': (a, b) => a & b,
+  '|': (a, b) => a | b,
+  '<<': (a, b) => a << b,
+};
+
+/** Unpack: (v, o, i) => int32, evaluated in int32 as numpy does in quantformat.py. */
+const unpackConsumer = (fields) => ({
+  int: (t) => () => t.value | 0,
+  field: (t) => {
+    const f = fields[t.field];
+    const read = FIELD_READERS[f.type];
+    return (v, o) => read(v, o + f.offset);
+  },
+  index: (t) => {
+    const f = fields[t.field];
+    const read = FIELD_READERS[f.type];
+    return (v, o, i) => read(v, o + f.offset + i);
+  },
+  call: (t) => {
+    const f = fields[t.field];
     const n = f.count;
-    switch (tree.call) {
+    switch (t.func) {
       // nib: element i is the low nibble of byte i for i < n, else the high nibble of byte i - n
       case 'nib': return (v, o, i) => (i < n ? v.getUint8(o + f.offset + i) & 15 : v.getUint8(o + f.offset + i - n) >> 4);
       // nibi: element i is nibble i & 1 of byte i >> 1 (ONNX UINT4)
       case 'nibi': return (v, o, i) => (v.getUint8(o + f.offset + (i >> 1)) >> (4 * (i & 1))) & 15;
       // bit: bit i of the little-endian mask
       case 'bit': return (v, o, i) => (v.getUint8(o + f.offset + (i >> 3)) >> (i & 7)) & 1;
-      default: throw new Error(`unpack: unknown function ${tree.call}`);
+      default: throw new Error(`unpack: unknown function ${t.func}`);
     }
-  }
-  if ('field' in tree) {
-    const read = FIELD_READERS[f.type];
-    return (v, o) => read(v, o + f.offset);
-  }
-  const [a, b] = tree.args.map((t) => compileUnpack(t, fields));
-  switch (tree.op) {
-    case '+': return (v, o, i) => (a(v, o, i) + b(v, o, i)) | 0;
-    case '-': return (v, o, i) => (a(v, o, i) - b(v, o, i)) | 0;
-    case '&': return (v, o, i) => a(v, o, i) & b(v, o, i);
-    case '|': return (v, o, i) => a(v, o, i) | b(v, o, i);
-    case '<<': return (v, o, i) => a(v, o, i) << b(v, o, i);
-    default: throw new Error(`unpack: unknown operator ${tree.op}`);
-  }
-}
+  },
+  op: (t, a, b) => {
+    const op = INT_OPS[t.op];
+    if (!op) throw new Error(`unpack: unknown operator ${t.op}`);
+    return (v, o, i) => op(a(v, o, i), b(v, o, i));
+  },
+});
 
-/** A scale or offset formula as (v, o) => float32, rounding after every operation as numpy's
- * float32 arithmetic does (one double operation rounded once to float32 is exact for + - * /). */
-function compileScalar(tree, fields) {
-  const r = Math.fround;
-  if ('int' in tree) return () => r(tree.int);
-  if ('float' in tree) return () => r(tree.float);
-  if ('field' in tree) {
-    const f = fields[tree.field];
+const r = Math.fround;
+const FLOAT_OPS = { '+': (a, b) => r(a + b), '-': (a, b) => r(a - b), '*': (a, b) => r(a * b), '/': (a, b) => r(a / b) };
+
+/** Scale or offset: (v, o) => float32, rounding after every operation as numpy's float32
+ * arithmetic does (one double operation rounded once to float32 is exact for + - * /). */
+const scalarConsumer = (fields) => ({
+  int: (t) => () => r(t.value),
+  float: (t) => () => r(t.value),
+  field: (t) => {
+    const f = fields[t.field];
     const read = FIELD_READERS[f.type];
     return (v, o) => r(read(v, o + f.offset));
-  }
-  if ('neg' in tree) {
-    const a = compileScalar(tree.neg, fields);
-    return (v, o) => -a(v, o);
-  }
-  const [a, b] = tree.args.map((t) => compileScalar(t, fields));
-  switch (tree.op) {
-    case '+': return (v, o) => r(a(v, o) + b(v, o));
-    case '-': return (v, o) => r(a(v, o) - b(v, o));
-    case '*': return (v, o) => r(a(v, o) * b(v, o));
-    case '/': return (v, o) => r(a(v, o) / b(v, o));
-    default: throw new Error(`scale/offset: unknown operator ${tree.op}`);
-  }
-}
+  },
+  neg: (t, a) => (v, o) => -a(v, o),
+  op: (t, a, b) => {
+    const op = FLOAT_OPS[t.op];
+    if (!op) throw new Error(`scale/offset: unknown operator ${t.op}`);
+    return (v, o) => op(a(v, o), b(v, o));
+  },
+});
 
 // ---- packing -----------------------------------------------------------------------------------
 
@@ -120,9 +130,9 @@ export function planeLayout(spec) {
 export function packInto(spec, blocks, nblocks, planes) {
   const fields = Object.fromEntries(spec.fields.map((f) => [f.name, { ...f, count: f.count ?? 1 }]));
   const { unpack, scale, offset } = spec.formulas;
-  const unpackAt = compileUnpack(unpack, fields);
-  const scaleAt = compileScalar(scale, fields);
-  const offsetAt = offset ? compileScalar(offset, fields) : null;
+  const unpackAt = fold(unpack, unpackConsumer(fields));
+  const scaleAt = fold(scale, scalarConsumer(fields));
+  const offsetAt = offset ? fold(offset, scalarConsumer(fields)) : null;
   const interleaved = new Set(spec.interleaved);
   const valueFields = spec.value_fields.map((n) => fields[n]);
   const qBytes = spec.planes.q.bytes_per_block;

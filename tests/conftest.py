@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kernelgen.host.api import Kernels, compile_kernels
+from kernelgen.compiler.build import compile_kernels
+from kernelgen.host.api import Kernels
 
 DSL_PATH = Path(__file__).parents[1] / "kernels.dsl"
 TARGETS = ("simd128", "relaxed-simd")

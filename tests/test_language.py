@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernelgen.host.api import compile_kernels
+from kernelgen.compiler.build import compile_kernels
 
 TARGETS = ("simd128", "relaxed-simd")
 

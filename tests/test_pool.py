@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kernelgen import reference as R
-from kernelgen.host.api import compile_kernels, padded_rows
+from kernelgen.compiler.build import compile_kernels
+from kernelgen.host.api import padded_rows
 from kernelgen.host.pool import JobError, Pool
 
 DSL = (Path(__file__).resolve().parents[1] / "kernels.dsl").read_text(encoding="utf-8")

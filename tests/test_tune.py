@@ -778,7 +778,7 @@ def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() ->
 def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None:
     """qmatvec_job's run-time choices: every (threads, chunk) is verified and timed; the build puts the
     best into the manifest's job entries and the API uses its chunk."""
-    from kernelgen.host.api import compile_kernels
+    from kernelgen.compiler.build import compile_kernels
     from kernelgen.tuning.tune import job_variants
 
     store = tmp_path / "store.jsonl"

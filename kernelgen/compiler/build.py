@@ -19,6 +19,7 @@ from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune
 from ..tuning.store import Record, best_tune, host, load_store
 from .emit import render_module
+from ..host.api import Kernels
 from .lower import lower
 from .ops import TARGETS
 from .parse import parse
@@ -69,8 +70,7 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         # quantize_act's blocks: ACT_MAX-scaled values per this many f32, stored + ACT_ZERO.
         "activation": {"block": 32, "zero": t.constants["ACT_ZERO"], "max": t.constants["ACT_MAX"],
                        "dtype": "int8" if t.constants["ACT_ZERO"] == 0 else "uint8"},
-        "quants": {name: {**q.describe(), "source": _source_of(q.span, checked.source)}
-                   for name, q in checked.quants.items()},
+        "quants": {name: q.to_json() for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
                              "result": e.result, "line": e.line} for e in lowered.exports},
@@ -80,15 +80,6 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         "wasm_bytes": len(wasm),
     }
     return Built(target, wat, wasm, manifest)
-
-
-def _source_of(span, source: str) -> str:
-    """The text of a declaration, so a manifest reader can rebuild it (kernelgen.api does)."""
-    lines = source.splitlines()[span.line - 1:span.end_line]
-    lines[-1] = lines[-1][:span.end_col - 1] if span.end_line != span.line else lines[-1][span.col - 1:span.end_col - 1]
-    if span.end_line != span.line:
-        lines[0] = lines[0][span.col - 1:]
-    return "\n".join(lines)
 
 
 def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, int]] | None,
@@ -129,6 +120,18 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
         values, info = choose_tune(checked, t, tune, records, tune_host)
         built.append(compile_target(checked, t, values, Path(filename).name, info))
     return built
+
+
+def compile_kernels(source: str, target: str = "relaxed-simd", tune: dict[str, dict[str, int]] | None = None,
+                    deterministic: bool = True, filename: str = "kernels.dsl") -> Kernels:
+    """Compile DSL source in memory (no files written) and load it."""
+    (built,) = compile_source(source, filename, (target,), tune)
+    return from_built(built, deterministic)
+
+
+def from_built(built: Built, deterministic: bool = True) -> Kernels:
+    """Load a target compiled in memory, as kernelgen.load loads one from out/."""
+    return Kernels(built.wasm, built.manifest, deterministic)
 
 
 def write_outputs(built: list[Built], out_dir: Path) -> list[Path]:

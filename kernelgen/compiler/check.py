@@ -14,7 +14,8 @@ from . import types as T
 from ..errors import DslError
 from ..names import TUNE_NAME
 from .ops import TARGETS, Val, fold
-from .quant import QuantInfo, check_quant
+from ..quantformat import QuantFormat
+from .quant import check_quant
 
 _RESERVED = set(T.SCALARS) | set(T.VECTORS) | set(T.ALIASES) | set().union(*(t.ops for t in TARGETS.values()))
 _TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values())) | set(layout.FIXED)
@@ -40,7 +41,7 @@ class KernelInfo:
 class Checked:
     program: A.Program
     consts: dict[str, Val]
-    quants: dict[str, QuantInfo]
+    quants: dict[str, QuantFormat]
     kernels: dict[str, KernelInfo]
 
     @property
@@ -77,7 +78,7 @@ def _check(program: A.Program) -> Checked:
             raise DslError(c.value.span, f"const {c.name}: {t} cannot hold {v}")
         consts[c.name] = Val(None, t, float(v) if T.is_float(t) else v)
 
-    quants: dict[str, QuantInfo] = {}
+    quants: dict[str, QuantFormat] = {}
     for q in program.quants:
         declare(q.name, q, "quant")
         quants[q.name] = check_quant(q)
@@ -111,7 +112,7 @@ def _const_value(e: A.Expr, consts: dict[str, Val]) -> int | float:
     raise DslError(e.span, "a const must be a compile-time number")
 
 
-def _check_kernel(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
+def _check_kernel(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
     names: dict[str, A.Node] = {}
 
     def local(name: str, node: A.Node) -> None:
@@ -178,7 +179,7 @@ def _check_restrict_names(k: A.Kernel, e: A.Expr, tunes: set[str]) -> None:
             _check_restrict_names(k, child, tunes)
 
 
-def _check_job(k: A.Kernel, quants: dict[str, QuantInfo]) -> None:
+def _check_job(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
     """A job runs items [begin, end) of a pool job; its other arguments are JOB_ARGS words."""
     if len(k.generics) > 1 or any(g.kind != "quant" for g in k.generics):
         raise DslError(k.span, f"job {k.name}: only one [Q: quant] parameter is allowed; it is built for every quant type")

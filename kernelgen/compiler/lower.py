@@ -19,7 +19,8 @@ from .check import Checked, KernelInfo
 from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, wrap
-from .quant import QuantInfo
+from ..quantformat import QuantFormat
+from .quant import unpack_lanes
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
 
 _QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
@@ -46,11 +47,11 @@ class Array:
 class Packed:
     """A packed quantized matrix parameter: one pointer local per plane of its quant type."""
 
-    quant: QuantInfo
+    quant: QuantFormat
     planes: dict[str, str]
 
 
-Binding = Val | Local | Array | Packed | QuantInfo
+Binding = Val | Local | Array | Packed | QuantFormat
 
 
 @dataclass
@@ -125,12 +126,12 @@ class Lowerer:
             self._lower_func(k, generics, name, False)
         return self.funcs
 
-    def _quant_instances(self, k: KernelInfo) -> list[QuantInfo | None]:
+    def _quant_instances(self, k: KernelInfo) -> list[QuantFormat | None]:
         if not k.ast.generics:
             return [None]
         return list(self.c.quants.values())
 
-    def _export(self, k: KernelInfo, quant: QuantInfo | None, tune: dict[str, int], name: str) -> Export:
+    def _export(self, k: KernelInfo, quant: QuantFormat | None, tune: dict[str, int], name: str) -> Export:
         params = []
         for p in k.ast.params:
             meaning = k.param_docs.get(p.name, "")
@@ -278,9 +279,9 @@ class Lowerer:
             self.emit(I("local.set", f"${name}", load))
         return params[:2]
 
-    def _quant_of(self, p: A.Param) -> QuantInfo:
+    def _quant_of(self, p: A.Param) -> QuantFormat:
         b = self._lookup(p.type)
-        if not isinstance(b, QuantInfo):
+        if not isinstance(b, QuantFormat):
             raise DslError(p.span, f"'packed {p.type}': {p.type} is not a quant type parameter")
         return b
 
@@ -540,7 +541,7 @@ class Lowerer:
             if b is None:
                 raise self.error(f"unknown name {e.id!r}")
             what = {Array: "a register array (index it)", Packed: "a packed matrix (use a plane, e.g. .q)",
-                    QuantInfo: "a quant type"}[type(b)]
+                    QuantFormat: "a quant type"}[type(b)]
             raise self.error(f"{e.id!r} is {what}, not a value")
         if isinstance(e, A.Binary):
             return self._binop(e.op, self._expr(e.left), self._expr(e.right))
@@ -598,7 +599,7 @@ class Lowerer:
     def _attr(self, e: A.Attr) -> Val:
         if isinstance(e.base, A.Name):
             b = self._lookup(e.base.id)
-            if isinstance(b, QuantInfo):
+            if isinstance(b, QuantFormat):
                 props = {"block": b.block, "bytes": b.bytes, "has_offset": int(b.offset is not None)}
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(); not {e.name!r}")
@@ -627,12 +628,12 @@ class Lowerer:
             if f.name not in _QUALIFIABLE:
                 raise self.error(f"{f.base.id}.{f.name} is not an operation (typed ops: {', '.join(sorted(_QUALIFIABLE))})")
             return self._op(f.name, t, e.args)
-        if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and isinstance(q := self._lookup(f.base.id), QuantInfo):
+        if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and isinstance(q := self._lookup(f.base.id), QuantFormat):
             if f.name != "unpack" or len(e.args) != 2:
                 raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j)")
             base = self.materialize(self._coerce(self._expr(e.args[0]), "i32"), "i32")
             j = self._const_int(e.args[1], "the lane group of unpack()")
-            return Val(q.unpack_lanes(base, j, self.error), "i8x16")
+            return Val(unpack_lanes(q, base, j, self.error), "i8x16")
         generic_args: tuple[A.Expr, ...] = ()
         if isinstance(f, A.Index):
             generic_args, f = f.indices, f.base
@@ -665,7 +666,7 @@ class Lowerer:
         for g, arg in zip(k.ast.generics, generic_args):
             if g.kind == "quant":
                 q = self._lookup(arg.id) if isinstance(arg, A.Name) else None
-                if not isinstance(q, QuantInfo):
+                if not isinstance(q, QuantFormat):
                     raise DslError(arg.span, f"{k.name}: {g.name} must be a quant type")
                 generics[g.name] = q
             else:
@@ -688,7 +689,7 @@ class Lowerer:
         name = self._instances.get(key)
         if k.ast.exported:  # the exported function itself (this build's variant), lowered once by run()
             quant = next(iter(generics.values()), None)
-            name = variant_name(k.name, quant.name if isinstance(quant, QuantInfo) else None, self.tune.get(k.name, {}))
+            name = variant_name(k.name, quant.name if isinstance(quant, QuantFormat) else None, self.tune.get(k.name, {}))
         elif name is None:
             name = "__".join([k.name, *key[1]]) if key[1] else k.name
             self._instances[key] = name
@@ -766,7 +767,7 @@ def _ends_in_return(body: tuple[A.Stmt, ...]) -> bool:
 
 
 def _show(b: Binding | None) -> str:
-    if isinstance(b, QuantInfo):
+    if isinstance(b, QuantFormat):
         return b.name
     if isinstance(b, Val):
         return str(b.const)

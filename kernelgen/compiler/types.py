@@ -45,9 +45,6 @@ INT_LIT = "int"
 FLOAT_LIT = "float"
 
 # Storage-only types that may appear in quant block fields (never as values in kernels).
-FIELD_TYPES = {"i8": 1, "u8": 1, "i16": 2, "u16": 2, "f16": 2, "i32": 4, "u32": 4, "f32": 4}
-
-
 def resolve(name: str) -> str | None:
     """The canonical value type for a type name, or None when it is not a value type."""
     name = ALIASES.get(name, name)

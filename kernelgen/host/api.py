@@ -20,12 +20,10 @@ from typing import Any
 import numpy as np
 
 from . import module as host
-from ..compiler.build import Built, compile_source
 from ..errors import KernelgenError
 from ..names import parse_variant
-from ..compiler.parse import parse
+from ..quantformat import QuantFormat
 from .pool import Pool
-from ..compiler.quant import QuantInfo, check_quant
 
 
 @dataclass(frozen=True)
@@ -72,10 +70,8 @@ class Kernels:
         self.manifest = manifest
         self.target: str = manifest["target"]
         self.module = host.Module(wasm, manifest, deterministic)
-        self.quants: dict[str, QuantInfo] = {
-            name: check_quant(parse(q["source"], f"manifest:{name}").quants[0])
-            for name, q in manifest["quants"].items()
-        }
+        self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
+                                                for name, q in manifest["quants"].items()}
         # Activation bytes are int8 where they are stored as is, uint8 where offset by ACT_ZERO.
         self._act_dtype = np.int8 if manifest["constants"]["ACT_ZERO"] == 0 else np.uint8
         self._exports: dict[tuple[str, str | None], str] = {}
@@ -130,7 +126,7 @@ class Kernels:
         """Free all memory the module holds for this host, packed weights included."""
         self.module.reset()
 
-    def _quant(self, name: str) -> QuantInfo:
+    def _quant(self, name: str) -> QuantFormat:
         if name not in self.quants:
             raise KeyError(f"unknown quant type {name!r}; this build has {', '.join(self.quants)}")
         return self.quants[name]
@@ -356,13 +352,3 @@ def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministi
         raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
     return Kernels(wasm, manifest, deterministic)
 
-
-def compile_kernels(source: str, target: str = "relaxed-simd", tune: dict[str, dict[str, int]] | None = None,
-                    deterministic: bool = True, filename: str = "kernels.dsl") -> Kernels:
-    """Compile DSL source in memory (no files written) and load it."""
-    (built,) = compile_source(source, filename, (target,), tune)
-    return from_built(built, deterministic)
-
-
-def from_built(built: Built, deterministic: bool = True) -> Kernels:
-    return Kernels(built.wasm, built.manifest, deterministic)

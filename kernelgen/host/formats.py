@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..compiler.quant import QuantInfo
+from ..quantformat import QuantFormat
 
 
-def onnx_uint4_blocks(q4_onnx: QuantInfo, packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,
+def onnx_uint4_blocks(q4_onnx: QuantFormat, packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,
                       k: int, n: int) -> np.ndarray:
     """B's UINT4 values (packed, element 2i in the low nibble, row-major [k, n]), scales [k/32, n]
     and packed UINT4 zero points [k/32, n] -> blocks (n, k / 32) of `q4_onnx`: one row per output."""

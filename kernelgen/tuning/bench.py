@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..host.api import Kernels, from_built, padded_rows
-from ..compiler.build import TARGET_NAMES, compile_source
+from ..host.api import Kernels, padded_rows
+from ..compiler.build import TARGET_NAMES, compile_source, from_built
 from ..compiler.check import check
 from ..names import variant_name
 from ..compiler.parse import parse

@@ -20,8 +20,8 @@ import numpy as np
 import wasmtime
 
 from .. import reference
-from ..host.api import Kernels, from_built
-from ..compiler.build import compile_source
+from ..host.api import Kernels
+from ..compiler.build import compile_source, from_built
 from ..compiler.check import Checked, check, variants
 from ..names import variant_name
 from ..compiler.parse import parse

@@ -1,0 +1,364 @@
+"""A quant type as data: its stored block, its formulas as trees, and what both hosts derive from
+them (numpy unpack/dequantize references, the pack step into the kernels' layout).
+
+The compiler builds a QuantFormat from a checked declaration (kernelgen.compiler.quant); a host
+rebuilds the same QuantFormat from the manifest's JSON (`QuantFormat.from_json`), so loading a built
+library needs numpy and nothing of the compiler. runtime/pack.mjs reads the same JSON.
+
+A formula is a tree of the node classes below. Every consumer walks it with `fold`, which calls
+the consumer's `on_<kind>(node, *children)` bottom-up: checking and WAT lowering in the compiler,
+numpy evaluation and text here. The JSON form is generic (`to_json`/`from_json`: a node's kind, its
+attributes and `args`), so a new node is one class here plus one method per consumer
+(docs/adding-a-quant-type.md lists them).
+
+Packing turns a matrix of stored blocks into planes the kernels read (each contiguous, row-major):
+  q       the fields `unpack` reads, per block, concatenated in declaration order (Q.bytes each)
+  scale   S per block as f32 (f16 scales widened once here, not in the hot loop)
+  offset  M per block as f32, only for types with `+ M`
+  sum     the sum of the block's unpacked integers, i32: removes the 7-bit activation offset of
+          the relaxed dot exactly (sum(w*(a+64)) - 64*sum(w) = sum(w*a))
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+# Storage types of block fields: bytes each, and the numpy type they are read as.
+FIELD_BYTES = {"i8": 1, "u8": 1, "i16": 2, "u16": 2, "f16": 2, "i32": 4, "u32": 4, "f32": 4}
+_NP = {"i8": "i1", "u8": "u1", "i16": "<i2", "u16": "<u2", "f16": "<f2", "i32": "<i4", "u32": "<u4", "f32": "<f4"}
+
+# ---- formula nodes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """A formula node. `children` names the attributes that are sub-formulas (in evaluation order);
+    `span` is where the compiler read it (None when rebuilt from JSON)."""
+
+    kind: ClassVar[str]
+    children: ClassVar[tuple[str, ...]] = ()
+    span: Any = field(default=None, kw_only=True, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Int(Node):
+    """An integer constant."""
+
+    kind = "int"
+    value: int
+
+
+@dataclass(frozen=True)
+class Float(Node):
+    """A float constant (scale and offset formulas)."""
+
+    kind = "float"
+    value: float
+
+
+@dataclass(frozen=True)
+class Field(Node):
+    """A scalar field of the block: the same value for every element."""
+
+    kind = "field"
+    field: str
+
+
+@dataclass(frozen=True)
+class Index(Node):
+    """`f[i]`: byte i of a byte array field."""
+
+    kind = "index"
+    field: str
+
+
+@dataclass(frozen=True)
+class Call(Node):
+    """`nib(f, i)`: element i is the low nibble of byte i for the first half, the high nibble of
+    byte i - n for the second (GGUF); `nibi(f, i)`: low nibble of byte i/2 for even i, high for odd
+    (ONNX UINT4); `bit(f, i)`: bit i of the little-endian bit mask f."""
+
+    kind = "call"
+    func: str
+    field: str
+
+
+@dataclass(frozen=True)
+class Neg(Node):
+    kind = "neg"
+    children = ("arg",)
+    arg: Node
+
+
+@dataclass(frozen=True)
+class Op(Node):
+    """A binary operation: + - * / | & <<."""
+
+    kind = "op"
+    children = ("left", "right")
+    op: str
+    left: Node
+    right: Node
+
+
+NODES: dict[str, type[Node]] = {c.kind: c for c in (Int, Float, Field, Index, Call, Neg, Op)}
+CALLS = ("nib", "nibi", "bit")  # the functions Call names
+
+def fold(node: Node, v: Any) -> Any:
+    """Walk `node` bottom-up: v.on_<kind>(node, *results of its children)."""
+    return getattr(v, f"on_{node.kind}")(node, *(fold(getattr(node, c), v) for c in node.children))
+
+
+def _attrs(node: Node) -> dict:
+    return {f.name: getattr(node, f.name) for f in dataclasses.fields(node)
+            if f.name != "span" and f.name not in node.children}
+
+
+def to_json(node: Node) -> dict:
+    """{"kind": k, <attributes>, "args": [children]}: the form the manifest carries."""
+    out = {"kind": node.kind, **_attrs(node)}
+    if node.children:
+        out["args"] = [to_json(getattr(node, c)) for c in node.children]
+    return out
+
+
+def from_json(tree: dict) -> Node:
+    cls = NODES.get(tree.get("kind"))
+    if cls is None:
+        raise ValueError(f"formula: unknown node {tree!r}")
+    attrs = {k: v for k, v in tree.items() if k not in ("kind", "args")}
+    return cls(**attrs, **dict(zip(cls.children, map(from_json, tree.get("args", [])))))
+
+
+class _Text:
+    """Source-like text of a formula, for the manifest and `kernelgen list`."""
+
+    def on_int(self, n: Int) -> str:
+        return str(n.value)
+
+    on_float = on_int
+
+    def on_field(self, n: Field) -> str:
+        return n.field
+
+    def on_index(self, n: Index) -> str:
+        return f"{n.field}[i]"
+
+    def on_call(self, n: Call) -> str:
+        return f"{n.func}({n.field}, i)"
+
+    def on_neg(self, n: Neg, a: str) -> str:
+        return f"-{a}"
+
+    def on_op(self, n: Op, a: str, b: str) -> str:
+        return f"({a} {n.op} {b})"
+
+
+def text(node: Node) -> str:
+    return fold(node, _Text())
+
+
+_NP_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "|": np.bitwise_or,
+           "&": np.bitwise_and, "<<": np.left_shift}
+
+
+class _Numpy:
+    """Evaluate over structured blocks: an unpack formula (`i` given: int32 per element, shape
+    blocks.shape + (block,)) or a scale/offset formula (i None: float32 per block)."""
+
+    def __init__(self, blocks: np.ndarray, i: np.ndarray | None) -> None:
+        self.blocks, self.i = blocks, i
+
+    def on_int(self, n: Int) -> np.generic:
+        return np.int32(n.value) if self.i is not None else np.float32(n.value)
+
+    def on_float(self, n: Float) -> np.generic:
+        return np.float32(n.value)
+
+    def on_field(self, n: Field) -> np.ndarray:
+        v = self.blocks[n.field]
+        return v.astype(np.int32)[..., None] if self.i is not None else v.astype(np.float32)
+
+    def on_index(self, n: Index) -> np.ndarray:
+        return self.blocks[n.field][..., self.i].astype(np.int32)
+
+    def on_call(self, n: Call) -> np.ndarray:
+        f, i = self.blocks[n.field], self.i
+        if n.func == "nib":
+            count = f.shape[-1]
+            byte = f[..., i % count].astype(np.int32)
+            return np.where(i < count, byte & 0x0F, byte >> 4)
+        if n.func == "nibi":
+            byte = f[..., i // 2].astype(np.int32)
+            return (byte >> (4 * (i % 2))) & 0x0F
+        bits = np.unpackbits(f.astype(np.uint8), axis=-1, bitorder="little")
+        return bits[..., i].astype(np.int32)
+
+    def on_neg(self, n: Neg, a: np.ndarray) -> np.ndarray:
+        return -a
+
+    def on_op(self, n: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return _NP_OPS[n.op](a, b)
+
+
+# ---- the block format --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    name: str
+    type: str
+    count: int | None  # None: one scalar per block
+    offset: int  # byte offset in the stored block
+
+    @property
+    def nbytes(self) -> int:
+        return FIELD_BYTES[self.type] * (self.count or 1)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A quant type: stored layout, formulas, and the packed layout the kernels read."""
+
+    name: str
+    block: int
+    fields: tuple[FieldInfo, ...]
+    unpack: Node
+    scale: Node
+    offset: Node | None
+    value_fields: tuple[str, ...]  # fields `unpack` reads, stored in plane q in this order
+    interleaved: tuple[str, ...]  # nibble fields read with nibi(): repacked to split order in plane q
+
+    # ---- layout
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.nbytes for f in self.fields)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes per block in the packed value plane (Q.bytes in kernels)."""
+        return sum(self.field(n).nbytes for n in self.value_fields)
+
+    def field(self, name: str) -> FieldInfo:
+        return next(f for f in self.fields if f.name == name)
+
+    def value_offset(self, name: str) -> int:
+        """Byte offset of value field `name` within a block of plane q."""
+        off = 0
+        for n in self.value_fields:
+            if n == name:
+                return off
+            off += self.field(n).nbytes
+        raise KeyError(name)
+
+    @property
+    def planes(self) -> dict[str, tuple[str, int]]:
+        """Plane name -> (numpy dtype, bytes per block), in the order kernels take them."""
+        planes = {"q": ("u1", self.bytes), "scale": ("<f4", 4)}
+        if self.offset is not None:
+            planes["offset"] = ("<f4", 4)
+        planes["sum"] = ("<i4", 4)
+        return planes
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The stored block as a packed numpy structured dtype (no padding, little-endian)."""
+        return np.dtype([(f.name, _NP[f.type], (f.count,)) if f.count else (f.name, _NP[f.type])
+                         for f in self.fields])
+
+    # ---- the manifest's form
+    def to_json(self) -> dict:
+        return {
+            "block": self.block,
+            "stored_bytes": self.stored_bytes,
+            "fields": [{"name": f.name, "type": f.type, "count": f.count, "offset": f.offset} for f in self.fields],
+            "unpack": text(self.unpack),
+            "dequant": text(self.scale) + " * q" + (f" + {text(self.offset)}" if self.offset is not None else ""),
+            "planes": {name: {"dtype": np.dtype(dt).str, "bytes_per_block": n} for name, (dt, n) in self.planes.items()},
+            "value_fields": list(self.value_fields),
+            "interleaved": list(self.interleaved),
+            # The formulas as trees: what both hosts rebuild this type from.
+            "formulas": {"unpack": to_json(self.unpack), "scale": to_json(self.scale),
+                         "offset": to_json(self.offset) if self.offset is not None else None},
+        }
+
+    @classmethod
+    def from_json(cls, name: str, d: dict) -> QuantFormat:
+        """The type a manifest's `quants[name]` entry describes (written by to_json)."""
+        try:
+            f = d["formulas"]
+            return cls(name, d["block"], tuple(FieldInfo(x["name"], x["type"], x["count"], x["offset"]) for x in d["fields"]),
+                       from_json(f["unpack"]), from_json(f["scale"]), from_json(f["offset"]) if f["offset"] else None,
+                       tuple(d["value_fields"]), tuple(d["interleaved"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None
+
+    # ---- numpy reference, derived from the formulas
+    def as_blocks(self, raw: np.ndarray) -> np.ndarray:
+        """View stored bytes (uint8, any shape ending in whole blocks) as structured blocks."""
+        raw = np.ascontiguousarray(raw)
+        if raw.dtype == self.dtype:
+            return raw
+        if raw.dtype != np.uint8 or raw.shape[-1] % self.stored_bytes:
+            raise ValueError(f"{self.name} blocks: expected uint8 bytes in multiples of {self.stored_bytes}"
+                             f" or dtype {self.dtype}, got {raw.dtype} shape {raw.shape}")
+        return raw.view(self.dtype)
+
+    def unpack_ref(self, blocks: np.ndarray) -> np.ndarray:
+        """Each block's elements as int32, shape blocks.shape + (block,)."""
+        blocks = self.as_blocks(blocks)
+        v = fold(self.unpack, _Numpy(blocks, np.arange(self.block)))
+        return np.broadcast_to(v, blocks.shape + (self.block,)).astype(np.int32)
+
+    def _per_block(self, formula: Node | None, blocks: np.ndarray) -> np.ndarray:
+        blocks = self.as_blocks(blocks)
+        if formula is None:
+            return np.zeros(blocks.shape, np.float32)
+        return np.broadcast_to(fold(formula, _Numpy(blocks, None)), blocks.shape).astype(np.float32)
+
+    def scale_ref(self, blocks: np.ndarray) -> np.ndarray:
+        return self._per_block(self.scale, blocks)
+
+    def offset_ref(self, blocks: np.ndarray) -> np.ndarray:
+        return self._per_block(self.offset, blocks)
+
+    def dequantize_ref(self, blocks: np.ndarray) -> np.ndarray:
+        """f32 values, shape blocks.shape[:-1] + (n_blocks * block,): the declared formula."""
+        blocks = self.as_blocks(blocks)
+        q = self.unpack_ref(blocks).astype(np.float32)
+        x = self.scale_ref(blocks)[..., None] * q + self.offset_ref(blocks)[..., None]
+        return x.reshape(blocks.shape[:-1] + (-1,))
+
+    # ---- packing into the kernels' layout
+    def pack(self, blocks: np.ndarray) -> dict[str, np.ndarray]:
+        """Stored blocks (rows, n_blocks) -> the planes kernels read, each a flat array."""
+        blocks = self.as_blocks(blocks)
+        if blocks.ndim != 2:
+            raise ValueError(f"{self.name}: pack takes blocks of shape (rows, n_blocks), got {blocks.shape}")
+        raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
+        parts = [self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
+                 for f in (self.field(n) for n in self.value_fields)]
+        planes = {"q": np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1),
+                  "scale": self.scale_ref(blocks).reshape(-1)}
+        if self.offset is not None:
+            planes["offset"] = self.offset_ref(blocks).reshape(-1)
+        values = self.unpack_ref(blocks)
+        if values.size and (values.min() < -128 or values.max() > 127):
+            bad = np.argwhere((values < -128) | (values > 127))[0]
+            raise ValueError(f"{self.name}: block {tuple(bad[:-1])} unpacks to {values[tuple(bad)]} at element "
+                             f"{bad[-1]}, outside int8: not a valid {self.name} block (the kernels' weights are int8)")
+        planes["sum"] = values.sum(axis=-1, dtype=np.int32).reshape(-1)
+        return planes
+
+    def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:
+        """A value field's bytes as plane q holds them: interleaved nibbles (element 2i low, 2i+1
+        high: ONNX's UINT4) become split nibbles (byte b holds elements b and b + n: GGUF's order),
+        so both unpack with the same two SIMD instructions."""
+        if name not in self.interleaved:
+            return part
+        n = part.shape[-1]
+        elems = np.stack([part & 0x0F, part >> 4], axis=-1).reshape(part.shape[:-1] + (2 * n,))
+        return (elems[..., :n] | (elems[..., n:] << 4)).astype(np.uint8)
