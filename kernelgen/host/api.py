@@ -66,9 +66,10 @@ def _f32(name: str, x: Any, ndim: int) -> np.ndarray:
 
 
 class Kernels:
-    """One built target under wasmtime. `deterministic` sets wasmtime's relaxed_simd_deterministic."""
+    """One built target under wasmtime. `deterministic` sets wasmtime's relaxed_simd_deterministic
+    (off by default: the native lowering, which gives the library's kernels the same bits)."""
 
-    def __init__(self, wasm: bytes, manifest: dict, deterministic: bool = True) -> None:
+    def __init__(self, wasm: bytes, manifest: dict, deterministic: bool = False) -> None:
         self.manifest = manifest
         self.target: str = manifest["target"]
         self.module = host.Module(wasm, manifest, deterministic)
@@ -344,7 +345,7 @@ def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
     return out
 
 
-def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministic: bool = True) -> Kernels:
+def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
     """Load out_dir/<target>/kernels.wasm with its manifest."""
     d = Path(out_dir) / target
     try:
@@ -358,11 +359,11 @@ def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministi
 
 
 def compile_kernels(source: str, target: str = "relaxed-simd", tune: dict[str, dict[str, int]] | None = None,
-                    deterministic: bool = True, filename: str = "kernels.dsl") -> Kernels:
+                    deterministic: bool = False, filename: str = "kernels.dsl") -> Kernels:
     """Compile DSL source in memory (no files written) and load it."""
     (built,) = compile_source(source, filename, (target,), tune)
     return from_built(built, deterministic)
 
 
-def from_built(built: Built, deterministic: bool = True) -> Kernels:
+def from_built(built: Built, deterministic: bool = False) -> Kernels:
     return Kernels(built.wasm, built.manifest, deterministic)

@@ -155,7 +155,7 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         (built,) = compile_source(source + POOL_REPEAT, targets=(target,))
     else:
         (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
-    k = from_built(built, deterministic=False)
+    k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
         if kernel in JOBS:
