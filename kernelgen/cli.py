@@ -27,6 +27,16 @@ def _targets(value: str) -> tuple[str, ...]:
     return (value,)
 
 
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
 def _tune(values: list[str]) -> dict[str, dict[str, int]]:
     """`kernel.param=value` pairs -> {kernel: {param: value}}."""
     out: dict[str, dict[str, int]] = {}
@@ -130,10 +140,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))
     store = _store(args)
-    rows, env = run(source, args.target, load_store(store) if store else None,
-                    progress=lambda s: print(f"\r{s}".ljust(60), end="", file=sys.stderr, flush=True))
+    report = run(source, args.target, load_store(store) if store else None, args.repeat,
+                 progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True))
     print(file=sys.stderr)
-    print(json.dumps(as_json(rows, env), indent=2) if args.json else format_table(rows, env))
+    print(json.dumps(as_json(report), indent=2) if args.json else format_table(report))
     return 0
 
 
@@ -199,6 +209,8 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
+    be.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                    help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
