@@ -1,5 +1,5 @@
-"""`kernelgen build | check | list`: the command line. User mistakes (bad DSL, bad options, missing
-files) print a message and exit 2; nothing is written unless every target built."""
+"""The command line: `kernelgen build | check | list | tune | bench`. User mistakes (bad DSL, bad
+options, missing files) print a message and exit 2; nothing is written unless every target built."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import __version__
 from .compiler.build import TARGET_NAMES, build
 from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
@@ -118,7 +119,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if q not in checked.quants:
             raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
     store = args.store or STORE
-    recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed)
+    recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed,
+                out=sys.stderr, remeasure=args.remeasure)
+    if not recs:
+        return 0  # tune said why: nothing left to do, no budget, or interrupted
     ok = [r for r in recs if r.seconds is not None]
     failed = [r for r in recs if r.seconds is None]
     print(f"{len(ok)} timing(s) and {len(failed)} failed variant(s) appended to {store}")
@@ -178,8 +182,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kernelgen", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="kernelgen",
+        description="Compile kernels.dsl to WebAssembly (SIMD128 and relaxed SIMD), check it, list it, tune it "
+                    "on this machine and time it. Mistakes in the DSL or the options exit with status 2.",
+        epilog="Run 'kernelgen COMMAND --help' for a command's options.")
+    p.add_argument("--version", action="version", version=f"kernelgen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dsl", type=Path, default=Path("kernels.dsl"), help="kernel source (default kernels.dsl)")
     stored = argparse.ArgumentParser(add_help=False)
@@ -202,9 +212,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--shape", action="append", default=[], help="NxK (repeatable; default: each kernel's shapes)")
     t.add_argument("--quant", action="append", help="quant types for generic kernels (default: all)")
     t.add_argument("--budget", type=float, default=600.0, help="seconds to spend (default 600)")
-    t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive")
+    t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive",
+                   help="every variant in order, or in a random order (with --budget: a sample)")
     t.add_argument("--seed", type=int, default=0, help="for --strategy random")
     t.add_argument("--store", type=Path, help=f"where results go (default {STORE})")
+    t.add_argument("--remeasure", action="store_true",
+                   help="time again what the store already holds for this host (default: skip it)")
     t.add_argument("--plot", type=Path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
@@ -214,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--json", action="store_true", help="print the results as JSON")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=cmd_list)
     return p
 

@@ -567,10 +567,20 @@ def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, f
         assert r.status == "ok" and isinstance(r.seconds, float) and r.seconds > 0 and math.isfinite(r.seconds)
     assert best_tune(on_disk, checked, "dot_f32", "simd128", me) in variants(checked, "dot_f32")
 
-    # A rerun skips everything recorded.
+    # A rerun skips everything recorded, and says so and how to re-measure.
     before = store.read_bytes()
     assert _tune_dot(SOURCE, store) == []
     assert store.read_bytes() == before
+    argv = ("tune", "--dsl", str(DSL_PATH), "--target", "simd128", "--kernel", "dot_f32", "--shape", "256",
+            "--store", str(store))
+    code, out, err = run_cli(*argv)
+    assert code == 0 and out == ""
+    assert (f"nothing to do: all {len(first)} variant(s) asked for are already recorded in {store}" in err
+            and "pass --remeasure to time them again" in err)
+    assert store.read_bytes() == before
+    code, out, err = run_cli(*argv, "--remeasure", "--budget", "0.001")  # times one (and retimes it)
+    assert code == 0 and "2 timing(s) and 0 failed variant(s) appended" in out
+    assert len(load_store(store)) == len(on_disk) + 2
 
     # Resume after an interruption: only what is missing is timed.
     partial = tmp_path / "partial.jsonl"
