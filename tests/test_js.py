@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen import reference as R
 from kernelgen.host.api import Kernels, padded_rows
-from kernelgen.host.formats import onnx_uint4_blocks
+
+from helpers import random_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = shutil.which("node")
@@ -53,15 +53,10 @@ def special_f32(rng: np.random.Generator, n: int, scale: float = 3.0) -> np.ndar
 
 
 def quant_blocks(k: Kernels, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """(ROWS, K / 32) stored blocks of every quant type of the build, as bytes."""
-    w = rng.standard_normal((ROWS, K)).astype(np.float32)
-    made = {"q8_0": R.quantize_q8_0(w), "q4_0": R.quantize_q4_0(w), "q4_1": R.quantize_q4_1(w)}
-    if "q4_onnx" in k.quants:
-        packed, scale, zp = R.quantize_onnx_uint4(w.T)  # B[K, N] of a MatMul: one output per row of w
-        made["q4_onnx"] = onnx_uint4_blocks(k.quants["q4_onnx"], packed, scale, zp, K, ROWS)
-    missing = set(k.quants) - set(made)
-    assert not missing, f"test_js.py makes no blocks for quant types {sorted(missing)}: add them"
-    return {q: np.ascontiguousarray(b).view(np.uint8).reshape(ROWS, -1) for q, b in made.items()}
+    """(ROWS, K / 32) stored blocks of every quant type of the build, as bytes, made from each
+    type's declaration (so a newly declared type is covered with no change here)."""
+    return {name: random_blocks(q, ROWS, K // q.block, rng).view(np.uint8).reshape(ROWS, -1)
+            for name, q in k.quants.items()}
 
 
 class Vectors:
