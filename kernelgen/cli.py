@@ -1,5 +1,5 @@
-"""`kernelgen build | check | list`: the command line. User mistakes (bad DSL, bad options, missing
-files) print a message and exit 2; nothing is written unless every target built."""
+"""The command line: `kernelgen build | check | list | tune | bench`. User mistakes (bad DSL, bad
+options, missing files) print a message and exit 2; nothing is written unless every target built."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import __version__
 from .compiler.build import TARGET_NAMES, build
 from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
@@ -25,6 +26,16 @@ def _targets(value: str) -> tuple[str, ...]:
     if value not in TARGET_NAMES:
         raise argparse.ArgumentTypeError(f"unknown target {value!r}; choose {', '.join(TARGET_NAMES)} or all")
     return (value,)
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
 
 
 def _tune(values: list[str]) -> dict[str, dict[str, int]]:
@@ -108,7 +119,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if q not in checked.quants:
             raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
     store = args.store or STORE
-    recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed)
+    recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed,
+                out=sys.stderr, remeasure=args.remeasure)
+    if not recs:
+        return 0  # tune said why: nothing left to do, no budget, or interrupted
     ok = [r for r in recs if r.seconds is not None]
     failed = [r for r in recs if r.seconds is None]
     print(f"{len(ok)} timing(s) and {len(failed)} failed variant(s) appended to {store}")
@@ -130,10 +144,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))
     store = _store(args)
-    rows, env = run(source, args.target, load_store(store) if store else None,
-                    progress=lambda s: print(f"\r{s}".ljust(60), end="", file=sys.stderr, flush=True))
+    report = run(source, args.target, load_store(store) if store else None, args.repeat,
+                 progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True))
     print(file=sys.stderr)
-    print(json.dumps(as_json(rows, env), indent=2) if args.json else format_table(rows, env))
+    print(json.dumps(as_json(report), indent=2) if args.json else format_table(report))
     return 0
 
 
@@ -168,8 +182,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kernelgen", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="kernelgen",
+        description="Compile kernels.dsl to WebAssembly (SIMD128 and relaxed SIMD), check it, list it, tune it "
+                    "on this machine and time it. Mistakes in the DSL or the options exit with status 2.",
+        epilog="Run 'kernelgen COMMAND --help' for a command's options.")
+    p.add_argument("--version", action="version", version=f"kernelgen {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           title="commands")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dsl", type=Path, default=Path("kernels.dsl"), help="kernel source (default kernels.dsl)")
     stored = argparse.ArgumentParser(add_help=False)
@@ -192,17 +212,22 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--shape", action="append", default=[], help="NxK (repeatable; default: each kernel's shapes)")
     t.add_argument("--quant", action="append", help="quant types for generic kernels (default: all)")
     t.add_argument("--budget", type=float, default=600.0, help="seconds to spend (default 600)")
-    t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive")
+    t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive",
+                   help="every variant in order, or in a random order (with --budget: a sample)")
     t.add_argument("--seed", type=int, default=0, help="for --strategy random")
     t.add_argument("--store", type=Path, help=f"where results go (default {STORE})")
+    t.add_argument("--remeasure", action="store_true",
+                   help="time again what the store already holds for this host (default: skip it)")
     t.add_argument("--plot", type=Path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
+    be.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                    help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=cmd_list)
     return p
 

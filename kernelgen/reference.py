@@ -1,8 +1,8 @@
 """numpy references, written from the formats' definitions and not from the emitter.
 
-GGUF Q8_0 here follows llama.cpp's reference quantizer (d = amax / 127 stored as f16, values
-rounded half away from zero); tests check that the reference derived from the kernels.dsl
-declaration (quant.py) agrees with it. Activation quantization mirrors the kernel's float32
+The GGUF quantizers follow llama.cpp's reference quantizers in float32, C `roundf` included (ties
+away from zero, on the float32 value): tests check them byte for byte against the `gguf` package's,
+and the reference derived from the kernels.dsl declaration (quant.py) against them. Activation quantization mirrors the kernel's float32
 operations one for one, so its integers must match exactly.
 """
 from __future__ import annotations
@@ -10,6 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
+
+
+def roundf(v: np.ndarray) -> np.ndarray:
+    """C `roundf` on float32: ties away from zero. Computed exactly: `trunc(v + 0.5)` is not (at
+    0.49999997 the sum rounds up to 1.0 in float32)."""
+    v = np.asarray(v, np.float32)
+    t = np.trunc(v)
+    return t + np.copysign(np.abs(v - t) >= np.float32(0.5), v).astype(np.float32)
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
@@ -20,8 +28,7 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = xb * inv[..., None]
-    q = np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8)  # roundf: half away from zero
+    q = roundf(xb * inv[..., None]).astype(np.int8)
     out = np.empty(xb.shape[:-1], Q8_0)
     out["d"] = d.astype(np.float16)
     out["qs"] = q

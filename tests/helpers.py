@@ -93,3 +93,25 @@ def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -
     err = np.abs(y.astype(np.float64) - ref)
     bad = ~(err <= 1e-5 * mag + 1e-30)
     assert not bad.any(), f"{what}: rows {np.flatnonzero(bad)[:8]} got {y[bad][:4]} ref {ref[bad][:4]}"
+
+
+def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, n_blocks) blocks of any declared quant type `q` (a QuantInfo), made from its declaration
+    alone: random stored bytes, every float field a finite value of either sign, and blocks whose
+    values fall outside the kernels' int8 weights (say a zero point past its format's range) drawn
+    again. So a test covering every quant type needs no code per type."""
+    def draw(count: int) -> np.ndarray:
+        b = rng.integers(0, 256, (count, q.stored_bytes), dtype=np.uint8).view(q.dtype).reshape(count)
+        for name in q.dtype.names:
+            if q.dtype[name].kind == "f":
+                b[name] = rng.uniform(-0.05, 0.05, b[name].shape).astype(q.dtype[name].base)
+        return b
+
+    blocks = draw(rows * n_blocks)
+    for _ in range(64):
+        v = q.unpack_ref(blocks.reshape(-1, 1)).reshape(blocks.size, -1)
+        bad = np.flatnonzero((v < -128).any(axis=1) | (v > 127).any(axis=1))
+        if not bad.size:
+            return blocks.reshape(rows, n_blocks)
+        blocks[bad] = draw(bad.size)
+    raise AssertionError(f"{q.name}: random bytes almost never make a valid block; give the test its own data")

@@ -332,3 +332,36 @@ def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     assert a["exports"] == b["exports"]
     assert a["quants"] == b["quants"]
     assert a["inputs_sha256"] != b["inputs_sha256"]  # the target is an input
+
+
+def test_help_names_every_command_and_every_option_has_a_help_line() -> None:
+    from kernelgen.cli import parser
+
+    code, out, _ = _exit_of("--help")
+    assert code == 0
+    for command in ("build", "check", "list", "tune", "bench"):
+        assert re.search(rf"^\s+{command}\s+\S", out, re.M), (command, out)
+    description = out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description  # a whole sentence, not cut in the middle
+    p = parser()
+    sub = next(a for a in p._actions if a.dest == "command")
+    for name, sp in sub.choices.items():
+        for action in sp._actions:
+            assert action.help, f"kernelgen {name} {action.option_strings}: no help line"
+        code, out, _ = _exit_of(name, "--help")
+        assert code == 0 and out.startswith(f"usage: kernelgen {name}")
+
+
+def test_version() -> None:
+    import kernelgen
+
+    code, out, _ = _exit_of("--version")
+    assert code == 0 and out.strip() == f"kernelgen {kernelgen.__version__}"
+
+
+def _exit_of(*argv: str) -> tuple[int, str, str]:
+    """For options argparse answers itself and exits (--help, --version)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(list(argv))
+    return e.value.code, out.getvalue(), err.getvalue()

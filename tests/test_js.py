@@ -1,7 +1,7 @@
 """The JavaScript runtime (runtime/) gives wasmtime's results, bit for bit, in Node and in Chromium.
 
 This file makes the test vectors: inputs from numpy, outputs from kernelgen's Python API under
-wasmtime (simd128, and relaxed SIMD with wasmtime's native lowering: deterministic=False), written
+wasmtime (simd128, and relaxed SIMD with wasmtime's native lowering, the default), written
 to a temp dir as raw little-endian .bin files and an index.json that runtime/test/vectors.mjs
 reads. It then runs the Node tests (runtime/test/kernels.test.mjs) and the browser test
 (runtime/test/browser.test.mjs: playwright-core driving Debian's /usr/bin/chromium) with
@@ -21,19 +21,17 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen import reference as R
 from kernelgen.host.api import Kernels, padded_rows
-from kernelgen.host.formats import onnx_uint4_blocks
+
+from helpers import random_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = shutil.which("node")
 CHROMIUM = Path("/usr/bin/chromium")
+TARGETS = ("simd128", "relaxed-simd")
 # Node 20 runs relaxed SIMD only behind a flag, and its baseline compiler (Liftoff) gets
 # i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
-# Relaxed SIMD as the engine natively lowers it, as V8 does; the kernels' 7-bit contract makes it
-# equal to the deterministic lowering (tests/test_kernels.py checks that).
-MODES = {"simd128": True, "relaxed-simd": False}
 THREADS = 3
 ROWS, K = 37, 320  # 10 blocks a row: two four-block steps and two blocks left over
 N = 1003  # elementwise length: a partial last vector
@@ -55,15 +53,10 @@ def special_f32(rng: np.random.Generator, n: int, scale: float = 3.0) -> np.ndar
 
 
 def quant_blocks(k: Kernels, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """(ROWS, K / 32) stored blocks of every quant type of the build, as bytes."""
-    w = rng.standard_normal((ROWS, K)).astype(np.float32)
-    made = {"q8_0": R.quantize_q8_0(w), "q4_0": R.quantize_q4_0(w), "q4_1": R.quantize_q4_1(w)}
-    if "q4_onnx" in k.quants:
-        packed, scale, zp = R.quantize_onnx_uint4(w.T)  # B[K, N] of a MatMul: one output per row of w
-        made["q4_onnx"] = onnx_uint4_blocks(k.quants["q4_onnx"], packed, scale, zp, K, ROWS)
-    missing = set(k.quants) - set(made)
-    assert not missing, f"test_js.py makes no blocks for quant types {sorted(missing)}: add them"
-    return {q: np.ascontiguousarray(b).view(np.uint8).reshape(ROWS, -1) for q, b in made.items()}
+    """(ROWS, K / 32) stored blocks of every quant type of the build, as bytes, made from each
+    type's declaration (so a newly declared type is covered with no change here)."""
+    return {name: random_blocks(q, ROWS, K // q.block, rng).view(np.uint8).reshape(ROWS, -1)
+            for name, q in k.quants.items()}
 
 
 class Vectors:
@@ -147,8 +140,10 @@ def write_vectors(root: Path) -> None:
     v.case("silu_f32", "silu", [args["x"]], {}, threaded=True)
     v.case("swiglu_f32", "swiglu", [args["x"], args["g"]], {}, threaded=True)
 
-    for target, deterministic in MODES.items():
-        k = kernelgen.load(ROOT / "out", target, deterministic=deterministic)
+    # Relaxed SIMD as the engine natively lowers it (the default), as V8 does; the kernels' 7-bit
+    # contract makes it equal to the deterministic lowering (tests/test_kernels.py checks that).
+    for target in TARGETS:
+        k = kernelgen.load(ROOT / "out", target)
         v.index["builds"][target] = k.manifest["inputs_sha256"]
         act = k.quantize_act(x_act)
         v.expect(target, "quantize_act", {"q": act.q, "d": act.d})

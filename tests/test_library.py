@@ -25,7 +25,7 @@ from kernelgen.host import formats
 from kernelgen.host.api import Act, Kernels, padded_rows
 
 from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close, bits_of, consts, rng_for, rows_tune,
-                     same_as_deterministic, unit_scale_qmatvec_and_qdots)
+                     random_blocks, same_as_deterministic, unit_scale_qmatvec_and_qdots)
 
 Q4_TYPES = ("q4_0", "q4_1", "q4_onnx")
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -971,6 +971,27 @@ def q4_reference(k: Kernels, quant: str, blocks: np.ndarray, act: Act) -> tuple[
         asum = (act.q.astype(np.int64) - zero).reshape(-1, 32).sum(axis=1)
         mag = mag + np.abs(offset.astype(np.float64) * ad * asum).sum(axis=1)
     return ref, mag
+
+
+def test_every_declared_quant_type_matches_its_declaration(mode, kgen):
+    """Whatever kernels.dsl declares: qmatvec and qdot of every quant type, on blocks made from the
+    declaration alone, match the reference derived from it."""
+    k = kgen()
+    rng = rng_for("every quant", mode.id)
+    x = (rng.standard_normal(160) * 3).astype(np.float32)
+    cases = {name: random_blocks(q, 9, 160 // q.block, rng) for name, q in k.quants.items()}
+
+    def run(m: Kernels) -> list[Any]:
+        act = m.quantize_act(x)
+        return [act] + [out for name, b in cases.items()
+                        for out in (m.qmatvec(m.pack(name, b), act), np.float32(m.qdot(m.pack(name, b[:1]), act)))]
+
+    got = run(k)
+    for i, (name, b) in enumerate(cases.items()):
+        ref, mag = q4_reference(k, name, b, got[0])
+        assert_q_close(got[1 + 2 * i], ref, mag, f"qmatvec {name}")
+        assert_q_close(got[2 + 2 * i][None], ref[:1], mag[:1], f"qdot {name}")
+    same_as_deterministic(mode, kgen, None, run, got)
 
 
 @pytest.mark.parametrize("quant", Q4_TYPES)

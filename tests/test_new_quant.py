@@ -1,7 +1,10 @@
-"""A quant type declared outside kernels.dsl (GGUF Q5_0) gets working kernels on both targets with no
-Python change: the walkthrough of docs/adding-a-quant-type.md, as a test."""
+"""docs/adding-a-quant-type.md, done as it says: its declaration (GGUF Q5_0) appended to a copy of
+kernels.dsl, its commands run in that directory, its Python used on the result. No Python change is
+needed, whatever kernels.dsl already declares: if the doc's type name is taken, the walkthrough
+declares the same type under a free name."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,72 +12,87 @@ import pytest
 
 import kernelgen
 from kernelgen import cli
+from kernelgen.compiler.check import check
+from kernelgen.compiler.parse import parse
 from kernelgen.reference import qmatvec as qmatvec_ref
 
+from helpers import random_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
-Q5_0 = """
-# Q5_0: 5-bit values; low 4 bits as in Q4_0, the fifth bits in a 32-bit mask; value d * (q - 16).
-quant q5_0 {
-    block 32;
-    field d: f16;
-    field qh: u8[4];
-    field qs: u8[16];
-    unpack (nib(qs, i) | (bit(qh, i) << 4)) - 16;
-    dequant d * q;
-}
-"""
+DOC = ROOT / "docs" / "adding-a-quant-type.md"
 
 
-def q5_0_dequant_llama(blocks: np.ndarray) -> np.ndarray:
-    """Q5_0 from llama.cpp's definition: value j < 16 is (qs[j] & 15) | bit j of qh << 4, value j + 16
-    is (qs[j] >> 4) | bit j + 16 of qh << 4, both minus 16, times d."""
-    qh = blocks["qh"].astype(np.uint32)
-    mask = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
-    j = np.arange(16)
-    qs = blocks["qs"].astype(np.int32)
-    lo = (qs & 15) | (((mask[..., None] >> j) & 1) << 4).astype(np.int32)
-    hi = (qs >> 4) | (((mask[..., None] >> (j + 16)) & 1) << 4).astype(np.int32)
-    q = np.concatenate([lo, hi], axis=-1) - 16
-    return (blocks["d"].astype(np.float32)[..., None] * q).reshape(blocks.shape[:-1] + (-1,))
+LIBRARY = (ROOT / "kernels.dsl").read_text(encoding="utf-8")
+
+
+def doc_declaration(library: str = LIBRARY) -> tuple[str, str]:
+    """(type name, declaration text) of the doc's example, renamed if `library` declares its name."""
+    blocks = re.findall(r"```\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    (decl,) = [b for b in blocks if re.search(r"^quant \w+ \{", b, re.M)]
+    name = re.search(r"^quant (\w+) \{", decl, re.M).group(1)
+    declared = {q.name for q in parse(library).quants}
+    free = name if name not in declared else next(f"{name}_doc{i}" for i in range(100) if f"{name}_doc{i}" not in declared)
+    return free, decl.replace(f"quant {name} {{", f"quant {free} {{")
+
+
+def doc_commands() -> list[list[str]]:
+    """The `kernelgen ...` commands of the doc's step 2, in order."""
+    step = DOC.read_text(encoding="utf-8").split("## 2.")[1].split("## 3.")[0]
+    (sh,) = re.findall(r"```sh\n(.*?)```", step, re.S)
+    return [line.split("#")[0].split()[1:] for line in sh.splitlines() if line.startswith("kernelgen ")]
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("q5")
-    dsl = tmp / "kernels.dsl"
-    dsl.write_text((ROOT / "kernels.dsl").read_text(encoding="utf-8") + Q5_0, encoding="utf-8")
-    assert cli.main(["build", "--target", "all", "--dsl", str(dsl), "--out", str(tmp / "out")]) == 0
-    return tmp / "out"
-
-
-def random_blocks(dtype: np.dtype, rows: int, nb: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, nb * dtype.itemsize), dtype=np.uint8)
-    blocks = raw.view(dtype).copy()
-    blocks["d"] = rng.uniform(0.001, 0.05, blocks.shape).astype(np.float16)
-    return blocks
+def walked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("newquant")
+    name, decl = doc_declaration()
+    (tmp / "kernels.dsl").write_text(LIBRARY + "\n" + decl, encoding="utf-8")
+    mp = pytest.MonkeyPatch()
+    mp.chdir(tmp)
+    try:
+        commands = doc_commands()
+        assert [c[0] for c in commands] == ["check", "list", "build"]
+        for argv in commands:
+            assert cli.main(argv) == 0, argv
+    finally:
+        mp.undo()
+    return tmp, name
 
 
 @pytest.mark.parametrize("target", ["simd128", "relaxed-simd"])
-def test_declared_q5_0_matches_its_definition(built: Path, target: str) -> None:
-    k = kernelgen.load(built, target)
-    q5 = k.quants["q5_0"]
+def test_doc_walkthrough_gives_working_kernels(walked: tuple[Path, str], target: str) -> None:
+    import gguf  # a test dependency: the independent definition of Q5_0
+
+    tmp, name = walked
+    k = kernelgen.load(tmp / "out", target)
+    q5 = k.quants[name]
     assert q5.stored_bytes == 22 and q5.bytes == 20
-    assert k.manifest["exports"][k.export_name("qmatvec", "q5_0")]["quant"] == "q5_0"
-    assert "qdot_q5_0" in k.manifest["exports"] and k.job_name("qmatvec_job", "q5_0")
+    assert k.manifest["exports"][k.export_name("qmatvec", name)]["quant"] == name
+    assert k.export_name("qdot", name) and k.job_name("qmatvec_job", name)
     rows, nb = 9, 5
-    blocks = random_blocks(q5.dtype, rows, nb, seed=5)
-    blocks["qh"][0, 0] = [0xFF, 0xFF, 0xFF, 0xFF]  # every fifth bit set: values up to 15
+    rng = np.random.default_rng(5)
+    blocks = random_blocks(q5, rows, nb, rng)
+    blocks["qh"][0, 0] = 0xFF  # every fifth bit set and low nibbles 15: the extreme 15
     blocks["qs"][0, 0] = 0xFF
     blocks["qh"][0, 1] = 0  # no fifth bit, low nibbles 0: the extreme -16
     blocks["qs"][0, 1] = 0
-    assert np.array_equal(q5.dequantize_ref(blocks), q5_0_dequant_llama(blocks))
+    theirs = gguf.quants.dequantize(blocks.view(np.uint8).reshape(rows, -1), gguf.GGMLQuantizationType.Q5_0)
+    np.testing.assert_array_equal(q5.dequantize_ref(blocks), theirs)
 
-    x = np.random.default_rng(6).standard_normal(nb * 32).astype(np.float32)
+    x = rng.standard_normal(nb * 32).astype(np.float32)
     act = k.quantize_act(x)
-    y = k.qmatvec(k.pack("q5_0", blocks), act)
+    y = k.qmatvec(k.pack(name, blocks), act)
     ref, mag = qmatvec_ref(q5.scale_ref(blocks), q5.unpack_ref(blocks).reshape(rows, -1), act.q, act.d,
                            k.manifest["constants"]["ACT_ZERO"], 32)
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-30)
-    d = k.qdot(k.pack("q5_0", blocks[:1]), act)
+    d = k.qdot(k.pack(name, blocks[:1]), act)
     assert abs(d - ref[0]) <= 1e-5 * mag[0] + 1e-30
+
+
+def test_walkthrough_takes_a_free_name_when_the_doc_name_is_declared() -> None:
+    """Another engineer declaring the doc's type in kernels.dsl must not break the walkthrough."""
+    name, decl = doc_declaration()
+    library = LIBRARY + "\n" + decl
+    again, decl2 = doc_declaration(library)
+    assert again != name and f"quant {again} {{" in decl2
+    check(parse(library + "\n" + decl2))

@@ -21,7 +21,8 @@ import pytest
 import kernelgen.tuning.timing
 import kernelgen.tuning.tune
 from kernelgen.tuning import store as S
-from kernelgen.tuning.bench import Row, as_json, format_table
+from kernelgen.tuning import bench
+from kernelgen.tuning.bench import NUMPY, Case, Limit, Ratio, Report, as_json, format_table
 from kernelgen.compiler.build import compile_source
 from kernelgen.compiler.check import check, variants
 from kernelgen.cli import main
@@ -566,10 +567,20 @@ def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, f
         assert r.status == "ok" and isinstance(r.seconds, float) and r.seconds > 0 and math.isfinite(r.seconds)
     assert best_tune(on_disk, checked, "dot_f32", "simd128", me) in variants(checked, "dot_f32")
 
-    # A rerun skips everything recorded.
+    # A rerun skips everything recorded, and says so and how to re-measure.
     before = store.read_bytes()
     assert _tune_dot(SOURCE, store) == []
     assert store.read_bytes() == before
+    argv = ("tune", "--dsl", str(DSL_PATH), "--target", "simd128", "--kernel", "dot_f32", "--shape", "256",
+            "--store", str(store))
+    code, out, err = run_cli(*argv)
+    assert code == 0 and out == ""
+    assert (f"nothing to do: all {len(first)} variant(s) asked for are already recorded in {store}" in err
+            and "pass --remeasure to time them again" in err)
+    assert store.read_bytes() == before
+    code, out, err = run_cli(*argv, "--remeasure", "--budget", "0.001")  # times one (and retimes it)
+    assert code == 0 and "2 timing(s) and 0 failed variant(s) appended" in out
+    assert len(load_store(store)) == len(on_disk) + 2
 
     # Resume after an interruption: only what is missing is timed.
     partial = tmp_path / "partial.jsonl"
@@ -723,40 +734,88 @@ def test_measure_with_a_real_counting_call() -> None:
 # ---- bench report ------------------------------------------------------------------------------
 
 
-ROWS = [
-    Row("qmatvec q8_0", "relaxed-simd", "4096x4096", 1.5e-3, 11.18, "G weights/s", 75.4,
-        goal="relaxed-simd >= 70% of roofline", met=True),
-    Row("qmatvec q8_0 relaxed vs simd128", "both", "256x4096", 2.5e-6, 0.0, "", None, 1.25, "simd128",
-        "relaxed >= 1.4x simd128", False),
-    Row("exp_f32", "simd128", "2^20", 4.2e-4, 2.5, "G elements/s"),
+def _cycle(*values: float):
+    """A case's timer giving `values` in turn, one per run."""
+    it = iter(values * 10)
+    return lambda k: next(it)
+
+
+FAKE_CASES = [
+    Case("slow", "8x8", 64, "weights", _cycle(2e-3, 4e-3, 3e-3)),
+    Case("fast", "8x8", 64, "weights", _cycle(1e-3, 1e-3, 3e-3)),
+    Case("np.base", "8", 8, "elements", _cycle(5e-6, 5e-6, 5e-6), numpy=True),
 ]
-ENV = {"build_seconds_all_targets": 1.234, "wasm_bytes": {"simd128": 15317, "relaxed-simd": 17000},
-       "goals": {"build < 3 s": True, "relaxed-simd wasm <= 16 KB": False}}
+FAKE_RATIOS = [
+    Ratio("fast 8x8", "slow 8x8", at_least=1.5),
+    Ratio("slow 8x8", "np.base 8", versus_target=NUMPY),
+]
+FAKE_LIMITS = [Limit("fast 8x8", 2.5e-3), Limit("wasm size", 1.0)]
 
 
-def test_format_table_shows_goals_met_and_not_met() -> None:
-    text = format_table(ROWS, ENV)
+@pytest.fixture(scope="module")
+def fake_report() -> Report:
+    return bench.run(SOURCE, ("simd128",), repeat=3, cases=FAKE_CASES, ratios=FAKE_RATIOS, limits=FAKE_LIMITS)
+
+
+def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Report) -> None:
+    rows = {(r.key, r.target): r for r in fake_report.rows}
+    assert set(rows) == {("slow 8x8", "simd128"), ("fast 8x8", "simd128"), ("np.base 8", "numpy"),
+                         ("build all targets", "-"), ("wasm size", "simd128")}
+    slow = rows[("slow 8x8", "simd128")].value
+    assert slow.samples == [2e-3, 4e-3, 3e-3] and (slow.min, slow.median, slow.max) == (2e-3, 3e-3, 4e-3)
+    assert len(rows[("build all targets", "-")].value.samples) == 3
+    # Ratios pair the rows of one run: 2, 4 and 1 -> median 2 (not a ratio of medians, 3 / 1).
+    (fast_vs_slow, slow_vs_np) = fake_report.ratios
+    assert fast_vs_slow.value.samples == pytest.approx([2.0, 4.0, 1.0])
+    assert fast_vs_slow.value.median == pytest.approx(2.0) and fast_vs_slow.met
+    assert slow_vs_np.versus.target == "numpy" and slow_vs_np.met is None
+    fast_limit, wasm_limit = fake_report.limits
+    assert fast_limit.met and not wasm_limit.met  # median 1 ms <= 2.5 ms; a module is more than 1 byte
+
+
+def test_bench_table_names_every_ratio_by_printed_rows(fake_report: Report) -> None:
+    text = format_table(fake_report)
     lines = text.splitlines()
-    row_of = {r.name: next(line for line in lines if line.startswith(r.name + " ")) for r in ROWS}
-    met = row_of["qmatvec q8_0"]
-    assert met.endswith("relaxed-simd >= 70% of roofline: met") and "NOT met" not in met
-    assert "1.500 ms" in met and "11.18 G weights/s" in met and "75%" in met
-    unmet = row_of["qmatvec q8_0 relaxed vs simd128"]
-    assert unmet.endswith("relaxed >= 1.4x simd128: NOT met")
-    assert "2.50 us" in unmet and "1.25x simd128" in unmet
-    plain = row_of["exp_f32"]
-    assert "met" not in plain and plain.rstrip().endswith("G elements/s")
-    assert "build --target all: 1.23 s" in text and "simd128 15317" in text
-    goals = next(line for line in lines if line.startswith("goals: "))
-    assert "build < 3 s: met" in goals and "relaxed-simd wasm <= 16 KB: NOT met" in goals
+    assert lines[0] == "rows: time per call (median of 3 runs [min .. max])"
+    slow = next(line for line in lines if line.lstrip().startswith("slow 8x8"))
+    assert "3.000 ms" in slow and "[2.000 ms .. 4.000 ms]" in slow and "21.33 k weights/s" in slow
+    printed = {(r.key, r.target) for r in fake_report.rows}
+    ratio_lines = lines[lines.index("ratios: how many times faster the row is than the versus row (both above)") + 1:]
+    ratio_lines = ratio_lines[:ratio_lines.index("")]
+    assert len(ratio_lines) == 2
+    for line, q in zip(ratio_lines, fake_report.ratios):
+        assert (q.row.key, q.row.target) in printed and (q.versus.key, q.versus.target) in printed
+        assert line.strip().startswith(f"{q.row.key} [{q.row.target}] vs {q.versus.key} [{q.versus.target}]: ")
+    assert ratio_lines[0].endswith("2.00x [1.00x .. 4.00x]  goal >= 1.50x: met")
+    assert "fast 8x8 [simd128]: 1.000 ms <= 2.500 ms: met" in text
+    assert "wasm size [simd128]:" in text and "<= 1 bytes: NOT met" in text
 
 
-def test_as_json_is_serializable_and_complete() -> None:
-    data = as_json(ROWS, ENV)
-    back = json.loads(json.dumps(data))
-    assert back == {"rows": [asdict(r) for r in ROWS], "env": ENV}
-    assert [r["met"] for r in back["rows"]] == [True, False, None]
-    assert back["rows"][0]["goal"] == "relaxed-simd >= 70% of roofline"
+def test_bench_json_has_every_sample(fake_report: Report) -> None:
+    back = json.loads(json.dumps(as_json(fake_report)))
+    assert back["repeat"] == 3
+    slow = next(r for r in back["rows"] if r["key"] == "slow 8x8")
+    assert slow["samples"] == [2e-3, 4e-3, 3e-3] and slow["median"] == 3e-3 and slow["unit"] == "weights"
+    assert [q["met"] for q in back["ratios"]] == [True, None]
+    assert back["ratios"][0]["versus"] == "slow 8x8" and back["limits"][1]["met"] is False
+
+
+def test_bench_tables_name_only_rows_they_define() -> None:
+    """Goals are data: every ratio and limit of the real tables names a row the bench prints."""
+    keys = {c.key for c in bench.CASES} | set(bench.FIGURES)
+    assert len({(c.key, c.numpy) for c in bench.CASES}) == len(bench.CASES)  # no two rows alike
+    for r in bench.RATIOS:
+        assert r.row in keys and r.versus in keys, r
+    for lim in bench.LIMITS:
+        assert lim.of in keys, lim
+    assert any(r.at_least for r in bench.RATIOS) and bench.LIMITS
+
+
+def test_bench_refuses_a_ratio_naming_no_row() -> None:
+    with pytest.raises(KeyError, match="no row 'nothing 1x1' on simd128"):
+        bench.run(SOURCE, ("simd128",), cases=FAKE_CASES[:1], ratios=[Ratio("slow 8x8", "nothing 1x1")], limits=[])
+    with pytest.raises(ValueError, match="repeat must be >= 1"):
+        bench.run(SOURCE, ("simd128",), repeat=0)
 
 
 def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() -> None:

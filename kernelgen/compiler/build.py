@@ -123,13 +123,13 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
 
 
 def compile_kernels(source: str, target: str = "relaxed-simd", tune: dict[str, dict[str, int]] | None = None,
-                    deterministic: bool = True, filename: str = "kernels.dsl") -> Kernels:
+                    deterministic: bool = False, filename: str = "kernels.dsl") -> Kernels:
     """Compile DSL source in memory (no files written) and load it."""
     (built,) = compile_source(source, filename, (target,), tune)
     return from_built(built, deterministic)
 
 
-def from_built(built: Built, deterministic: bool = True) -> Kernels:
+def from_built(built: Built, deterministic: bool = False) -> Kernels:
     """Load a target compiled in memory, as kernelgen.load loads one from out/."""
     return Kernels(built.wasm, built.manifest, deterministic)
 

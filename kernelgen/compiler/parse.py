@@ -35,6 +35,16 @@ def _describe(expected: set[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
+def _end_of_previous(source: str, pos: int) -> tuple[int, int] | None:
+    """(line, column) just after the last character of code before `pos` (comments skipped)."""
+    lines = source[:pos].split("\n")
+    for i in range(len(lines) - 1, -1, -1):
+        code = lines[i].split("#", 1)[0].rstrip()
+        if code:
+            return i + 1, len(code) + 1
+    return None
+
+
 def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
     """Parse DSL source; raise DslError (with the source attached) on any syntax error."""
     try:
@@ -48,6 +58,10 @@ def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
             lines = source.splitlines() or [""]
             span = A.Span(filename, len(lines), len(lines[-1]) + 1)
             raise DslError(span, f"unexpected end of file, expected {_describe(e.expected)}", source) from None
+        end = _end_of_previous(source, tok.start_pos)
+        if "SEMICOLON" in e.expected and end is not None and end[0] < tok.line:
+            # The next statement (or a '}') on a later line: the statement before it lacks its ';'.
+            raise DslError(A.Span(filename, *end), "missing ';' at the end of this statement", source) from None
         span = A.Span(filename, tok.line, tok.column)
         raise DslError(span, f"unexpected {tok.value!r}, expected {_describe(e.expected)}", source) from None
     except lark.UnexpectedEOF as e:

@@ -155,7 +155,7 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         (built,) = compile_source(source + POOL_REPEAT, targets=(target,))
     else:
         (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
-    k = from_built(built, deterministic=False)
+    k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
         if kernel in JOBS:
@@ -172,12 +172,14 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
 
 def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
          quants: list[str] | None, store: Path, budget: float, strategy: str = "exhaustive", seed: int = 0,
-         retime: int = 3, out=sys.stderr) -> list[Record]:
-    """Tune `kernels` on `targets`; every result is appended to `store` as it comes."""
+         retime: int = 3, out=sys.stderr, remeasure: bool = False) -> list[Record]:
+    """Tune `kernels` on `targets`; every result is appended to `store` as it comes. What `store`
+    already holds for this host and DSL is skipped, unless `remeasure`."""
     checked = check(parse(source))
     me = host()
-    done = {(r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True))
-            for r in load_store(store) if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
+    done = set() if remeasure else {
+        (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True))
+        for r in load_store(store) if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
     plans: list[tuple[str, Plan]] = []
     for target in targets:
         for kernel in kernels:
@@ -187,6 +189,13 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
                 for shape in shapes.get(kernel) or SPECS[kernel][1]:
                     for t in job_variants() if kernel in JOBS else variants(checked, kernel):
                         plans.append((target, Plan(kernel, q, shape, t)))
+    def key(target: str, p: Plan) -> tuple:
+        return p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True)
+
+    if all(key(t, p) in done for t, p in plans):
+        print(f"nothing to do: all {len(plans)} variant(s) asked for are already recorded in {store} for this"
+              f" host and kernel source; pass --remeasure to time them again", file=out)
+        return []
     if strategy == "random":
         random.Random(seed).shuffle(plans)
     elif strategy != "exhaustive":
@@ -196,7 +205,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     try:
         for i, (target, p) in enumerate(plans, 1):
             shape = "x".join(map(str, p.shape))
-            if (p.kernel, p.quant, target, shape, json.dumps(p.tune, sort_keys=True)) in done:
+            if key(target, p) in done:
                 continue
             if time.monotonic() - start > budget:
                 print(f"\ntime budget of {budget:.0f} s used; {len(plans) - i + 1} variant(s) left", file=out)
