@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import sys
+import warnings
 from pathlib import Path
 
 from . import __version__
@@ -14,7 +16,7 @@ from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
-from .tuning.store import STORE, load_store
+from .tuning.store import STORE, StoreWarning, load_store
 
 EXIT_USER = 2
 EXIT_INTERNAL = 70
@@ -36,6 +38,22 @@ def _positive(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return n
+
+
+def _out_dir(value: str) -> Path:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("needs a directory name (an empty one would mean the current directory)")
+    return Path(value)
+
+
+def _budget(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"{value!r}: need a finite number of seconds >= 0")
+    return seconds
 
 
 def _tune(values: list[str]) -> dict[str, dict[str, int]]:
@@ -119,6 +137,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if q not in checked.quants:
             raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
     store = args.store or STORE
+    if store.exists() and not store.is_file():
+        raise KernelgenError(f"--store {store}: not a file")
     recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed,
                 out=sys.stderr, remeasure=args.remeasure)
     if not recs:
@@ -200,7 +220,8 @@ def parser() -> argparse.ArgumentParser:
                       help="override a tune parameter's default (repeatable)")
     b = sub.add_parser("build", parents=[common, tune, stored], help="compile to out/<target>/kernels.{wat,wasm,json}")
     b.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
-    b.add_argument("--out", type=Path, default=Path("out"), help="output directory (default out)")
+    b.add_argument("--out", type=_out_dir, default=Path("out"),
+                   help="output directory, replaced as a whole (default out)")
     b.add_argument("--tune-host-from", type=Path, metavar="MANIFEST",
                    help="use the tunings recorded for the host a manifest was built for (reproduces a committed out/)")
     b.set_defaults(func=cmd_build)
@@ -211,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--kernel", default="*", help="kernel name pattern (default: every tunable kernel)")
     t.add_argument("--shape", action="append", default=[], help="NxK (repeatable; default: each kernel's shapes)")
     t.add_argument("--quant", action="append", help="quant types for generic kernels (default: all)")
-    t.add_argument("--budget", type=float, default=600.0, help="seconds to spend (default 600)")
+    t.add_argument("--budget", type=_budget, default=600.0, help="seconds to spend (default 600)")
     t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive",
                    help="every variant in order, or in a random order (with --budget: a sample)")
     t.add_argument("--seed", type=int, default=0, help="for --strategy random")
@@ -232,13 +253,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: object = None, line: str | None = None) -> None:
+    """A skipped store line as one line, `file:line: why`; other warnings as Python prints them."""
+    if issubclass(category, StoreWarning):
+        print(f"kernelgen: warning: {message}", file=sys.stderr)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)  # type: ignore[arg-type]
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return args.func(args)
     except KernelgenError as e:
         located = isinstance(e, DslError) and e.span is not None
         print(str(e) if located else f"kernelgen: error: {e}", file=sys.stderr)
+        return EXIT_USER
+    except RecursionError:  # the explicit limits (kernelgen/compiler/parse.py, lower.py) should come first
+        print("kernelgen: error: the input is nested too deeply to compile", file=sys.stderr)
+        return EXIT_USER
+    except OSError as e:  # a path the user named that cannot be read or written
+        print(f"kernelgen: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return EXIT_USER
+    except MemoryError:
+        print("kernelgen: error: out of memory (a shape or an input too large for this machine?)", file=sys.stderr)
         return EXIT_USER
     except KeyboardInterrupt:
         return 130

@@ -4,9 +4,10 @@
 // per-call buffers are freed when the call returns, packed weights stay until reset().
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
+import { I32_MAX, MAX_THREADS, loadBuild } from './manifest.mjs';
 import { packInto, planeLayout } from './pack.mjs';
-import { hardwareThreads, isNode, readBytes, readJson } from './platform.mjs';
-import { MAX_THREADS, Pool } from './pool.mjs';
+import { hardwareThreads, isNode } from './platform.mjs';
+import { Pool } from './pool.mjs';
 
 const PAGE_BYTES = 65536;
 const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
@@ -24,9 +25,13 @@ function f32Array(what, x) {
 }
 
 function positiveInt(what, n) {
-  if (!Number.isInteger(n) || n < 1) throw new RangeError(`${what}: expected a positive integer, got ${n}`);
+  if (!Number.isInteger(n) || n < 1 || n > I32_MAX) throw new RangeError(`${what}: expected an integer in 1..${I32_MAX}, got ${n}`);
   return n;
 }
+
+// Names this driver's Packed handles: a handle from another driver (another target, another load)
+// is refused. A string, not identity, since handles are cloned through postMessage in browsers.
+const driverId = () => `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
 
 /** Which target to load: the one asked for, else relaxed SIMD where its dot is usable. */
 function chooseTarget(requested, relaxed) {
@@ -50,9 +55,8 @@ export class Driver {
     const relaxed = await probeRelaxedDot();
     const chosen = chooseTarget(target, relaxed);
     const dir = new URL(`${chosen.target}/`, baseUrl);
-    const [manifest, wasm] = await Promise.all([readJson(new URL('kernels.json', dir)), readBytes(new URL('kernels.wasm', dir))]);
+    const { manifest, wasm, notes } = await loadBuild(dir);
     const shared = sharedMemoryStatus();
-    const notes = [];
     let size = threads ?? Math.min(hardwareThreads(), MAX_THREADS);
     if (!shared.canThread && size > 1) {
       notes.push('no SharedArrayBuffer (the page is not cross-origin isolated): one thread');
@@ -89,6 +93,8 @@ export class Driver {
   #memory;
   #pool;
   #top;
+  #id = driverId();
+  #generation = 0; // counts reset()s: a Packed from before one names freed memory
   #exportNames = new Map(); // "kernel/quant" -> export name
   #jobNames = new Map(); // "kernel/quant" -> job name
 
@@ -175,6 +181,7 @@ export class Driver {
   /** Free all memory the kernels hold, packed weights included. */
   reset() {
     this.#top = this.manifest.memory.heap_base;
+    this.#generation++;
   }
 
   // ---- running kernels -----------------------------------------------------------------------
@@ -248,7 +255,7 @@ export class Driver {
       this.#top = mark; // the planes are packed in place: give them back
       throw new RangeError(`pack(${quant}): ${e.message}`);
     }
-    return Object.freeze({ quant, rows, k, planes: Object.freeze(planes) });
+    return Object.freeze({ quant, rows, k, planes: Object.freeze(planes), owner: this.#id, generation: this.#generation });
   }
 
   #packedArgs(w, what) {
@@ -257,6 +264,8 @@ export class Driver {
     if (!spec || !w.planes || names.some((n) => !Number.isInteger(w.planes[n])) || !Number.isInteger(w.rows) || !Number.isInteger(w.k)) {
       throw new TypeError(`${what}: weights must come from pack()`);
     }
+    if (w.owner !== this.#id) throw new RangeError(`${what}: these weights were packed by other kernels; pack them with these`);
+    if (w.generation !== this.#generation) throw new RangeError(`${what}: these weights were packed before reset(), which freed them; pack them again`);
     return names.map((n) => w.planes[n]); // the kernels take the planes in the manifest's order
   }
 
@@ -359,10 +368,10 @@ export class Driver {
 
   /** cos and sin tables, Float32Array(npos * dim / 2) each, of angles (pos0 + p) * theta^(-2i / dim). */
   ropeTable(npos, dim, theta = 10000, pos0 = 0) {
-    if (!Number.isInteger(dim) || dim <= 0 || dim % 2 || !Number.isInteger(npos) || npos < 0
-        || !Number.isInteger(pos0) || pos0 < 0 || !(theta > 0)) {
-      throw new RangeError(`ropeTable: need even dim > 0, npos >= 0, pos0 >= 0, theta > 0; got dim=${dim}, `
-        + `npos=${npos}, pos0=${pos0}, theta=${theta}`);
+    if (!Number.isInteger(dim) || dim <= 0 || dim % 2 || dim > I32_MAX || !Number.isInteger(npos) || npos < 0
+        || !Number.isInteger(pos0) || pos0 < 0 || npos + pos0 > I32_MAX || typeof theta !== 'number' || !(theta > 0 && theta < Infinity)) {
+      throw new RangeError(`ropeTable: need integers dim (even, > 0), npos >= 0 and pos0 >= 0 with npos + pos0 <= ${I32_MAX}, `
+        + `and a number theta > 0; got dim=${dim}, npos=${npos}, pos0=${pos0}, theta=${theta}`);
     }
     return this.#scoped(() => {
       const n = npos * (dim / 2);

@@ -11,13 +11,14 @@
 // buffer the driver reads synchronously: it cannot take messages while par_for blocks), counts
 // itself out with `pool_done` and re-enters its loop; the driver raises JobError once the job is over.
 
+import { I32_MAX, MAX_THREADS } from './manifest.mjs';
 import { startWorker } from './platform.mjs';
 
 const START_TIMEOUT_MS = 10_000; // as kernelgen/host/pool.py
 const STOP_TIMEOUT_MS = 10_000;
 const POLL_MS = 1;
 const ERROR_SLOT_BYTES = 1024; // one helper's trap message, UTF-8, cut to fit
-export const MAX_THREADS = 256; // POOL_GEN's low 8 bits count the helpers of a job (kernels.dsl)
+const MAX_ITEMS = 2 ** 30; // items per job: with the chunk bound in run, the claims stay within an i32
 
 export class JobError extends Error {
   /** A job trapped on the driver and/or in helpers; the pool is still usable. */
@@ -173,7 +174,10 @@ export class Pool {
     this.#store('POOL_WANT', threads - 1);
   }
 
-  /** Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim. */
+  /** Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim.
+   * count is 0 .. 2^30; chunk is 1 .. 2^31 - 1, used as given up to the bound that keeps POOL_NEXT
+   * (advanced by a chunk by every thread once past the end) within an i32: a larger chunk changes
+   * only how the items are split, never a result. */
   run(job, count, chunk, args) {
     const jobs = this.manifest.jobs;
     const spec = jobs[job];
@@ -182,9 +186,15 @@ export class Pool {
     if (args.length !== spec.args.length) {
       throw new TypeError(`${job} takes ${spec.args.length} arguments (${spec.args.map((a) => a.name).join(', ')}), got ${args.length}`);
     }
-    if (!Number.isInteger(count) || count < 0 || !Number.isInteger(chunk) || chunk < 1) {
-      throw new RangeError(`${job}: need count >= 0 and chunk >= 1, got count=${count}, chunk=${chunk}`);
+    if (!Number.isInteger(count) || count < 0 || count > MAX_ITEMS || !Number.isInteger(chunk) || chunk < 1 || chunk > I32_MAX) {
+      throw new RangeError(`${job}: need integers count in 0..${MAX_ITEMS} and chunk in 1..${I32_MAX}, got count=${count}, chunk=${chunk}`);
     }
+    chunk = Math.min(chunk, Math.max(1, Math.floor((I32_MAX - count) / (this.size + 1))));
+    spec.args.forEach((a, slot) => {
+      const v = args[slot];
+      const ok = a.type === 'f32' ? typeof v === 'number' : Number.isInteger(v) && v >= -(2 ** 31) && v < 2 ** 32;
+      if (!ok) throw new TypeError(`${job} ${a.name}: expected ${a.type === 'f32' ? 'a number' : 'a 32-bit integer'}, got ${v}`);
+    });
     const { JOB_ARGS } = this.manifest.memory.fixed;
     const nwords = this.manifest.memory.job_arg_words;
     const ints = new Int32Array(this.#memory.buffer, JOB_ARGS, nwords);

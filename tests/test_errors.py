@@ -361,9 +361,15 @@ def test_bitwise_not_of_a_float_literal() -> None:
         compile_source(K("f32.store(x, ~1.5);"))
 
 
-def test_int_cast_of_an_infinite_literal() -> None:
+def test_int_cast_of_an_infinite_constant() -> None:
     with pytest.raises(DslError, match="cannot convert inf to i32"):
+        compile_source(K("i32.store(x, i32(1e300 * 1e300));"))
+
+
+def test_float_literal_beyond_f64_is_an_error() -> None:
+    with pytest.raises(DslError, match="1e999 is out of range") as e:
         compile_source(K("i32.store(x, i32(1e999));"))
+    assert e.value.span is not None and e.value.span.line == 2
 
 
 def test_recursive_inline_kernel() -> None:

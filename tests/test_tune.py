@@ -173,7 +173,7 @@ def test_restriction_on_a_kernel_without_tunes_is_rejected() -> None:
 
 
 def _line(r: Record, **changes) -> str:
-    data = {"format": S.FORMAT, **r.__dict__, **changes}
+    data = {**r.stored(), **changes}
     return json.dumps(data)
 
 

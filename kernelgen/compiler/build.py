@@ -1,23 +1,37 @@
 """The build: kernels.dsl -> for each target, kernels.wat, kernels.wasm and kernels.json in out/.
 
-Everything is compiled in memory first; files are written only when every target succeeded, each
-through a temporary file and an atomic rename, and only when its content changed. A failed build
-therefore leaves the previous out/ as it was, and two builds give identical bytes.
+Everything is compiled in memory first; files are written only when every target succeeded. The
+whole out/ switches at once: the new tree is made in a sibling directory (unchanged files copied
+with their bytes and times) and exchanged with out/ in one rename, so a reader, a `kill -9` or a
+failure never sees one target's wasm beside another build's manifest. A lock on out/'s parent
+directory makes a second concurrent build wait (a bounded time) for the first. Two builds give
+identical bytes; a build that changes nothing writes nothing.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
-import tempfile
+import shutil
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not locked against each other
+    fcntl = None  # type: ignore[assignment]
 
 from .. import __version__
+from ..errors import KernelgenError
 from . import layout
 from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune
-from ..tuning.store import Record, best_tune, host, load_store
+from ..tuning.store import Record, best_tune, host, load_store, usable
 from .emit import render_module
 from ..host.api import Kernels
 from .lower import lower
@@ -78,6 +92,7 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                           "tuned": tune_info["pool"].get(j.kernel), "line": j.line}
                  for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
+        "wasm_sha256": hashlib.sha256(wasm).hexdigest(),  # the hosts refuse a wasm from another build
     }
     return Built(target, wat, wasm, manifest)
 
@@ -115,6 +130,8 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
     """Parse, check and compile `source` for `targets`; raises DslError on any user mistake.
     `records` (a tuning store) supplies tune values for kernels `tune` does not set."""
     checked = check(parse(source, filename))
+    if records:
+        records = usable(records, checked)
     built = []
     for t in targets:
         values, info = choose_tune(checked, t, tune, records, tune_host)
@@ -134,24 +151,103 @@ def from_built(built: Built, deterministic: bool = False) -> Kernels:
     return Kernels(built.wasm, built.manifest, deterministic)
 
 
-def write_outputs(built: list[Built], out_dir: Path) -> list[Path]:
-    """Write each target's files under out_dir/<target>/; returns the files that changed."""
-    changed = []
-    for b in built:
-        files = {"kernels.wat": b.wat.encode(), "kernels.wasm": b.wasm,
-                 "kernels.json": (json.dumps(b.manifest, indent=2, sort_keys=False) + "\n").encode()}
-        for name, data in files.items():
-            path = out_dir / b.target / name
-            if path.is_file() and path.read_bytes() == data:
-                continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-            changed.append(path)
-    return changed
+LOCK_TIMEOUT = 120.0  # seconds a build waits for another one writing the same out/
+
+
+def write_outputs(built: list[Built], out_dir: Path, lock_timeout: float = LOCK_TIMEOUT) -> list[Path]:
+    """Write each target's files under out_dir/<target>/, all at once; returns the files that changed.
+
+    out_dir must be new, empty, or hold only target directories: it is replaced as a whole.
+    """
+    files = {Path(b.target) / name: data for b in built for name, data in (
+        ("kernels.wat", b.wat.encode()), ("kernels.wasm", b.wasm),
+        ("kernels.json", (json.dumps(b.manifest, indent=2, sort_keys=False) + "\n").encode()))}
+    out_dir = Path(out_dir)
+    try:
+        parent = out_dir.absolute().parent
+        blocking = next((a for a in (parent, *parent.parents) if a.exists()), parent)
+        if not blocking.is_dir():
+            raise KernelgenError(f"{out_dir}: {blocking} is not a directory")
+        parent.mkdir(parents=True, exist_ok=True)
+        with _locked(parent, out_dir, lock_timeout):
+            return _replace_tree(files, out_dir)
+    except OSError as e:
+        raise KernelgenError(f"{out_dir}: cannot write the build there ({e.strerror or e})") from None
+
+
+def _replace_tree(files: dict[Path, bytes], out_dir: Path) -> list[Path]:
+    parent, name = out_dir.absolute().parent, out_dir.name
+    for stale in [*parent.glob(f".{name}.new-*"), *parent.glob(f".{name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a build that was killed (we hold the lock)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KernelgenError(f"{out_dir}: not a directory")
+    present = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    foreign = [n for n in present if n not in TARGET_NAMES and not n.startswith(".")]
+    if foreign or any(not (out_dir / n).is_dir() for n in present if n in TARGET_NAMES):
+        raise KernelgenError(f"{out_dir}: holds files that are not kernelgen's ({', '.join(foreign[:5]) or 'target files'}); "
+                             "the build replaces the whole directory: choose a new or empty one")
+    changed = [p for p, data in files.items() if not ((out_dir / p).is_file() and (out_dir / p).read_bytes() == data)]
+    if not changed:
+        return []
+    new = parent / f".{name}.new-{os.getpid()}"
+    try:
+        if out_dir.is_dir():
+            shutil.copytree(out_dir, new, ignore=shutil.ignore_patterns(".*"))  # copy2: bytes and times kept
+        else:
+            new.mkdir()
+        for p in changed:
+            (new / p).parent.mkdir(parents=True, exist_ok=True)
+            (new / p).write_bytes(files[p])
+            os.chmod(new / p, 0o644)
+        if not out_dir.is_dir():
+            os.rename(new, out_dir)
+        elif _exchange(new, out_dir):
+            shutil.rmtree(new)  # now the previous tree
+        else:  # no atomic exchange here: two renames, the old tree kept until the new one is in place
+            old = parent / f".{name}.old-{os.getpid()}"
+            os.rename(out_dir, old)
+            os.rename(new, out_dir)
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+    return [out_dir / p for p in changed]
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@contextmanager
+def _locked(parent: Path, out_dir: Path, timeout: float) -> Iterator[None]:
+    """Hold an exclusive lock on `parent` (the directory whose entry out_dir is) while writing."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise KernelgenError(f"{out_dir}: another kernelgen build is writing it (waited {timeout:.0f} s); "
+                                         "run this one when it has finished") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def build(dsl: Path, out_dir: Path, targets: tuple[str, ...] = TARGET_NAMES,

@@ -8,6 +8,7 @@ WAT. Types are computed here as the code is built; the rules for ops live in ops
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,11 @@ class Export:
     items: str = ""  # for a job: what its items are, from "items are ..." in its doc comment
 
 
+F32_MAX = float.fromhex("0x1.fffffep+127")  # the largest finite f32
+MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
+MAX_INSTANCES = 4096  # distinct instances of internal kernels in one module
+
+
 class _Return(Exception):
     """Raised past a non-inline `return` to skip dead code after it in the same block."""
 
@@ -97,7 +103,10 @@ class Lowerer:
         self._inlining: list[str] = []  # inline kernels being expanded, outermost first
         self._inline_locals: list[set[str]] = []  # locals each expansion declared
         self._instances: dict[tuple, str] = {}
-        self._pending: list[tuple[KernelInfo, dict[str, Binding], str]] = []
+        # Internal kernels still to lower, each with its instantiation chain (the instances that
+        # led to it): `g[N]` calling `g[N + 1]` would otherwise instantiate for ever.
+        self._pending: list[tuple[KernelInfo, dict[str, Binding], str, tuple[str, ...]]] = []
+        self._chain: tuple[str, ...] = ()
         self._span: A.Span | None = None
         self._frame = _Frame()
         self._scopes: list[dict[str, Binding]] = []
@@ -122,7 +131,7 @@ class Lowerer:
                 self.exports.append(self._export(k, quant, tune, name))
                 self._lower_func(k, {**generics, **{n: Val(None, "i32", v) for n, v in tune.items()}}, name, True)
         while self._pending:
-            k, generics, name = self._pending.pop(0)
+            k, generics, name, self._chain = self._pending.pop(0)
             self._lower_func(k, generics, name, False)
         return self.funcs
 
@@ -138,7 +147,7 @@ class Lowerer:
             if p.packed:
                 assert quant is not None
                 for plane, (dtype, per_block) in quant.planes.items():
-                    params.append({"name": f"{p.name}_{plane}", "type": "i32",
+                    params.append({"name": f"{p.name}_{plane}", "type": "i32", "dsl_type": "ptr",
                                    "meaning": f"{meaning} [{quant.name} plane {plane!r}: {per_block} bytes per block]".strip()})
             else:
                 params.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"),
@@ -216,6 +225,8 @@ class Lowerer:
             bits = 32 if t == "i32" else 64
             if T.is_int(t) and not -(1 << (bits - 1)) <= v.const < (1 << bits):
                 raise self.error(f"{v.const} does not fit in {t}")
+            if t == "f32" and math.isfinite(v.const) and abs(v.const) > F32_MAX:
+                raise self.error(f"{v.const} does not fit in f32 (at most {F32_MAX:.9g})")
             return I(f"{t}.const", number(float(v.const) if T.is_float(t) else v.const))
         if type_ and v.type != type_:
             raise self.error(f"expected {type_}, got {v.type}")
@@ -692,8 +703,15 @@ class Lowerer:
             name = variant_name(k.name, quant.name if isinstance(quant, QuantFormat) else None, self.tune.get(k.name, {}))
         elif name is None:
             name = "__".join([k.name, *key[1]]) if key[1] else k.name
+            chain = (*self._chain, name)
+            if len(chain) > MAX_INSTANTIATION_DEPTH:
+                shown = " -> ".join(chain[:2] + ("...",) + chain[-2:])
+                raise self.error(f"instantiating {name}: {len(chain)} nested instantiations ({shown}), at most "
+                                 f"{MAX_INSTANTIATION_DEPTH}; do its compile-time arguments grow without end?")
+            if len(self._instances) >= MAX_INSTANCES:
+                raise self.error(f"instantiating {name}: more than {MAX_INSTANCES} instances of internal kernels")
             self._instances[key] = name
-            self._pending.append((k, generics, name))
+            self._pending.append((k, generics, name, chain))
         flat: list[Instr] = []
         for p, a in zip(k.ast.params, args):
             if isinstance(a, Packed):

@@ -44,6 +44,25 @@ def _end_of_previous(source: str, pos: int) -> tuple[int, int] | None:
             return i + 1, len(code) + 1
     return None
 
+# Explicit limits, reported as located errors: beyond them the recursive passes (this module's
+# transformer, check, lower) would run out of Python stack, or int() out of digits.
+MAX_NESTING = 200  # parse-tree levels: an operator, a call or an `if` adds one or two (`1 + 1 + ...` one per `+`)
+MAX_LITERAL_CHARS = 400  # characters in one number literal
+MAX_INT_LITERAL = 2**64 - 1  # the widest integer type, i64, read as unsigned
+
+
+def _check_nesting(tree: lark.Tree, filename: str, source: str) -> None:
+    """Walk the parse tree without recursion; a DslError at the first node nested too deep."""
+    todo = [(tree, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_NESTING:
+            meta = node.meta
+            span = A.Span(filename, meta.line, meta.column) if not meta.empty else A.Span(filename, 1, 1)
+            raise DslError(span, f"nested more than {MAX_NESTING} levels deep (expressions, calls, blocks); "
+                                 "split it with let bindings or kernels", source)
+        todo.extend((c, depth + 1) for c in node.children if isinstance(c, lark.Tree))
+
 
 def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
     """Parse DSL source; raise DslError (with the source attached) on any syntax error."""
@@ -68,6 +87,7 @@ def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
         lines = source.splitlines() or [""]
         span = A.Span(filename, len(lines), len(lines[-1]) + 1)
         raise DslError(span, f"unexpected end of file, expected {_describe(set(e.expected))}", source) from None
+    _check_nesting(tree, filename, source)
     try:
         return _Build(filename, source).transform(tree)
     except lark.exceptions.VisitError as e:
@@ -76,9 +96,26 @@ def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
         raise
 
 
-def _int(tok: Token) -> int:
+def _int(tok: Token, filename: str) -> int:
     text = str(tok)
-    return int(text, 16) if text[:2] in ("0x", "0X") else int(text, 10)  # 08 is eight, as written
+    span = A.Span(filename, tok.line or 1, tok.column or 1)
+    if len(text) > MAX_LITERAL_CHARS:
+        raise DslError(span, f"a number literal of {len(text)} characters; at most {MAX_LITERAL_CHARS}")
+    value = int(text, 16) if text[:2] in ("0x", "0X") else int(text, 10)  # 08 is eight, as written
+    if value > MAX_INT_LITERAL:
+        raise DslError(span, f"integer literal {text} is out of range: no integer type holds it (at most {MAX_INT_LITERAL})")
+    return value
+
+
+def _float(tok: Token, filename: str) -> float:
+    text = str(tok)
+    span = A.Span(filename, tok.line or 1, tok.column or 1)
+    if len(text) > MAX_LITERAL_CHARS:
+        raise DslError(span, f"a number literal of {len(text)} characters; at most {MAX_LITERAL_CHARS}")
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise DslError(span, f"float literal {text} is out of range: it overflows even f64")
+    return value
 
 
 @v_args(meta=True, inline=True)
@@ -97,10 +134,10 @@ class _Build(Transformer):
 
     # ---- expressions
     def int_lit(self, meta, tok):
-        return A.IntLit(self._span(meta), _int(tok))
+        return A.IntLit(self._span(meta), _int(tok, self.filename))
 
     def float_lit(self, meta, tok):
-        return A.FloatLit(self._span(meta), float(tok))
+        return A.FloatLit(self._span(meta), _float(tok, self.filename))
 
     def name(self, meta, tok):
         return A.Name(self._span(meta), str(tok))
@@ -164,10 +201,10 @@ class _Build(Transformer):
         return A.Const(self._span(meta), str(name), str(type_), value)
 
     def block_decl(self, meta, size):
-        return ("block", _int(size), self._span(meta))
+        return ("block", _int(size, self.filename), self._span(meta))
 
     def array_len(self, meta, n):
-        return _int(n)
+        return _int(n, self.filename)
 
     def field_decl(self, meta, name, type_, count):
         return ("field", A.Field(self._span(meta), str(name), str(type_), count), self._span(meta))
@@ -209,7 +246,7 @@ class _Build(Transformer):
         return str(type_)
 
     def tune_decl(self, meta, name, type_, *values):
-        *domain, default = (_int(v) for v in values)
+        *domain, default = (_int(v, self.filename) for v in values)
         return A.Tune(self._span(meta), str(name), str(type_), tuple(domain), default)
 
     def restrict_decl(self, meta, expr):

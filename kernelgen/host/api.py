@@ -6,20 +6,25 @@
     a = k.quantize_act(x)                                # f32[k] -> quantized activations
     y = k.qmatvec(w, a)                                  # f32[rows]
 
-Every method checks shapes and dtypes before touching memory and raises ValueError/TypeError
-saying what it expected. Inputs are copied into the module's shared memory; per-call buffers are
-freed when the call returns, packed weights stay until `reset()`.
+Every method checks shapes, dtypes and integer arguments (ints or numpy integers, in range) before
+touching memory and raises ValueError/TypeError saying what it expected. Inputs are copied into the
+module's shared memory; per-call buffers are freed when the call returns, packed weights stay until
+`reset()`. A Kernels may be used from several Python threads: each call holds the module's lock, so
+calls take turns (threads that want parallel work share a `pool` instead).
 """
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import module as host
+from .manifest import check_manifest
+from .module import I32_MAX, as_int, as_real
 from ..errors import KernelgenError
 from ..names import parse_variant
 from ..quantformat import QuantFormat
@@ -34,6 +39,10 @@ class Packed:
     rows: int
     k: int
     planes: dict[str, int]  # plane name -> address
+    # The Kernels whose memory holds the planes and its reset() count when they were packed: a
+    # handle from another Kernels or from before a reset() would name memory that is not its own.
+    owner: Any = field(default=None, repr=False, compare=False)
+    generation: int = 0
 
     @property
     def args(self) -> list[int]:
@@ -63,11 +72,23 @@ def _f32(name: str, x: Any, ndim: int) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def _locked(method: Any) -> Any:
+    """Hold the module's lock for the whole call: its buffers, the default Store and the pool words
+    are shared by every thread using this Kernels."""
+    @functools.wraps(method)
+    def locked(self: Kernels, *args: Any, **kwargs: Any) -> Any:
+        with self.module.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class Kernels:
     """One built target under wasmtime. `deterministic` sets wasmtime's relaxed_simd_deterministic
-    (off by default: the native lowering, which gives the library's kernels the same bits)."""
+    (off by default: the native lowering, which gives the library's kernels the same bits); `where`
+    names the manifest in errors."""
 
-    def __init__(self, wasm: bytes, manifest: dict, deterministic: bool = False) -> None:
+    def __init__(self, wasm: bytes, manifest: dict, deterministic: bool = False, where: str = "kernels.json") -> None:
+        check_manifest(manifest, bytes(wasm), where)
         self.manifest = manifest
         self.target: str = manifest["target"]
         self.module = host.Module(wasm, manifest, deterministic)
@@ -112,17 +133,28 @@ class Kernels:
         if pool.kernels is not self:
             raise ValueError("this pool belongs to another module")
         name = self.job_name(job, quant)
-        tuned = self.manifest["jobs"][name].get("tuned") or {}
-        chunk = chunk or tuned.get("chunk") or max(1, -(-count // (pool.size * 4)))
+        if chunk is None:
+            chunk = (self.manifest["jobs"][name].get("tuned") or {}).get("chunk") or max(1, -(-count // (pool.size * 4)))
         pool.run(name, count, chunk, job_args)
 
     def tune_of(self, kernel: str, quant: str | None = None) -> dict[str, int]:
         return parse_variant(self.export_name(kernel, quant)).tune
 
+    @_locked
     def call(self, name: str, *args: int | float) -> Any:
-        """Run an exported function with raw arguments (addresses and scalars)."""
+        """Run an exported function with raw arguments (addresses and scalars). An address (a
+        parameter of DSL type ptr) must lie in the heap, at or above heap_base: below it are the pool's
+        words, which a stray write would corrupt."""
+        spec = self.manifest["exports"].get(name)
+        if spec is not None and len(args) == len(spec["params"]):
+            size = self.module.memory.data_len()
+            for a, p in zip(args, spec["params"]):
+                if p["dsl_type"] == "ptr" and not self.module.heap_base <= as_int(f"{name} {p['name']}", a, 0, I32_MAX) <= size:
+                    raise ValueError(f"{name} {p['name']}: address {a} is outside the heap "
+                                     f"({self.module.heap_base}..{size}); pass addresses from module.alloc/put")
         return self.module.call(name, *args)
 
+    @_locked
     def reset(self) -> None:
         """Free all memory the module holds for this host, packed weights included."""
         self.module.reset()
@@ -133,6 +165,7 @@ class Kernels:
         return self.quants[name]
 
     # ---- weights and activations
+    @_locked
     def pack(self, quant: str, blocks: np.ndarray) -> Packed:
         """Pack stored blocks of shape (rows, n_blocks * stored_bytes) uint8, or the quant's structured
         dtype (rows, n_blocks), into the module's memory."""
@@ -143,8 +176,9 @@ class Kernels:
         b = q.as_blocks(blocks)
         planes = q.pack(b)
         addrs = {name: self.module.put(arr) for name, arr in planes.items()}
-        return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs)
+        return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs, self, self.module.generation)
 
+    @_locked
     def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
         """f32[n] (n a multiple of 32) -> activations in this target's form (see ACT_ZERO/ACT_MAX)."""
         x = _f32("quantize_act x", x, 1)
@@ -177,8 +211,14 @@ class Kernels:
     def _check_packed(self, w: Any, what: str) -> Packed:
         if not isinstance(w, Packed):
             raise TypeError(f"{what}: weights must come from pack(), got {type(w).__name__}")
+        if w.owner is not self:
+            raise ValueError(f"{what}: these weights were packed by another Kernels"
+                             f"{f' (target {w.owner.target})' if isinstance(w.owner, Kernels) else ''}; pack them with this one")
+        if w.generation != self.module.generation:
+            raise ValueError(f"{what}: these weights were packed before reset(), which freed them; pack them again")
         return w
 
+    @_locked
     def qdot(self, w: Packed, act: Act) -> float:
         """Dot of a one-row packed matrix with quantized activations."""
         w = self._check_packed(w, "qdot")
@@ -190,6 +230,7 @@ class Kernels:
         finally:
             self.module.release(m)
 
+    @_locked
     def qmatvec(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """y = W a, f32[rows]; on `pool`'s threads if given, `chunk` rows per claim."""
         w = self._check_packed(w, "qmatvec")
@@ -203,6 +244,7 @@ class Kernels:
         finally:
             self.module.release(m)
 
+    @_locked
     def dot_f32(self, x: np.ndarray, y: np.ndarray) -> float:
         x, y = _f32("dot_f32 x", x, 1), _f32("dot_f32 y", y, 1)
         if x.shape != y.shape:
@@ -213,6 +255,7 @@ class Kernels:
         finally:
             self.module.release(m)
 
+    @_locked
     def matvec_f32(self, w: np.ndarray, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         w, x = _f32("matvec_f32 w", w, 2), _f32("matvec_f32 x", x, 1)
         if w.shape[1] != x.size:
@@ -229,6 +272,7 @@ class Kernels:
 
 
     # ---- elementwise, softmax, RoPE
+    @_locked
     def _map(self, kernel: str, dtype: type, *arrays: np.ndarray, job: str | None = None,
              pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """Run an elementwise kernel `kernel(in..., out, n)` over 1-D arrays of one length (on `pool`
@@ -277,13 +321,14 @@ class Kernels:
     def log_f64(self, x: np.ndarray) -> np.ndarray:
         return self._f64_map("log_f64", x)
 
+    @_locked
     def softmax_f32(self, x: np.ndarray, t: int | None = None, pool: Pool | None = None,
                     chunk: int | None = None) -> np.ndarray:
         """Softmax over the first `t` columns of each row of x[rows, stride] (stride a multiple of 4,
         the padding after column t kept as it is); returns the whole array as the kernel left it."""
         x = _f32("softmax_f32 x", x, 2)
         rows, stride = x.shape
-        t = stride if t is None else t
+        t = stride if t is None else as_int("softmax_f32 t", t, 1, I32_MAX)
         if stride % 4 or not 1 <= t <= stride:
             raise ValueError(f"softmax_f32: need 1 <= t <= stride and stride a multiple of 4, got t={t}, "
                              f"shape {x.shape} (pad rows with kernelgen.padded_rows)")
@@ -295,9 +340,12 @@ class Kernels:
         finally:
             self.module.release(m)
 
+    @_locked
     def rope_table(self, npos: int, dim: int, theta: float = 10000.0, pos0: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables, f32[npos, dim / 2], of angles (pos0 + p) * theta^(-2i / dim)."""
-        if dim <= 0 or dim % 2 or npos < 0 or pos0 < 0 or not theta > 0:
+        npos, dim = as_int("rope_table npos", npos, 0, I32_MAX), as_int("rope_table dim", dim, 1, I32_MAX)
+        pos0, theta = as_int("rope_table pos0", pos0, 0, I32_MAX - npos), as_real("rope_table theta", theta)
+        if dim <= 0 or dim % 2 or npos < 0 or pos0 < 0 or not 0 < theta < float("inf"):
             raise ValueError(f"rope_table: need even dim > 0, npos >= 0, pos0 >= 0, theta > 0; got "
                              f"dim={dim}, npos={npos}, pos0={pos0}, theta={theta}")
         m = self.module.mark()
@@ -310,6 +358,7 @@ class Kernels:
         finally:
             self.module.release(m)
 
+    @_locked
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False,
              pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """Rotate x[heads, dim] by one position's table rows (cos, sin: f32[dim / 2]); `interleaved`
@@ -351,4 +400,4 @@ def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministi
         raise KernelgenError(f"{d}: no build for target {target!r} ({e.filename} is missing); run kernelgen build") from None
     except json.JSONDecodeError as e:
         raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
-    return Kernels(wasm, manifest, deterministic)
+    return Kernels(wasm, manifest, deterministic, str(d / "kernels.json"))

@@ -7,7 +7,9 @@ copying, and calls the exported kernels. Because the memory is shared, further
 Store+Instance pairs on the same memory (``Module.instantiate_another``) let several Python
 threads run kernels over the same data at once: wasmtime-py calls into the runtime through
 ``ctypes.CDLL``, which releases the GIL for the duration of a wasm call, so the threads run
-in parallel. A Store is not thread-safe: give each thread its own.
+in parallel. A Store is not thread-safe: give each thread its own. The default Store and the
+allocator are shared by every Python thread that uses this Module, so `call` and the allocator hold
+`lock` (re-entrant: the API holds it for a whole call sequence, see kernelgen/host/api.py).
 """
 
 from __future__ import annotations
@@ -15,16 +17,40 @@ from __future__ import annotations
 import ctypes
 import difflib
 import functools
+import numbers
 import os
+import threading
 from typing import Any
 
 import numpy as np
 import wasmtime
 from wasmtime import _ffi as ffi
 
-__all__ = ["PAGE_SIZE", "Module", "engine"]
+__all__ = ["I32_MAX", "PAGE_SIZE", "Module", "as_int", "engine"]
 
 PAGE_SIZE = 65536  # bytes in a wasm page
+I32_MAX = 2**31 - 1
+# What each wasm value type accepts from Python: i32/i64 in their signed or unsigned range (wasm
+# integers have no sign; the bits are the same), floats any real number.
+_INT_RANGE = {"i32": (-2**31, 2**32 - 1), "i64": (-2**63, 2**64 - 1)}
+
+
+def as_int(what: str, value: Any, lo: int, hi: int) -> int:
+    """`value` as a Python int in [lo, hi]: an int or numpy integer, never a bool or a float (which
+    wasmtime would truncate or wrap silently); TypeError or ValueError naming `what` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{what}: expected an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{what}: {value} is outside {lo}..{hi}")
+    return value
+
+
+def as_real(what: str, value: Any) -> float:
+    """`value` as a Python float: an int, float or numpy number, never a bool; TypeError otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.integer, np.floating)):
+        raise TypeError(f"{what}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 @functools.cache
@@ -97,7 +123,11 @@ class Module:
         self.store, self.instance = self.instantiate_another()
         self._funcs = {name: ext for name, ext in self.instance.exports(self.store).items()
                        if isinstance(ext, wasmtime.Func)}
+        self._params = {name: [str(p) for p in f.type(self.store).params] for name, f in self._funcs.items()}
         self._top = self.heap_base
+        self.lock = threading.RLock()
+        # Counts reset()s: what was allocated before one (e.g. a Packed) carries the old value.
+        self.generation = 0
 
     def _check_imports(self) -> None:
         """Fail early, with a readable message, on a module that wants more than our memory."""
@@ -125,10 +155,14 @@ class Module:
         A bump allocator: kernels run on buffers set up once per call batch, freed together
         by ``reset``. The contents are not zeroed.
         """
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if align <= 0 or align & (align - 1):
+        nbytes = as_int("alloc nbytes", nbytes, 0, self.max_pages * PAGE_SIZE)
+        align = as_int("alloc align", align, 1, PAGE_SIZE)
+        if align & (align - 1):
             raise ValueError(f"align must be a power of two, got {align}")
+        with self.lock:
+            return self._alloc(nbytes, align)
+
+    def _alloc(self, nbytes: int, align: int) -> int:
         addr = -(-self._top // align) * align
         end = addr + nbytes
         size = self.memory.data_len()
@@ -147,24 +181,26 @@ class Module:
 
     def reset(self) -> None:
         """Free every allocation at once (the memory keeps its size)."""
-        self._top = self.heap_base
+        with self.lock:
+            self._top = self.heap_base
+            self.generation += 1
 
     def mark(self) -> int:
         """The allocator's position, for `release`: free a call's temporaries, keep what came before."""
         return self._top
 
     def release(self, mark: int) -> None:
-        if not self.heap_base <= mark <= self._top:
-            raise ValueError(f"release({mark}): not a mark of this allocator (top is {self._top})")
-        self._top = mark
+        with self.lock:
+            if not isinstance(mark, int) or not self.heap_base <= mark <= self._top:
+                raise ValueError(f"release({mark}): not a mark of this allocator (top is {self._top})")
+            self._top = mark
 
     def put(self, array: np.ndarray, align: int = 64, pad: int = 0) -> int:
         """Copy `array` (as C-contiguous bytes) into fresh memory followed by `pad` zero bytes.
 
         The padding lets SIMD kernels read whole vectors past the end of the data.
         """
-        if pad < 0:
-            raise ValueError(f"pad must be >= 0, got {pad}")
+        pad = as_int("put pad", pad, 0, self.max_pages * PAGE_SIZE)
         data = np.ascontiguousarray(array)
         addr = self.alloc(data.nbytes + pad, align)
         dst = self.view(addr, np.uint8, data.nbytes + pad)
@@ -178,6 +214,8 @@ class Module:
         Stays valid after the memory grows: a shared memory never moves. The view keeps the
         memory alive. Writes by wasm (any instance) are visible through it immediately.
         """
+        addr = as_int("view addr", addr, -2**63, 2**63)  # the range is checked below, against the memory
+        count = as_int("view count", count, -2**63, 2**63)
         dt = np.dtype(dtype)
         nbytes = count * dt.itemsize
         size = self.memory.data_len()
@@ -202,7 +240,9 @@ class Module:
     def call(self, name: str, *args: int | float) -> Any:
         """Call exported function `name` on the default instance; a trap raises wasmtime.Trap.
 
-        Returns None, one value, or a list for multi-value results.
+        Each argument is checked against the function's wasm parameter type (integers in range for
+        i32/i64, numbers for f32/f64: wasmtime itself wraps 2**40 to 0). Returns None, one value,
+        or a list for multi-value results.
         """
         try:
             func = self._funcs[name]
@@ -210,4 +250,13 @@ class Module:
             close = difflib.get_close_matches(name, self._funcs, n=5, cutoff=0.5)
             hint = f"; close: {close}" if close else f"; exports: {sorted(self._funcs)}"
             raise KeyError(f"no exported function {name!r}{hint}") from None
-        return func(self.store, *args)
+        params = self._params[name]
+        if len(args) != len(params):
+            raise TypeError(f"{name} takes {len(params)} arguments ({', '.join(params)}), got {len(args)}")
+        values = [as_int(f"{name} argument {i}", a, *_INT_RANGE[t]) if t in _INT_RANGE else as_real(f"{name} argument {i}", a)
+                  for i, (a, t) in enumerate(zip(args, params))]
+        # wasmtime-py takes i32/i64 as signed values.
+        values = [v - (1 << bits) if t in _INT_RANGE and v >= 1 << (bits - 1) else v
+                  for v, t, bits in ((v, t, 32 if t == "i32" else 64) for v, t in zip(values, params))]
+        with self.lock:
+            return func(self.store, *values)

@@ -8,7 +8,12 @@ size and up to 16 argument words written to JOB_ARGS.
 
 A helper whose job traps counts itself out (`pool_done`) and re-enters its loop, so the driver
 never waits for it; the trap is raised in the caller of `run` once the job has finished. The pool
-stops its threads on `close()`, on leaving a `with` block, and at interpreter exit.
+stops its threads on `close()`, on leaving a `with` block, when it is dropped (a finalizer: the
+helper threads hold no reference to the Pool), and at interpreter exit.
+
+`run` holds the module's lock, so Python threads sharing one pool take turns. Its item counts and
+chunk sizes are checked and bounded so that POOL_NEXT, which every thread advances by a chunk once
+past the end, can never overflow an i32 (a wrapped claim would run items out of range or loop).
 """
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import wasmtime
+
+from .manifest import MAX_THREADS
+from .module import I32_MAX, as_int, as_real
 
 if TYPE_CHECKING:
     from .api import Kernels
@@ -38,8 +46,7 @@ class Pool:
     """`threads` threads in all: this one (the driver) and threads - 1 helpers."""
 
     def __init__(self, kernels: Kernels, threads: int = 2, start_timeout: float = 10.0) -> None:
-        if threads < 1 or threads > 256:
-            raise ValueError(f"threads must be 1..256, got {threads}")
+        threads = as_int("pool threads", threads, 1, MAX_THREADS)
         self.kernels = kernels
         self.module = kernels.module
         fixed = kernels.manifest["memory"]["fixed"]
@@ -55,7 +62,8 @@ class Pool:
         self._word["POOL_STOP"][0] = 0
         self._word["POOL_WANT"][0] = threads - 1
         for i in range(threads - 1):
-            t = threading.Thread(target=self._helper, args=(i,), name=f"kernelgen-pool-{i}", daemon=True)
+            t = threading.Thread(target=_helper, args=(self.module, i, self._errors, self._lock, self._word["POOL_GEN"]),
+                                 name=f"kernelgen-pool-{i}", daemon=True)
             t.start()
             self._threads.append(t)
         deadline = time.monotonic() + start_timeout
@@ -67,28 +75,9 @@ class Pool:
         self._finalizer = weakref.finalize(self, _stop, self.module, self._threads, self._word["POOL_READY"])
         atexit.register(self._finalizer)
 
-    def _helper(self, i: int) -> None:
-        store, instance = self.module.instantiate_another()
-        exports = instance.exports(store)
-        helper, done = exports["pool_helper"], exports["pool_done"]
-        rejoin, last = 0, 0
-        while True:
-            try:
-                helper(store, i, rejoin, last)
-                return  # POOL_STOP was set
-            except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
-                with self._lock:
-                    self._errors.append(e)
-                # The failed job's generation: no other job can be published before done() below,
-                # and the helper must take part in any published after it.
-                last = int(self._word["POOL_GEN"][0])
-                done(store)  # count this helper out of the job it failed
-                rejoin = 1
-
     def set_threads(self, threads: int) -> None:
         """Use `threads` threads (1 .. the pool's size) from the next job on."""
-        if not 1 <= threads <= self.size:
-            raise ValueError(f"set_threads({threads}): this pool has {self.size} threads")
+        threads = as_int(f"set_threads (this pool has {self.size} threads)", threads, 1, self.size)
         self._word["POOL_WANT"][0] = threads - 1
 
     def job_index(self, job: str) -> int:
@@ -98,20 +87,30 @@ class Pool:
         return jobs[job]["index"]
 
     def run(self, job: str, count: int, chunk: int, args: list[int | float]) -> None:
-        """Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim."""
-        if not self._threads and self.size > 1:
-            raise RuntimeError("pool is closed")
+        """Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim.
+
+        count is 0 .. 2**30; chunk is 1 .. 2**31 - 1, used as given up to the bound that keeps the
+        claims within an i32 (a larger chunk changes only how the items are split, never a result).
+        """
         spec = self.kernels.manifest["jobs"].get(job)
         if spec is None:
             raise KeyError(f"no job {job!r}; jobs: {', '.join(self.kernels.manifest['jobs'])}")
         if len(args) != len(spec["args"]):
             raise ValueError(f"{job} takes {len(spec['args'])} arguments "
                              f"({', '.join(a['name'] for a in spec['args'])}), got {len(args)}")
-        if count < 0 or chunk < 1:
-            raise ValueError(f"{job}: need count >= 0 and chunk >= 1, got count={count}, chunk={chunk}")
+        count = as_int(f"{job} count", count, 0, MAX_ITEMS)
+        chunk = min(as_int(f"{job} chunk", chunk, 1, I32_MAX), max(1, (I32_MAX - count) // (self.size + 1)))
+        values = [as_real(f"{job} {a['name']}", v) if a["type"] == "f32" else as_int(f"{job} {a['name']}", v, -2**31, 2**32 - 1)
+                  for v, a in zip(args, spec["args"])]
+        with self.module.lock:
+            self._run(job, spec, count, chunk, values)
+
+    def _run(self, job: str, spec: dict, count: int, chunk: int, args: list[int | float]) -> None:
+        if not self._threads and self.size > 1:
+            raise RuntimeError("pool is closed")
         words = self.module.view(self._args_addr, np.int32, self._arg_words)
         for slot, (value, a) in enumerate(zip(args, spec["args"])):
-            words[slot:slot + 1].view(np.float32 if a["type"] == "f32" else np.int32)[0] = value
+            words[slot:slot + 1].view(np.float32 if a["type"] == "f32" else np.uint32 if value > I32_MAX else np.int32)[0] = value
         with self._lock:
             self._errors.clear()
         driver_error: BaseException | None = None
@@ -121,7 +120,8 @@ class Pool:
             driver_error = e
             self.module.call("pool_wait")  # the helpers finish the job before anyone starts another
         with self._lock:
-            errors, self._errors = self._errors, []
+            errors = self._errors[:]
+            self._errors.clear()
         if driver_error is not None or errors:
             where = (["the driver thread"] if driver_error else []) + ([f"{len(errors)} helper thread(s)"] if errors else [])
             first = driver_error or errors[0]
@@ -136,6 +136,30 @@ class Pool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+MAX_ITEMS = 2**30  # items per job: with the chunk bound in run, the claims stay within an i32
+
+
+def _helper(module: Any, i: int, errors: list[BaseException], lock: threading.Lock, gen: np.ndarray) -> None:
+    """Helper thread `i`: its own instance, in pool_helper until POOL_STOP. It holds no reference
+    to its Pool, so a Pool dropped without close() is collected and its finalizer stops the threads."""
+    store, instance = module.instantiate_another()
+    exports = instance.exports(store)
+    helper, done = exports["pool_helper"], exports["pool_done"]
+    rejoin, last = 0, 0
+    while True:
+        try:
+            helper(store, i, rejoin, last)
+            return  # POOL_STOP was set
+        except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
+            with lock:
+                errors.append(e)
+            # The failed job's generation: no other job can be published before done() below,
+            # and the helper must take part in any published after it.
+            last = int(gen[0])
+            done(store)  # count this helper out of the job it failed
+            rejoin = 1
 
 
 def _stop(module: Any, threads: list[threading.Thread], ready: np.ndarray, timeout: float = 10.0) -> None:

@@ -3,7 +3,8 @@ hash of the DSL the kernel is built from, target, shape, host CPU and core count
 wabt versions), and the rule that picks a variant from it for `kernelgen build`.
 
 A line that is not a record of this format (corrupt, foreign, from a future format) is skipped with
-a warning naming its line, never a crash.
+a StoreWarning naming its file and line, never a crash; so is a record whose tune values the kernel
+it names could not take (`usable`), since a build would otherwise fail on it or copy it into a manifest.
 """
 from __future__ import annotations
 
@@ -20,10 +21,18 @@ from typing import Iterable
 
 from ..compiler import ast as A
 from ..compiler.assemble import wabt_version
-from ..compiler.check import Checked
+from ..compiler.check import Checked, resolve_tune
+from ..errors import DslError
 
 STORE = Path("tuning") / "store.jsonl"
 FORMAT = 1
+# A pool job's tuned values (threads taking part, items per claim) and their sane ranges: the pools
+# take at most 256 threads and an i32 chunk (kernelgen/host/pool.py).
+JOB_TUNE = {"threads": (1, 256), "chunk": (1, 2**31 - 1)}
+
+
+class StoreWarning(UserWarning):
+    """A store line that was skipped; the message is `file:line: why`."""
 
 
 # ---- keys ----------------------------------------------------------------------------------------
@@ -99,6 +108,11 @@ class Record:
     status: str  # "ok" or "failed: <why>"
     retimed: bool = False
     when: float = field(default_factory=time.time)
+    origin: str = field(default="", compare=False, repr=False)  # file:line it was read from; not stored
+
+    def stored(self) -> dict:
+        """The record as a store line holds it."""
+        return {"format": FORMAT, **{k: v for k, v in self.__dict__.items() if k != "origin"}}
 
     def key(self) -> tuple:
         return (self.kernel, self.quant, self.target, self.shape, self.dsl_hash, json.dumps(self.host, sort_keys=True))
@@ -109,7 +123,7 @@ def _check_record(data: object) -> Record:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not a kernelgen tuning record of this format")
     fields = {k: v for k, v in data.items() if k != "format"}
-    if set(fields) != set(Record.__dataclass_fields__):
+    if set(fields) != set(Record.__dataclass_fields__) - {"origin"}:
         raise ValueError("not a kernelgen tuning record of this format")
 
     def number(v: object) -> bool:
@@ -140,16 +154,52 @@ def load_store(path: Path) -> list[Record]:
         if not line.strip():
             continue
         try:
-            records.append(_check_record(json.loads(line)))
+            rec = _check_record(json.loads(line))
         except ValueError as e:  # json.JSONDecodeError is a ValueError
-            warnings.warn(f"{path}:{n}: skipped ({e})", stacklevel=2)
+            warnings.warn(f"{path}:{n}: skipped ({e})", StoreWarning, stacklevel=2)
+        except RecursionError:  # JSON nested deeper than the parser's stack
+            warnings.warn(f"{path}:{n}: skipped (nested too deeply to be a record)", StoreWarning, stacklevel=2)
+        else:
+            rec.origin = f"{path}:{n}"
+            records.append(rec)
     return records
+
+
+def usable(records: list[Record], checked: Checked) -> list[Record]:
+    """The records whose tune values their kernel could take in `checked`: an exported kernel's
+    declared parameters, each in its domain and meeting every restrict; a job's threads and chunk in
+    range. Each other record for a kernel as `checked` declares it (same kernel_hash: the records a
+    build would use) is skipped with a StoreWarning naming its line."""
+    out = []
+    hashes: dict[str, str] = {}
+    for r in records:
+        k = checked.kernels.get(r.kernel)
+        if k is not None and r.dsl_hash != hashes.setdefault(r.kernel, kernel_hash(checked, r.kernel)):
+            k = None  # another version of the kernel: best_tune ignores it anyway
+        problem = None
+        if k is not None and k.ast.mode == "job":
+            bad = [f"{p}={r.tune.get(p)}" for p, (lo, hi) in JOB_TUNE.items() if not lo <= r.tune.get(p, 0) <= hi]
+            if bad or set(r.tune) != set(JOB_TUNE):
+                problem = f"job tune values {r.tune}: need {', '.join(f'{p} in {lo}..{hi}' for p, (lo, hi) in JOB_TUNE.items())}"
+        elif k is not None and k.ast.exported:
+            if set(r.tune) != {t.name for t in k.ast.tunes}:
+                problem = f"tune values {r.tune}: {r.kernel} takes {', '.join(t.name for t in k.ast.tunes) or 'none'}"
+            else:
+                try:
+                    resolve_tune(checked, {r.kernel: r.tune}, where="tune record")
+                except DslError as e:
+                    problem = e.message
+        if problem is None:
+            out.append(r)
+        else:
+            warnings.warn(f"{r.origin or 'tuning store'}: skipped ({problem})", StoreWarning, stacklevel=2)
+    return out
 
 
 def append_record(path: Path, rec: Record) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps({"format": FORMAT, **rec.__dict__}, sort_keys=True) + "\n")
+        f.write(json.dumps(rec.stored(), sort_keys=True) + "\n")
 
 
 # A variant replaces the declared defaults only when it is this much faster (geometric mean over

@@ -8,6 +8,7 @@ by skipping what is recorded; the best few of each shape are timed again before 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -126,6 +127,9 @@ def _run_job(k: Kernels, job: str, quant: str | None, case: Case, tune: dict[str
     return timing.seconds, "ok"
 
 
+MAX_SHAPE_VALUES = 2**28  # a tuning case's f32 weights fill 1 GiB at this size
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in text.lower().split("x"))
@@ -133,6 +137,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise ValueError(f"shape {text!r}: write N or NxK, e.g. 4096x4096") from None
     if not dims or any(d <= 0 for d in dims):
         raise ValueError(f"shape {text!r}: dimensions must be positive")
+    if math.prod(dims) > MAX_SHAPE_VALUES:
+        raise ValueError(f"shape {text!r}: {math.prod(dims)} values; at most {MAX_SHAPE_VALUES} "
+                         "(the module's memory holds at most 2 GiB)")
     return dims
 
 

@@ -1,0 +1,71 @@
+"""What a host checks in a manifest before it runs the wasm beside it.
+
+A manifest and its wasm are one build's output; a wasm from another build (another target, other
+tune values, a half-replaced out/) would load and compute different numbers, so the manifest
+records the wasm's sha256 and the host refuses a mismatch. The memory layout is checked too: the
+pool's words must lie below heap_base, where no buffer the host allocates can overwrite them.
+runtime/manifest.mjs makes the same checks for the JavaScript runtime.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from ..errors import KernelgenError
+from .module import I32_MAX, PAGE_SIZE
+
+MAX_PAGES = 65536  # a 32-bit wasm memory: 4 GiB
+MAX_THREADS = 256  # POOL_GEN's low 8 bits count the helpers of a job (kernels.dsl)
+# The words the hosts' pools read and write (kernelgen/host/pool.py, runtime/pool.mjs).
+POOL_WORDS = ("POOL_GEN", "POOL_LEFT", "POOL_READY", "POOL_NEXT", "POOL_JOB", "POOL_COUNT", "POOL_CHUNK",
+              "POOL_WANT", "POOL_STOP", "JOB_ARGS")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> None:
+    """Raise KernelgenError naming `where` and what is wrong, unless `manifest` describes `wasm`."""
+    def fail(message: str) -> KernelgenError:
+        return KernelgenError(f"{where}: {message}; rebuild with `kernelgen build`")
+
+    if not isinstance(manifest, dict):
+        raise fail("not a kernelgen manifest (not a JSON object)")
+    missing = [k for k in ("target", "memory", "exports", "jobs", "quants", "constants", "wasm_sha256")
+               if k not in manifest]
+    if missing:
+        raise fail(f"not a kernelgen manifest of this version (no {', '.join(missing)})")
+    digest = hashlib.sha256(wasm).hexdigest()
+    if manifest["wasm_sha256"] != digest:
+        raise fail(f"the wasm does not match this manifest (its sha256 is {digest[:16]}..., the manifest "
+                   f"names {str(manifest['wasm_sha256'])[:16]}...): they come from different builds")
+    mem = manifest["memory"]
+    keys = ("min_pages", "max_pages", "heap_base", "job_arg_words")
+    if not isinstance(mem, dict) or not all(_int(mem.get(k)) for k in keys) or not isinstance(mem.get("fixed"), dict):
+        raise fail(f"memory must give integers {', '.join(keys)} and the fixed addresses")
+    if not 1 <= mem["min_pages"] <= mem["max_pages"] <= MAX_PAGES:
+        raise fail(f"memory needs 1 <= min_pages <= max_pages <= {MAX_PAGES}, got min_pages={mem['min_pages']}, "
+                   f"max_pages={mem['max_pages']}")
+    fixed = mem["fixed"]
+    absent = [n for n in POOL_WORDS if not _int(fixed.get(n))]
+    if absent:
+        raise fail(f"memory.fixed has no address for {', '.join(absent)}")
+    spans = sorted((a, a + (4 * mem["job_arg_words"] if n == "JOB_ARGS" else 4), n) for n, a in fixed.items())
+    for (a, end, n), (b, _, m) in zip(spans, spans[1:] + [(mem["heap_base"], 0, "heap_base")]):
+        if a <= 0 or a % 4:
+            raise fail(f"memory.fixed.{n}={a} is not a positive multiple of 4")
+        if end > b:
+            raise fail(f"memory.fixed.{n} (bytes {a}..{end}) overlaps {m} at {b}")
+    if mem["heap_base"] > mem["max_pages"] * PAGE_SIZE:
+        raise fail(f"memory.heap_base={mem['heap_base']} is beyond max_pages={mem['max_pages']}")
+    if not isinstance(manifest["jobs"], dict):
+        raise fail("jobs must be an object")
+    for name, job in manifest["jobs"].items():
+        if not isinstance(job, dict) or not _int(job.get("index")) or not isinstance(job.get("args"), list) \
+                or len(job["args"]) > mem["job_arg_words"]:
+            raise fail(f"jobs.{name} needs an index and at most {mem['job_arg_words']} args")
+        tuned = job.get("tuned")
+        if tuned is not None and not (isinstance(tuned, dict) and _int(tuned.get("threads")) and _int(tuned.get("chunk"))
+                                      and 1 <= tuned["threads"] <= MAX_THREADS and 1 <= tuned["chunk"] <= I32_MAX):
+            raise fail(f"jobs.{name}.tuned must give threads in 1..{MAX_THREADS} and chunk in 1..{I32_MAX}, got {tuned}")

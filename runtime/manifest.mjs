@@ -1,0 +1,93 @@
+// What the runtime checks in a manifest before it runs the wasm beside it (mirrors
+// kernelgen/host/manifest.py). A manifest and its wasm are one build's output: the manifest records
+// the wasm's sha256 and a wasm from another build (another target, other tune values, a
+// half-replaced out/) is refused. The pool's words must lie below heap_base, where no buffer the
+// runtime allocates can overwrite them.
+
+import { readBytes } from './platform.mjs';
+
+export const I32_MAX = 2 ** 31 - 1;
+export const MAX_THREADS = 256; // POOL_GEN's low 8 bits count the helpers of a job (kernels.dsl)
+const MAX_PAGES = 65536; // a 32-bit wasm memory: 4 GiB
+const PAGE_BYTES = 65536;
+// The words the pools read and write (runtime/pool.mjs, kernelgen/host/pool.py).
+const POOL_WORDS = ['POOL_GEN', 'POOL_LEFT', 'POOL_READY', 'POOL_NEXT', 'POOL_JOB', 'POOL_COUNT', 'POOL_CHUNK',
+  'POOL_WANT', 'POOL_STOP', 'JOB_ARGS'];
+
+const isInt = (v) => Number.isInteger(v);
+
+async function sha256Hex(bytes) {
+  const digest = await globalThis.crypto.subtle.digest('SHA-256', bytes);
+  return [...new Uint8Array(digest)].map((b) => b.toString(16).padStart(2, '0')).join('');
+}
+
+/** Read `dir`'s kernels.json and kernels.wasm and check that they belong together: {manifest, wasm,
+ * notes}. Every problem is an Error naming the file and what is wrong. */
+export async function loadBuild(dir) {
+  const jsonUrl = new URL('kernels.json', dir);
+  const wasmUrl = new URL('kernels.wasm', dir);
+  const read = async (url) => {
+    try {
+      return await readBytes(url);
+    } catch (e) {
+      throw new Error(`${url}: cannot read it (${e.code ?? e.message}); build it with \`kernelgen build\``);
+    }
+  };
+  const [json, wasm] = await Promise.all([read(jsonUrl), read(wasmUrl)]);
+  let manifest;
+  try {
+    manifest = JSON.parse(new TextDecoder().decode(json));
+  } catch (e) {
+    throw new Error(`${jsonUrl}: not a valid manifest (${e.message}); rebuild with \`kernelgen build\``);
+  }
+  const notes = [];
+  await checkManifest(manifest, wasm, jsonUrl.href, notes);
+  return { manifest, wasm, notes };
+}
+
+/** Throw an Error naming `where` unless `manifest` describes `wasm`; `notes` gets what could not be checked. */
+export async function checkManifest(manifest, wasm, where, notes = []) {
+  const fail = (message) => new Error(`${where}: ${message}; rebuild with \`kernelgen build\``);
+  if (manifest === null || typeof manifest !== 'object' || Array.isArray(manifest)) throw fail('not a kernelgen manifest (not a JSON object)');
+  const missing = ['target', 'memory', 'exports', 'jobs', 'quants', 'constants', 'wasm_sha256'].filter((k) => !(k in manifest));
+  if (missing.length) throw fail(`not a kernelgen manifest of this version (no ${missing.join(', ')})`);
+  if (globalThis.crypto?.subtle) {
+    const digest = await sha256Hex(wasm);
+    if (digest !== manifest.wasm_sha256) {
+      throw fail(`the wasm does not match this manifest (its sha256 is ${digest.slice(0, 16)}..., the manifest names `
+        + `${String(manifest.wasm_sha256).slice(0, 16)}...): they come from different builds`);
+    }
+  } else {
+    notes.push('no crypto.subtle (not a secure context): the wasm was not checked against its manifest');
+  }
+  const mem = manifest.memory;
+  const keys = ['min_pages', 'max_pages', 'heap_base', 'job_arg_words'];
+  if (mem === null || typeof mem !== 'object' || !keys.every((k) => isInt(mem[k])) || typeof mem.fixed !== 'object' || mem.fixed === null) {
+    throw fail(`memory must give integers ${keys.join(', ')} and the fixed addresses`);
+  }
+  if (!(mem.min_pages >= 1 && mem.min_pages <= mem.max_pages && mem.max_pages <= MAX_PAGES)) {
+    throw fail(`memory needs 1 <= min_pages <= max_pages <= ${MAX_PAGES}, got min_pages=${mem.min_pages}, max_pages=${mem.max_pages}`);
+  }
+  const absent = POOL_WORDS.filter((n) => !isInt(mem.fixed[n]));
+  if (absent.length) throw fail(`memory.fixed has no address for ${absent.join(', ')}`);
+  const spans = Object.entries(mem.fixed)
+    .map(([n, a]) => [a, a + (n === 'JOB_ARGS' ? 4 * mem.job_arg_words : 4), n])
+    .sort((x, y) => x[0] - y[0]);
+  spans.forEach(([a, end, n], i) => {
+    const [b, , m] = spans[i + 1] ?? [mem.heap_base, 0, 'heap_base'];
+    if (!isInt(a) || a <= 0 || a % 4) throw fail(`memory.fixed.${n}=${a} is not a positive multiple of 4`);
+    if (end > b) throw fail(`memory.fixed.${n} (bytes ${a}..${end}) overlaps ${m} at ${b}`);
+  });
+  if (mem.heap_base > mem.max_pages * PAGE_BYTES) throw fail(`memory.heap_base=${mem.heap_base} is beyond max_pages=${mem.max_pages}`);
+  if (manifest.jobs === null || typeof manifest.jobs !== 'object') throw fail('jobs must be an object');
+  for (const [name, job] of Object.entries(manifest.jobs)) {
+    if (!isInt(job?.index) || !Array.isArray(job.args) || job.args.length > mem.job_arg_words) {
+      throw fail(`jobs.${name} needs an index and at most ${mem.job_arg_words} args`);
+    }
+    const t = job.tuned;
+    if (t != null && !(isInt(t.threads) && isInt(t.chunk) && t.threads >= 1 && t.threads <= MAX_THREADS && t.chunk >= 1 && t.chunk <= I32_MAX)) {
+      throw fail(`jobs.${name}.tuned must give threads in 1..${MAX_THREADS} and chunk in 1..${I32_MAX}, got ${JSON.stringify(t)}`);
+    }
+  }
+  return notes;
+}

@@ -1,0 +1,619 @@
+"""Nothing hangs, nothing crashes, nothing is silently wrong (issue 10): the host, the pool, the
+build, the CLI and the JS runtime under bad input and concurrency.
+
+Each case that once hung or aborted the interpreter runs in a subprocess with a generous timeout,
+so a regression fails its test instead of hanging CI. The property test at the end drives the
+Python API with adversarial arguments: every call ends in a correct result or a ValueError/TypeError,
+and the next valid call still gives the same bits.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import wasmtime
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kernelgen
+from kernelgen import reference as R
+from kernelgen.cli import main
+from kernelgen.compiler import build as B
+from kernelgen.compiler.build import compile_source, write_outputs
+from kernelgen.compiler.parse import MAX_NESTING
+from kernelgen.errors import KernelgenError
+from kernelgen.tuning import store as S
+from kernelgen.compiler.check import check
+from kernelgen.compiler.parse import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "out"
+TIMEOUT = 120  # seconds; generous, the machine is shared. A hang fails the test after this.
+NODE = shutil.which("node")
+NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, **kw)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung: no result after {TIMEOUT} s: {' '.join(cmd)[:200]}")
+
+
+# Loaded by every Python case: a module, weights, activations and the one-thread result.
+PRELUDE = """
+import sys, threading
+import numpy as np
+import kernelgen
+from kernelgen import reference as R
+k = kernelgen.load("out", "simd128")
+rng = np.random.default_rng(0)
+w = R.quantize_q8_0(rng.standard_normal((67, 256)).astype(np.float32))
+packed = k.pack("q8_0", w)
+act = k.quantize_act(rng.standard_normal(256).astype(np.float32))
+want = k.qmatvec(packed, act)
+
+def refused(f, *args, **kwargs):
+    try:
+        f(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    raise SystemExit(f"accepted {args} {kwargs}")
+"""
+
+
+def py(code: str) -> str:
+    """Run PRELUDE + code in a fresh interpreter; its stdout, or a test failure with its stderr."""
+    r = run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)])
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+# ---- the pool: chunk and count ---------------------------------------------------------------------
+
+
+def test_huge_or_bad_chunk_is_refused_and_large_ones_give_the_same_bits() -> None:
+    out = py("""
+        with k.pool(3) as pool:
+            for bad in (2**32, 2**40, 2**31, 0, -5, 1.5, True, np.float64(8.0)):
+                print(refused(k.qmatvec, packed, act, pool, chunk=bad))
+            for good in (2**31 - 1, 2**30 + 7, 2**30, np.int64(3), np.uint16(5), 1):
+                assert k.qmatvec(packed, act, pool, chunk=good).tobytes() == want.tobytes(), good
+            name = k.job_name("qmatvec_job", "q8_0")
+            print(refused(pool.run, name, 2**31, 1, [0] * len(k.manifest["jobs"][name]["args"])))
+            print(refused(pool.run, name, -1, 1, [0] * len(k.manifest["jobs"][name]["args"])))
+        print("done")
+    """)
+    assert out.strip().endswith("done")
+    assert "qmatvec_job_q8_0 chunk: 4294967296 is outside 1..2147483647" in out
+    assert "expected an integer, got float" in out and "expected an integer, got bool" in out
+
+
+def test_manifest_with_a_bad_tuned_chunk_is_refused(tmp_path: Path) -> None:
+    for tuned in ({"threads": 2, "chunk": 2**32}, {"threads": 2, "chunk": -5}, {"threads": 1000, "chunk": 8}):
+        out = copy_out(tmp_path / str(len(list(tmp_path.iterdir()))))
+        edit_manifest(out, "simd128", lambda m: m["jobs"][next(iter(m["jobs"]))].update(tuned=tuned))
+        with pytest.raises(KernelgenError, match=r"kernels.json: jobs\..*\.tuned must give threads in 1..256 and chunk"):
+            kernelgen.load(out, "simd128")
+
+
+# ---- the reserved region below heap_base ------------------------------------------------------------
+
+
+def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() -> None:
+    out = py("""
+        name = k.export_name("qmatvec", "q8_0")
+        m = k.module.mark()
+        aq, ad = k.module.put(act.q), k.module.put(act.d)
+        print(refused(k.call, name, *packed.args, aq, ad, 0, 67, 256))       # y at address 0
+        print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
+        print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))
+        k.module.release(m)
+        with k.pool(2) as pool:
+            assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
+        print("done")
+    """)
+    assert out.count("is outside the heap") == 3 and out.strip().endswith("done")
+
+
+def test_manifest_with_heap_base_zero_or_overlapping_words_is_refused(tmp_path: Path) -> None:
+    cases = {
+        "heap_base 0": (lambda m: m["memory"].update(heap_base=0), "overlaps heap_base at 0"),
+        "word on JOB_ARGS": (lambda m: m["memory"]["fixed"].update(POOL_STOP=1024), "overlaps"),
+        "no pool word": (lambda m: m["memory"]["fixed"].pop("POOL_NEXT"), "no address for POOL_NEXT"),
+        "min > max": (lambda m: m["memory"].update(min_pages=5, max_pages=2), "min_pages <= max_pages"),
+        "no memory": (lambda m: m.pop("memory"), "no memory"),
+        "no jobs": (lambda m: m.pop("jobs"), "no jobs"),
+    }
+    for i, (what, (change, message)) in enumerate(cases.items()):
+        out = copy_out(tmp_path / str(i))
+        edit_manifest(out, "simd128", change)
+        with pytest.raises(KernelgenError, match=message) as e:
+            kernelgen.load(out, "simd128")
+        assert "simd128/kernels.json" in str(e.value) and "rebuild" in str(e.value), what
+
+
+# ---- threads -------------------------------------------------------------------------------------
+
+
+def test_python_threads_sharing_kernels_and_a_pool_get_right_results() -> None:
+    out = py("""
+        x = rng.standard_normal(1000).astype(np.float32)
+        want_exp = k.exp_f32(x)
+        wrong = []
+        def work(pool):
+            for _ in range(150):
+                if k.qmatvec(packed, act, pool).tobytes() != want.tobytes():
+                    wrong.append("qmatvec")
+                if k.exp_f32(x).tobytes() != want_exp.tobytes():
+                    wrong.append("exp")
+        with k.pool(2) as pool:
+            threads = [threading.Thread(target=work, args=(p,)) for p in (pool, pool, None, None)]
+            for t in threads: t.start()
+            for t in threads: t.join()
+        print(len(wrong), "wrong")
+    """)
+    assert out.strip() == "0 wrong"
+
+
+def test_pool_dropped_without_close_stops_its_threads_and_frees_the_module() -> None:
+    out = py("""
+        before = threading.active_count()
+        p = k.pool(3)
+        assert threading.active_count() == before + 2
+        assert k.qmatvec(packed, act, p).tobytes() == want.tobytes()
+        del p                                    # no close(): the finalizer stops the helpers
+        assert threading.active_count() == before, threading.active_count()
+        with k.pool(3) as p2:                    # and the next pool starts
+            assert k.qmatvec(packed, act, p2).tobytes() == want.tobytes()
+        print("done")
+    """)
+    assert out.strip() == "done"
+
+
+# ---- handles and integer arguments ---------------------------------------------------------------------
+
+
+def test_packed_from_another_kernels_or_before_reset_is_refused() -> None:
+    out = py("""
+        other = kernelgen.load("out", "simd128")
+        relaxed = kernelgen.load("out", "relaxed-simd")
+        print(refused(other.qmatvec, packed, other.quantize_act(np.ones(256, np.float32))))
+        print(refused(relaxed.qmatvec, packed, relaxed.quantize_act(np.ones(256, np.float32))))
+        k.reset()
+        print(refused(k.qmatvec, packed, act))
+        again = k.pack("q8_0", w)
+        assert k.qmatvec(again, act).tobytes() == want.tobytes()
+        print("done")
+    """)
+    assert out.count("packed by another Kernels (target simd128)") == 2
+    assert "packed before reset()" in out and out.strip().endswith("done")
+
+
+def test_integer_arguments_are_checked_and_numpy_integers_accepted() -> None:
+    out = py("""
+        print(refused(k.rope_table, 4, 8, 10000.0, 2**32))
+        print(refused(k.rope_table, 4, 8, 10000.0, 2**31 - 2))     # pos0 + npos beyond i32
+        print(refused(k.rope_table, 4.0, 8))
+        print(refused(k.rope_table, True, 8))
+        a = k.rope_table(np.int64(4), np.uint8(8), np.float32(500.0), np.int16(3))
+        b = k.rope_table(4, 8, 500.0, 3)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+        name = k.export_name("dot_f32")
+        x = k.module.put(np.ones(8, np.float32))
+        print(refused(k.call, name, x, x, 2**40))
+        print(refused(k.call, name, x, x, 8.0))
+        print(refused(k.call, name, x, x))
+        assert k.call(name, x, x, np.int64(8)) == 8.0
+        top = k.module.mark()
+        print(refused(k.module.alloc, 10.5))
+        print(refused(k.module.alloc, -1))
+        assert k.module.mark() == top
+        print(refused(k.softmax_f32, np.ones((2, 8), np.float32), 2.5))
+        assert k.qmatvec(packed, act).tobytes() == want.tobytes()
+        print("done")
+    """)
+    assert "rope_table pos0: 4294967296 is outside 0..2147483643" in out
+    assert "dot_f32__unroll4 argument 2: 1099511627776 is outside" in out and "takes 3 arguments" in out
+    assert "alloc nbytes: expected an integer, got float 10.5" in out
+    assert out.strip().endswith("done")
+
+
+def test_wasm_of_another_build_is_refused(tmp_path: Path) -> None:
+    out = copy_out(tmp_path / "out")
+    shutil.copy(out / "simd128" / "kernels.wasm", out / "relaxed-simd" / "kernels.wasm")
+    with pytest.raises(KernelgenError, match="relaxed-simd/kernels.json: the wasm does not match this manifest .* rebuild"):
+        kernelgen.load(out, "relaxed-simd")
+
+
+# ---- the build and out/ --------------------------------------------------------------------------------
+
+TINY = "export kernel f(x: i32) -> i32 {\n    return x + 1;\n}\n"
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_build_switches_out_as_a_whole_and_keeps_unchanged_files(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    both = compile_source(TINY, targets=B.TARGET_NAMES)
+    write_outputs(both, out)
+    before = snapshot(out)
+    (edited,) = compile_source(TINY.replace("x + 1", "x + 2"), targets=("simd128",))
+    changed = write_outputs([edited], out)
+    after = snapshot(out)
+    assert {p.relative_to(out).as_posix() for p in changed} == {"simd128/kernels.wat", "simd128/kernels.wasm",
+                                                                  "simd128/kernels.json"}
+    assert {p: v for p, v in after.items() if p.startswith("relaxed-simd/")} == \
+        {p: v for p, v in before.items() if p.startswith("relaxed-simd/")}  # bytes and mtimes
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary directory left
+
+
+def test_failed_switch_leaves_out_as_it_was_and_no_temporary_files(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "out"
+    write_outputs(compile_source(TINY, targets=B.TARGET_NAMES), out)
+    before = snapshot(out)
+
+    def broken(a: Path, b: Path) -> bool:
+        raise OSError(5, "Input/output error", str(b))
+    monkeypatch.setattr(B, "_exchange", broken)
+    with pytest.raises(KernelgenError, match="cannot write the build there"):
+        write_outputs(compile_source(TINY.replace("x + 1", "x + 2"), targets=B.TARGET_NAMES), out)
+    assert snapshot(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_stale_temporary_tree_of_a_killed_build_is_removed(tmp_path: Path) -> None:
+    (tmp_path / ".out.new-999999" / "simd128").mkdir(parents=True)
+    (tmp_path / ".out.old-999999").mkdir()
+    write_outputs(compile_source(TINY, targets=("simd128",)), tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_second_build_waits_for_the_lock_and_says_why_it_gave_up(tmp_path: Path) -> None:
+    built = compile_source(TINY, targets=("simd128",))
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another build is writing
+        with pytest.raises(KernelgenError, match="another kernelgen build is writing it"):
+            write_outputs(built, tmp_path / "out", lock_timeout=0.2)
+    finally:
+        os.close(fd)
+    assert write_outputs(built, tmp_path / "out")  # the lock released: it builds
+
+
+def test_concurrent_builds_leave_a_consistent_out(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmds = [[sys.executable, "-m", "kernelgen.cli", "build", "--no-store", "--out", str(out), "--tune", f"dot_f32.unroll={u}"]
+            for u in (1, 4)]
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    try:
+        results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("concurrent builds hung")
+    assert [p.returncode for p in procs] == [0, 0], results
+    unrolls = set()
+    for t in B.TARGET_NAMES:  # every target from one build: each manifest names its wasm, all one tune
+        k = kernelgen.load(out, t)
+        unrolls.add(k.tune_of("dot_f32")["unroll"])
+    assert len(unrolls) == 1
+
+
+# ---- the tuning store ---------------------------------------------------------------------------------
+
+
+def test_store_records_outside_the_domain_are_skipped_with_one_line_warnings(tmp_path: Path, capsys) -> None:
+    source = (ROOT / "kernels.dsl").read_text(encoding="utf-8")
+    checked = check(parse(source))
+    me = S.host()
+
+    def rec(kernel: str, tune: dict, when: float) -> str:
+        r = S.Record(kernel, "q8_0" if kernel == "qmatvec" else None, "simd128", "64x64", S.kernel_hash(checked, kernel),
+                     me, tune, 1e-6, "ok", when=when)
+        return json.dumps(r.stored())
+    store = tmp_path / "store.jsonl"
+    store.write_text("\n".join([
+        rec("qmatvec", {"rows": 3, "accs": 1}, 1.0),                 # 1: outside the domain
+        rec("qmatvec", {"rows": 4, "accs": 2}, 2.0),                 # 2: breaks the restrict rows * accs <= 4
+        rec("qmatvec_job", {"threads": 1000, "chunk": 8}, 3.0),      # 3
+        rec("qmatvec_job", {"threads": 2, "chunk": 2**32}, 4.0),     # 4
+        rec("qmatvec_job", {"threads": 2, "chunk": -5}, 5.0),        # 5
+        rec("qmatvec_job", {"threads": 2, "chunk": 32}, 6.0),        # 6: good
+        '{"a":' * 100_000 + "1" + "}" * 100_000,                     # 7: nested too deep for the parser
+    ]) + "\n")
+    out = tmp_path / "out"
+    assert main(["build", "--target", "simd128", "--store", str(store), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    warned = [line for line in err.splitlines() if line.startswith("kernelgen: warning: ")]
+    assert [w.split(": ")[2] for w in warned] == [f"{store}:{n}" for n in (7, 1, 2, 3, 4, 5)], err
+    assert "UserWarning" not in err and len(err.splitlines()) == 6
+    manifest = json.loads((out / "simd128" / "kernels.json").read_text())
+    assert manifest["jobs"]["qmatvec_job_q8_0"]["tuned"] == {"threads": 2, "chunk": 32}
+    assert manifest["tune"]["source"]["qmatvec"] == "default"
+
+
+# ---- the CLI never says "internal error" ----------------------------------------------------------------
+
+
+def nested(kind: str, n: int) -> str:
+    body = {
+        "sum": "return x + " + " + ".join(["1"] * n) + ";",
+        "negations": "return x + " + "-" * n + "1;",
+        "calls": "return x + " + "min(" * n + "1" + ", 1)" * n + ";",
+        "ifs": "var y: i32 = x; " + "if x > 0 { " * n + "y = 1;" + " }" * n + " return y;",
+        "long literal": "return x + " + "9" * 5000 + ";",
+        "big literal": "return x + 99999999999999999999999;",
+    }[kind]
+    return f"export kernel f(x: i32) -> i32 {{ {body} }}\n"
+
+
+@pytest.mark.parametrize("kind, n, message", [
+    ("sum", 5000, "nested more than"), ("negations", 5000, "nested more than"), ("calls", 1000, "nested more than"),
+    ("ifs", 1000, "nested more than"), ("long literal", 0, "number literal of 5000 characters"),
+    ("big literal", 0, "is out of range: no integer type holds it"),
+])
+def test_limits_are_located_dsl_errors(tmp_path: Path, capsys, kind: str, n: int, message: str) -> None:
+    dsl = tmp_path / "k.dsl"
+    dsl.write_text(nested(kind, n))
+    assert main(["check", "--dsl", str(dsl)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{dsl}:1:") and message in err and "internal error" not in err
+
+
+def test_nesting_within_the_limit_compiles() -> None:
+    for kind, n in (("sum", MAX_NESTING - 10), ("ifs", MAX_NESTING // 2 - 5), ("calls", MAX_NESTING * 2 // 3 - 5)):
+        (built,) = compile_source(nested(kind, n), targets=("simd128",))
+        assert built.wasm
+
+
+@pytest.mark.parametrize("literal, message", [
+    ("1e999", "float literal 1e999 is out of range"), ("1e39", "does not fit in f32"), ("3.5e38", "does not fit in f32"),
+])
+def test_float_literals_out_of_range(tmp_path: Path, capsys, literal: str, message: str) -> None:
+    dsl = tmp_path / "k.dsl"
+    dsl.write_text(f"export kernel f(x: f32) -> f32 {{\n    return x + {literal};\n}}\n")
+    assert main(["build", "--dsl", str(dsl), "--no-store", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{dsl}:2:") and message in err
+
+
+def test_instantiation_without_end_is_a_located_error(tmp_path: Path) -> None:
+    dsl = tmp_path / "g.dsl"
+    dsl.write_text("kernel g[N: i32](x: i32) -> i32 {\n    return g[N + 1](x);\n}\n"
+                   "export kernel f(x: i32) -> i32 {\n    return g[0](x);\n}\n")
+    r = run([sys.executable, "-m", "kernelgen.cli", "check", "--dsl", str(dsl)])
+    assert r.returncode == 2 and r.stderr.startswith(f"{dsl}:2:12: instantiating g__32: 33 nested instantiations"), r.stderr
+
+
+@pytest.mark.parametrize("case", ["out file", "out device", "out under a file", "out empty", "out not ours",
+                                  "shape too large", "store directory", "budget nan", "budget inf"])
+def test_cli_refuses_bad_options_with_exit_2(tmp_path: Path, capsys, case: str) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    args, message = {
+        "out file": (["build", "--out", str(tmp_path / "file")], "not a directory"),
+        "out device": (["build", "--out", "/dev/null"], "not a directory"),
+        "out under a file": (["build", "--out", str(tmp_path / "file" / "out")], "is not a directory"),
+        "out empty": (["build", "--out", ""], "needs a directory name"),
+        "out not ours": (["build", "--out", str(tmp_path / "mine")], "holds files that are not kernelgen's (notes.txt)"),
+        "shape too large": (["tune", "--kernel", "dot_f32", "--shape", "100000x100000"], "at most 268435456"),
+        "store directory": (["tune", "--kernel", "dot_f32", "--store", str(tmp_path)], "not a file"),
+        "budget nan": (["tune", "--budget", "nan"], "need a finite number of seconds >= 0"),
+        "budget inf": (["tune", "--budget", "inf"], "need a finite number of seconds >= 0"),
+    }[case]
+    assert exit_code(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err, err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+def exit_code(args: list[str]) -> int:
+    """main's exit code, also when argparse refuses an option (it raises SystemExit)."""
+    try:
+        return main(args)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+# ---- the JS runtime --------------------------------------------------------------------------------------
+
+
+def copy_out(dest: Path) -> Path:
+    shutil.copytree(OUT, dest)
+    return dest
+
+
+def edit_manifest(out: Path, target: str, change) -> None:
+    path = out / target / "kernels.json"
+    m = json.loads(path.read_text())
+    change(m)
+    path.write_text(json.dumps(m))
+
+
+JS = """
+import { loadKernels } from %(runtime)s;
+const results = {};
+async function attempt(name, fn) {
+  try { await fn(); results[name] = 'accepted'; } catch (e) { results[name] = `${e.constructor.name}: ${e.message}`; }
+}
+for (const [name, dir] of Object.entries(%(broken)s)) await attempt(name, () => loadKernels({ dir, target: 'simd128', threads: 1 }));
+const k = await loadKernels({ dir: %(out)s, target: 'simd128', threads: 3 });
+const x = Float32Array.from({ length: 64 }, (_, i) => Math.sin(i));
+const w = Float32Array.from({ length: 64 * 37 }, (_, i) => Math.cos(i));
+const want = await k.matvecF32(w, x);
+const same = (a) => Buffer.from(a.buffer).equals(Buffer.from(want.buffer));
+for (const chunk of [2 ** 32, 2 ** 31, 0, -5, 1.5]) await attempt(`chunk ${chunk}`, () => k.matvecF32(w, x, { threads: true, chunk }));
+for (const chunk of [2 ** 31 - 1, 2 ** 30, 7]) results[`chunk ${chunk} same`] = same(await k.matvecF32(w, x, { threads: true, chunk }));
+await attempt('pos0 2^32', () => k.ropeTable(4, 8, 10000, 2 ** 32));
+await attempt('pos0 1.5', () => k.ropeTable(4, 8, 10000, 1.5));
+const block = new Uint8Array(34); block[1] = 0x3c; block.fill(3, 2);
+const a = await k.quantizeAct(new Float32Array(32).fill(1));
+const p = await k.pack('q8_0', block, 1, 32);
+results.qdot = await k.qdot(p, a);
+const other = await loadKernels({ dir: %(out)s, target: 'simd128', threads: 1 });
+await attempt('foreign packed', () => other.qdot(p, a));
+await k.reset();
+await attempt('packed before reset', () => k.qdot(p, a));
+results['after'] = same(await k.matvecF32(w, x, { threads: true }));
+await k.terminate();
+await other.terminate();
+console.log(JSON.stringify(results));
+"""
+
+
+def test_js_runtime_refuses_bad_builds_and_arguments(tmp_path: Path) -> None:
+    if not NODE or not (ROOT / "node_modules").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail("node is missing (CI must have it)")
+        pytest.skip("no node")
+    broken = {}
+    changes = {
+        "no memory": lambda m: m.pop("memory"),
+        "no jobs": lambda m: m.pop("jobs"),
+        "min > max": lambda m: m["memory"].update(min_pages=5, max_pages=2),
+        "heap_base 0": lambda m: m["memory"].update(heap_base=0),
+        "fixed overlap": lambda m: m["memory"]["fixed"].update(POOL_GEN=1030),
+        "tuned chunk": lambda m: m["jobs"][next(iter(m["jobs"]))].update(tuned={"threads": 2, "chunk": 2**32}),
+    }
+    for i, (name, change) in enumerate(changes.items()):
+        broken[name] = str(copy_out(tmp_path / f"b{i}"))
+        edit_manifest(Path(broken[name]), "simd128", change)
+    broken["missing manifest"] = str(copy_out(tmp_path / "missing"))
+    (tmp_path / "missing" / "simd128" / "kernels.json").unlink()
+    broken["corrupt manifest"] = str(copy_out(tmp_path / "corrupt"))
+    (tmp_path / "corrupt" / "simd128" / "kernels.json").write_text('{"target": ')
+    broken["other wasm"] = str(copy_out(tmp_path / "other"))
+    shutil.copy(OUT / "relaxed-simd" / "kernels.wasm", tmp_path / "other" / "simd128" / "kernels.wasm")
+    script = JS % {"runtime": json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri()), "broken": json.dumps(broken),
+                   "out": json.dumps(str(OUT))}
+    (tmp_path / "check.mjs").write_text(script)  # a file, not -e: the pool's workers inherit node's flags
+    r = run([NODE, *NODE_FLAGS, str(tmp_path / "check.mjs")])
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    expect = {
+        "no memory": "no memory", "no jobs": "no jobs", "min > max": "min_pages <= max_pages",
+        "heap_base 0": "overlaps heap_base at 0", "fixed overlap": "overlaps", "tuned chunk": "chunk in 1..2147483647",
+        "missing manifest": "cannot read it", "corrupt manifest": "not a valid manifest",
+        "other wasm": "the wasm does not match this manifest",
+    }
+    for name, message in expect.items():
+        assert message in res[name] and "simd128/kernels.json" in res[name], (name, res[name])
+    for chunk in ("4294967296", "2147483648", "0", "-5", "1.5"):
+        assert res[f"chunk {chunk}"].startswith("RangeError"), res[f"chunk {chunk}"]
+    assert all(res[f"chunk {c} same"] for c in (2**31 - 1, 2**30, 7))
+    assert res["pos0 2^32"].startswith("RangeError") and res["pos0 1.5"].startswith("RangeError")
+    assert res["qdot"] == 32 * 3 * 1.0  # d = 1.0, codes 3, activations 1 -> quantized to ACT_MAX with scale 1 / ACT_MAX
+    assert "packed by other kernels" in res["foreign packed"] and "before reset()" in res["packed before reset"]
+    assert res["after"] is True
+
+
+# ---- property: the Python API's argument checks -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    k = kernelgen.load(OUT, "simd128")
+    rng = np.random.default_rng(1)
+    w = R.quantize_q8_0(rng.standard_normal((21, 64)).astype(np.float32))
+    packed = k.pack("q8_0", w)
+    act = k.quantize_act(rng.standard_normal(64).astype(np.float32))
+    pool = k.pool(2)
+    yield k, packed, act, pool, k.qmatvec(packed, act)
+    pool.close()
+
+
+INT_TYPES = (int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+
+
+def _ints(lo: int, hi: int) -> st.SearchStrategy:
+    """Integers of every Python/numpy integer type that can hold them, around and beyond [lo, hi]."""
+    values = st.one_of(st.integers(lo - 3, min(hi, lo + 40)), st.integers(hi - 3, hi + 3),
+                       st.sampled_from([-1, 0, 2**31 - 1, 2**31, 2**32, 2**40, -(2**63), 2**64]))
+    return st.tuples(values, st.sampled_from(INT_TYPES)).map(_as_type)
+
+
+def _as_type(pair: tuple[int, type]):
+    v, t = pair
+    if t is int:
+        return v
+    info = np.iinfo(t)
+    return t(v) if info.min <= v <= info.max else v
+
+
+NOT_INTS = st.sampled_from([1.5, 2.0, np.float32(3.0), True, np.bool_(True), "3", None, float("nan")])
+
+
+def _is_int(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and lo <= int(v) <= hi
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(npos=st.one_of(_ints(0, 40), NOT_INTS), dim=st.one_of(_ints(2, 64), NOT_INTS),
+       pos0=st.one_of(_ints(0, 2**31 - 1), NOT_INTS),
+       theta=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([10000, True, np.float32(500.0)])))
+def test_property_rope_table_arguments(loaded, npos, dim, pos0, theta) -> None:
+    k, packed, act, pool, want = loaded
+    valid = (_is_int(npos, 0, 40) and _is_int(dim, 2, 64) and int(dim) % 2 == 0 and _is_int(pos0, 0, 2**31 - 1 - int(npos))
+             and not isinstance(theta, (bool, np.bool_)) and 0 < float(theta) < float("inf"))
+    try:
+        cos, sin = k.rope_table(npos, dim, theta, pos0)
+    except (ValueError, TypeError):
+        assert not valid
+    else:
+        assert valid
+        p = np.arange(int(npos), dtype=np.float64)[:, None] + int(pos0)
+        angle = p * float(theta) ** (-2.0 * np.arange(int(dim) // 2) / int(dim))
+        np.testing.assert_allclose(cos, np.cos(angle), atol=2e-3 * max(1.0, float(np.abs(angle).max(initial=0)) * 1e-4))
+        assert cos.shape == sin.shape == (int(npos), int(dim) // 2)
+    assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=st.one_of(st.none(), _ints(1, 2**31 - 1), NOT_INTS), threaded=st.booleans(),
+       t=st.one_of(st.none(), _ints(1, 12), NOT_INTS), n=st.one_of(_ints(0, 100), NOT_INTS))
+def test_property_chunks_softmax_and_raw_calls(loaded, chunk, threaded, t, n) -> None:
+    k, packed, act, pool, want = loaded
+    try:
+        y = k.qmatvec(packed, act, pool if threaded else None, chunk)
+    except (ValueError, TypeError):
+        assert threaded and not (chunk is None or _is_int(chunk, 1, 2**31 - 1))
+    else:
+        assert y.tobytes() == want.tobytes()
+        assert not threaded or chunk is None or _is_int(chunk, 1, 2**31 - 1)
+    x = np.linspace(-3, 3, 24, dtype=np.float32).reshape(2, 12)
+    try:
+        s = k.softmax_f32(x, t, pool if threaded else None)
+    except (ValueError, TypeError):
+        assert not (t is None or _is_int(t, 1, 12))
+    else:
+        tt = 12 if t is None else int(t)
+        e = np.exp(x[:, :tt] - x[:, :tt].max(axis=1, keepdims=True))
+        np.testing.assert_allclose(s[:, :tt], e / e.sum(axis=1, keepdims=True), rtol=1e-5)
+    m = k.module.mark()
+    try:
+        px = k.module.put(np.ones(128, np.float32))
+        try:
+            r = k.call(k.export_name("dot_f32"), px, px, n)
+        except (ValueError, TypeError):
+            assert not _is_int(n, -(2**31), 2**32 - 1)
+        except wasmtime.Trap:  # a count past the memory's end: the raw call cannot know the buffer's size
+            assert _is_int(n, 2**20, 2**32 - 1)
+        else:
+            assert _is_int(n, -(2**31), 2**32 - 1)
+            if _is_int(n, 0, 128):
+                assert r == float(int(n))
+    finally:
+        k.module.release(m)
+    assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
