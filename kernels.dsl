@@ -34,6 +34,38 @@ quant q4_1 {
     dequant d * q + m;
 }
 
+# Q5_1: Q4_1 with a fifth bit per value in a 32-bit mask: value d * q + m, q in 0..31.
+quant q5_1 {
+    block 32;
+    field d: f16;
+    field m: f16;
+    field qh: u8[4];
+    field qs: u8[16];
+    unpack nib(qs, i) | (bit(qh, i) << 4);
+    dequant d * q + m;
+}
+
+# IQ4_NL: Q4_0's nibbles index a non-linear codebook of 16 int8 values: value d * kv[code].
+quant iq4_nl {
+    block 32;
+    table kv = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    field d: f16;
+    field qs: u8[16];
+    unpack kv[nib(qs, i)];
+    dequant d * q;
+}
+
+# MXFP4 (OCP microscaling, gpt-oss): e2m1 codes in Q4_0's nibble order, doubled to integers, under
+# an e8m0 power-of-two scale e (bias 127; halved for the doubling): value 2^(e - 128) * kv[code].
+quant mxfp4 {
+    block 32;
+    table kv = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    field e: u8;
+    field qs: u8[16];
+    unpack kv[nib(qs, i)];
+    dequant pow2(e - 128) * q;
+}
+
 # ONNX 4-bit, as blocked DequantizeLinear stores it (block 32 along K): an f32 scale, a UINT4 zero
 # point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
 # kernelgen.formats.onnx_uint4_blocks gathers these blocks from the ONNX tensors.

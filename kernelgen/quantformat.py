@@ -87,6 +87,28 @@ class Call(Node):
 
 
 @dataclass(frozen=True)
+class Lookup(Node):
+    """`kv[code]`: entry `code` (a 4-bit nibble) of a codebook of 16 integers (IQ4_NL, MXFP4)."""
+
+    kind = "lookup"
+    children = ("code",)
+    values: tuple[int, ...]
+    code: Node
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", tuple(self.values))  # JSON gives a list
+
+
+@dataclass(frozen=True)
+class Pow2(Node):
+    """`pow2(x)`: 2 to the integer power x, exactly, as f32 (an e8m0 scale: MXFP4)."""
+
+    kind = "pow2"
+    children = ("arg",)
+    arg: Node
+
+
+@dataclass(frozen=True)
 class Neg(Node):
     kind = "neg"
     children = ("arg",)
@@ -104,7 +126,7 @@ class Op(Node):
     right: Node
 
 
-NODES: dict[str, type[Node]] = {c.kind: c for c in (Int, Float, Field, Index, Call, Neg, Op)}
+NODES: dict[str, type[Node]] = {c.kind: c for c in (Int, Float, Field, Index, Call, Lookup, Pow2, Neg, Op)}
 CALLS = ("nib", "nibi", "bit")  # the functions Call names
 
 def fold(node: Node, v: Any) -> Any:
@@ -119,7 +141,7 @@ def _attrs(node: Node) -> dict:
 
 def to_json(node: Node) -> dict:
     """{"kind": k, <attributes>, "args": [children]}: the form the manifest carries."""
-    out = {"kind": node.kind, **_attrs(node)}
+    out = {"kind": node.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in _attrs(node).items()}}
     if node.children:
         out["args"] = [to_json(getattr(node, c)) for c in node.children]
     return out
@@ -149,6 +171,12 @@ class _Text:
 
     def on_call(self, n: Call) -> str:
         return f"{n.func}({n.field}, i)"
+
+    def on_lookup(self, n: Lookup, code: str) -> str:
+        return f"{{{', '.join(map(str, n.values))}}}[{code}]"
+
+    def on_pow2(self, n: Pow2, a: str) -> str:
+        return f"pow2({a})"
 
     def on_neg(self, n: Neg, a: str) -> str:
         return f"-{a}"
@@ -196,6 +224,12 @@ class _Numpy:
             return (byte >> (4 * (i % 2))) & 0x0F
         bits = np.unpackbits(f.astype(np.uint8), axis=-1, bitorder="little")
         return bits[..., i].astype(np.int32)
+
+    def on_lookup(self, n: Lookup, code: np.ndarray) -> np.ndarray:
+        return np.array(n.values, np.int32)[code]
+
+    def on_pow2(self, n: Pow2, a: np.ndarray) -> np.ndarray:
+        return np.ldexp(np.float32(1), np.asarray(a).astype(np.int32)).astype(np.float32)
 
     def on_neg(self, n: Neg, a: np.ndarray) -> np.ndarray:
         return -a
@@ -328,8 +362,9 @@ class QuantFormat:
     def dequantize_ref(self, blocks: np.ndarray) -> np.ndarray:
         """f32 values, shape blocks.shape[:-1] + (n_blocks * block,): the declared formula."""
         blocks = self.as_blocks(blocks)
-        q = self.unpack_ref(blocks).astype(np.float32)
-        x = self.scale_ref(blocks)[..., None] * q + self.offset_ref(blocks)[..., None]
+        x = self.scale_ref(blocks)[..., None] * self.unpack_ref(blocks).astype(np.float32)
+        if self.offset is not None:  # (no + 0: it would turn -0.0 into 0.0)
+            x = x + self.offset_ref(blocks)[..., None]
         return x.reshape(blocks.shape[:-1] + (-1,))
 
     # ---- packing into the kernels' layout

@@ -119,6 +119,26 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     return out
 
 
+IQ4_NL = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """A simple valid IQ4_NL quantizer (not llama.cpp's, which searches scales): d = (the value of
+    largest magnitude) / -127 as f16, so that value is the codebook's first entry, then each value
+    the nearest codebook entry times d (the first of two at equal distance)."""
+    xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
+    idx = np.abs(xb).argmax(axis=-1)
+    vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
+    d = (vmax / np.float32(-127)).astype(np.float16)
+    grid = d.astype(np.float32)[..., None, None] * IQ4_NL_VALUES.astype(np.float32)
+    q = np.abs(grid - xb[..., None]).argmin(axis=-1)
+    out = np.empty(xb.shape[:-1], IQ4_NL)
+    out["d"] = d
+    out["qs"] = _split_nibbles(q)
+    return out
+
+
 def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 or Q4_1 blocks -> f32, from the GGUF definitions."""
     qs = blocks["qs"].astype(np.int32)

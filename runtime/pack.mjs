@@ -81,6 +81,7 @@ const unpackConsumer = (fields) => ({
       default: throw new Error(`unpack: unknown function ${t.func}`);
     }
   },
+  lookup: (t, code) => (v, o, i) => t.values[code(v, o, i)],
   op: (t, a, b) => {
     const op = INT_OPS[t.op];
     if (!op) throw new Error(`unpack: unknown operator ${t.op}`);
@@ -102,6 +103,7 @@ const scalarConsumer = (fields) => ({
     return (v, o) => r(read(v, o + f.offset));
   },
   neg: (t, a) => (v, o) => -a(v, o),
+  pow2: (t, a) => (v, o) => r(2 ** a(v, o)),
   op: (t, a, b) => {
     const op = FLOAT_OPS[t.op];
     if (!op) throw new Error(`scale/offset: unknown operator ${t.op}`);

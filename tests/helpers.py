@@ -98,8 +98,9 @@ def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -
 def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     """(rows, n_blocks) blocks of any declared quant type `q` (a QuantInfo), made from its declaration
     alone: random stored bytes, every float field a finite value of either sign, and blocks whose
-    values fall outside the kernels' int8 weights (say a zero point past its format's range) drawn
-    again. So a test covering every quant type needs no code per type."""
+    values fall outside the kernels' int8 weights (say a zero point past its format's range) or
+    whose derived scale or offset exceeds 1 in magnitude (say an e8m0 exponent byte: products
+    would overflow f32) drawn again. So a test covering every quant type needs no code per type."""
     def draw(count: int) -> np.ndarray:
         b = rng.integers(0, 256, (count, q.stored_bytes), dtype=np.uint8).view(q.dtype).reshape(count)
         for name in q.dtype.names:
@@ -110,7 +111,8 @@ def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) ->
     blocks = draw(rows * n_blocks)
     for _ in range(64):
         v = q.unpack_ref(blocks.reshape(-1, 1)).reshape(blocks.size, -1)
-        bad = np.flatnonzero((v < -128).any(axis=1) | (v > 127).any(axis=1))
+        big = (np.abs(q.scale_ref(blocks)) > 1) | (np.abs(q.offset_ref(blocks)) > 1)
+        bad = np.flatnonzero((v < -128).any(axis=1) | (v > 127).any(axis=1) | big)
         if not bad.size:
             return blocks.reshape(rows, n_blocks)
         blocks[bad] = draw(bad.size)

@@ -188,6 +188,13 @@ CASES = [
          "qs must have 4 bytes for a block of 32, has 32"),
     Case("dequant not of the form S * q [+ M]", Q(dequant="d + q"), 6, 13,
          "dequant must read 'S * q' or 'S * q + M'"),
+    Case("codebook of the wrong size", Q().replace("block 32;", "block 32;\n    table kv = {1, 2};"), 3, 5,
+         "quant q: table kv needs 16 entries (a nibble indexes it), has 2"),
+    Case("codebook entry outside int8", Q().replace("block 32;", "block 32;\n    table kv = {200" + ", 0" * 15 + "};"),
+         3, 17, "quant q: table kv: entries are int8 constants (-128..127)"),
+    Case("codebook indexed by a byte", Q(unpack="kv[qs[i]]").replace("block 32;", "block 32;\n    table kv = {"
+         + ", ".join(["1"] * 16) + "};"), 6, 12, "a table is indexed by a nibble: table[nib(field, i)]"),
+    Case("pow2 in unpack", Q(unpack="pow2(qs[i])"), 5, 12, "quant q: unpack: only field[i]"),
     Case("dequant reading an array field", Q(dequant="qs * q"), 6, 13, "'qs' is not a scalar field of the block"),
     Case("packed Q where Q is not a generic", "export kernel f(w: packed Q, x: ptr) {\n}\n", 1, 17,
          "'packed Q' needs Q to be a [Q: quant] parameter"),

@@ -177,12 +177,21 @@ class Field(Node):
 
 
 @dataclass(frozen=True)
+class Table(Node):
+    """A codebook of a quant type: `table kv = {-127, -104, ...};`."""
+
+    name: str
+    values: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
 class Quant(Node):
     name: str
     block: int | None
     fields: tuple[Field, ...]
     unpack: Expr | None
     dequant: Expr | None
+    tables: tuple[Table, ...] = ()
 
 
 @dataclass(frozen=True)

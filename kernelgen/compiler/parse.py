@@ -209,6 +209,9 @@ class _Build(Transformer):
     def field_decl(self, meta, name, type_, count):
         return ("field", A.Field(self._span(meta), str(name), str(type_), count), self._span(meta))
 
+    def table_decl(self, meta, name, *values):
+        return ("table", A.Table(self._span(meta), str(name), tuple(values)), self._span(meta))
+
     def unpack_decl(self, meta, expr):
         return ("unpack", expr, self._span(meta))
 
@@ -217,15 +220,16 @@ class _Build(Transformer):
 
     def quant_decl(self, meta, name, *items):
         parts: dict[str, Any] = {"block": None, "unpack": None, "dequant": None}
-        fields = []
+        lists: dict[str, list] = {"field": [], "table": []}
         for kind, value, span in items:
-            if kind == "field":
-                fields.append(value)
+            if kind in lists:
+                lists[kind].append(value)
             elif parts[kind] is not None:
                 raise DslError(span, f"quant {name}: '{kind}' given twice")
             else:
                 parts[kind] = value
-        return A.Quant(self._span(meta), str(name), parts["block"], tuple(fields), parts["unpack"], parts["dequant"])
+        return A.Quant(self._span(meta), str(name), parts["block"], tuple(lists["field"]), parts["unpack"],
+                       parts["dequant"], tuple(lists["table"]))
 
     def mode(self, meta, tok):
         return str(tok)

@@ -13,27 +13,38 @@ from typing import Callable
 
 from . import ast as A
 from ..errors import DslError
-from ..quantformat import CALLS, FIELD_BYTES, Call, Field, FieldInfo, Float, Index, Int, Neg, Node, Op, QuantFormat, fold
+from ..quantformat import (CALLS, FIELD_BYTES, Call, Field, FieldInfo, Float, Index, Int, Lookup, Neg, Node, Op, Pow2,
+                           QuantFormat, fold)
 from .wat import I, Instr
 
 LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
 
-_UNPACK_ALLOWED = ("only field[i], nib(field, i), nibi(field, i), bit(field, i), byte fields, integers, + - | & "
-                   "and << by a constant are allowed")
-_SCALAR_ALLOWED = "only scalar fields, numbers and + - * / are allowed"
+_UNPACK_ALLOWED = ("only field[i], nib(field, i), nibi(field, i), bit(field, i), table[nib(field, i)], byte fields, "
+                   "integers, + - | & and << by a constant are allowed")
+_SCALAR_ALLOWED = "only scalar fields, numbers, + - * / and pow2(x) are allowed"
+TABLE_SIZE = 16  # a codebook is indexed by a nibble
 
 
 # ---- the declaration's formulas as nodes -------------------------------------------------------
 
 
-def _formula(e: A.Expr, err: Callable[[A.Node, str], DslError], unsupported: str) -> Node:
+def _formula(e: A.Expr, err: Callable[[A.Node, str], DslError], unsupported: str,
+             tables: dict[str, tuple[int, ...]]) -> Node:
     """The nodes of a formula's AST; DslError for syntax no formula has."""
     def is_i(x: A.Expr) -> bool:
         return isinstance(x, A.Name) and x.id == "i"
 
     def sub(x: A.Expr) -> Node:
-        return _formula(x, err, unsupported)
+        return _formula(x, err, unsupported, tables)
 
+    if isinstance(e, A.Index) and isinstance(e.base, A.Name) and e.base.id in tables:
+        if len(e.indices) != 1:
+            raise err(e, f"index table {e.base.id} with one code: {e.base.id}[nib(field, i)]")
+        return Lookup(tables[e.base.id], sub(e.indices[0]), span=e.span)
+    if isinstance(e, A.Call) and isinstance(e.func, A.Name) and e.func.id == "pow2":
+        if len(e.args) != 1:
+            raise err(e, "write pow2(x)")
+        return Pow2(sub(e.args[0]), span=e.span)
     if isinstance(e, A.IntLit):
         return Int(e.value, span=e.span)
     if isinstance(e, A.FloatLit):
@@ -89,10 +100,14 @@ class _CheckUnpack:
     def on_int(self, n: Int) -> None:
         pass
 
-    def on_float(self, n: Float) -> None:
+    def on_float(self, n: Node, *_: None) -> None:
         raise self.err(n, _UNPACK_ALLOWED)
 
-    on_neg = on_float
+    on_neg = on_pow2 = on_float
+
+    def on_lookup(self, n: Lookup, _: None) -> None:
+        if not isinstance(n.code, Call) or n.code.func not in ("nib", "nibi"):
+            raise self.err(n, "a table is indexed by a nibble: table[nib(field, i)] or table[nibi(field, i)]")
 
     def on_field(self, n: Field) -> None:
         f = self.fields.get(n.field)
@@ -127,17 +142,17 @@ class _CheckScalar:
     def on_int(self, n: Node, *_: None) -> None:
         pass
 
-    on_float = on_neg = on_int
+    on_float = on_neg = on_pow2 = on_int
 
     def on_field(self, n: Field) -> None:
         f = self.fields.get(n.field)
         if f is None or f.count is not None:
             raise self.err(n, f"{n.field!r} is not a scalar field of the block")
 
-    def on_index(self, n: Node) -> None:
+    def on_index(self, n: Node, *_: None) -> None:
         raise self.err(n, _SCALAR_ALLOWED)
 
-    on_call = on_index
+    on_call = on_lookup = on_index
 
     def on_op(self, n: Op, *_: None) -> None:
         if n.op not in ("+", "-", "*", "/"):
@@ -153,7 +168,7 @@ class _MentionsQ:
     def on_int(self, n: Node, *args: bool) -> bool:
         return any(args)
 
-    on_float = on_index = on_call = on_neg = on_op = on_int
+    on_float = on_index = on_call = on_lookup = on_pow2 = on_neg = on_op = on_int
 
 
 def check_quant(q: A.Quant) -> QuantFormat:
@@ -183,18 +198,19 @@ def check_quant(q: A.Quant) -> QuantFormat:
         fields.append(FieldInfo(f.name, f.type, f.count, offset))
         offset += fields[-1].nbytes
     byname = {f.name: f for f in fields}
+    tables = _tables(q, byname)
 
     def err_in(what: str) -> Callable[[A.Node, str], DslError]:
         return lambda node, msg: DslError(node.span, f"quant {q.name}: {what}: {msg}")
 
-    unpack = _formula(q.unpack, err_in("unpack"), _UNPACK_ALLOWED)
+    unpack = _formula(q.unpack, err_in("unpack"), _UNPACK_ALLOWED, tables)
     checker = _CheckUnpack(q, byname)
     fold(unpack, checker)
     for name in {f for f, _ in checker.used}:
         hows = {h for f, h in checker.used if f == name}
         if len(hows) > 1:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack reads {name} in two ways ({', '.join(sorted(hows))})")
-    scale, off = _split_dequant(q, _formula(q.dequant, err_in("dequant"), _SCALAR_ALLOWED))
+    scale, off = _split_dequant(q, _formula(q.dequant, err_in("dequant"), _SCALAR_ALLOWED, {}))
     for formula in (scale, off):
         if formula is not None:
             fold(formula, _CheckScalar(q, byname))
@@ -202,6 +218,26 @@ def check_quant(q: A.Quant) -> QuantFormat:
     value_fields = tuple(f.name for f in fields if f.name in used_names)
     interleaved = tuple(dict.fromkeys(f for f, how in checker.used if how == "nibi"))
     return QuantFormat(q.name, q.block, tuple(fields), unpack, scale, off, value_fields, interleaved)
+
+
+def _tables(q: A.Quant, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ...]]:
+    """The declaration's codebooks: 16 int8 constants each (the kernels' weights are int8)."""
+    tables: dict[str, tuple[int, ...]] = {}
+    for t in q.tables:
+        if t.name in tables or t.name in fields or t.name in ("i", "q") or t.name in CALLS:
+            raise DslError(t.span, f"quant {q.name}: table name {t.name!r} is taken")
+        values = []
+        for v in t.values:
+            neg = isinstance(v, A.Unary) and v.op == "-"
+            lit = v.operand if neg else v
+            if not isinstance(lit, A.IntLit) or not -128 <= (-lit.value if neg else lit.value) <= 127:
+                raise DslError(v.span, f"quant {q.name}: table {t.name}: entries are int8 constants (-128..127)")
+            values.append(-lit.value if neg else lit.value)
+        if len(values) != TABLE_SIZE:
+            raise DslError(t.span, f"quant {q.name}: table {t.name} needs {TABLE_SIZE} entries (a nibble indexes it),"
+                                   f" has {len(values)}")
+        tables[t.name] = tuple(values)
+    return tables
 
 
 def _split_dequant(q: A.Quant, e: Node) -> tuple[Node, Node | None]:
@@ -265,6 +301,9 @@ class _LowerUnpack:
         spread = I("i8x16.swizzle", both, I("v128.const", "i8x16", *(["0"] * 8 + ["1"] * 8)))
         bitsel = I("v128.const", "i8x16", *[str(1 << (k % 8)) for k in range(LANES)])
         return I("v128.and", I("i8x16.eq", I("v128.and", spread, bitsel), bitsel), _splat8(1))
+
+    def on_lookup(self, n: Lookup, code: Instr) -> Instr:
+        return I("i8x16.swizzle", I("v128.const", "i8x16", *map(str, n.values)), code)
 
     def on_op(self, n: Op, left: Instr, right: Instr) -> Instr:
         if n.op == "<<":

@@ -1,0 +1,229 @@
+"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_1, IQ4_NL, MXFP4) as declared in
+kernels.dsl, against llama.cpp's own definitions in the `gguf` package: the dequantization derived
+from each declaration equals gguf.quants.dequantize bit for bit, and every dot and mat-vec (both
+targets, relaxed determinism on and off, threaded and not) equals float64 dequantize(W) @ act up to
+float rounding, with exact integer parts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize, quantize
+
+from kernelgen import reference
+from kernelgen.host.api import Act, Kernels
+
+from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, same_as_deterministic,
+                     unit_scale_qmatvec_and_qdots)
+
+GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4}
+NEW = ("q5_1", "iq4_nl", "mxfp4")
+
+
+@pytest.fixture(scope="module")
+def quants(module_cache) -> dict:
+    return module_cache.get("simd128").quants
+
+
+def finite_f16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random finite f16 bit patterns: every exponent (subnormals, +-0 included), any sign."""
+    bits = rng.integers(0, 0x10000, shape, dtype=np.uint32).astype(np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] ^= 0x4000  # inf/NaN exponent -> a finite one
+    return bits.view(np.float16)
+
+
+def random_blocks(q, rng: np.random.Generator, rows: int, nb: int, scale: tuple[float, float] | None = None) -> np.ndarray:
+    """Random stored bytes; f16 fields finite (all of f16 when `scale` is None, else uniform in it);
+    MXFP4's exponent any byte (None) or one that keeps the kernels' products finite."""
+    b = rng.integers(0, 256, (rows, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
+    for f in q.fields:
+        if f.type == "f16":
+            b[f.name] = finite_f16(rng, b.shape) if scale is None else rng.uniform(*scale, b.shape)
+        elif f.name == "e" and scale is not None:
+            b[f.name] = rng.integers(118, 131, b.shape)  # 2^-10 .. 2^2
+    return b
+
+
+def gguf_dequant(quant: str, blocks: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(blocks).view(np.uint8).reshape(blocks.shape[0], -1)
+    return dequantize(raw, GGUF[quant]).astype(np.float32)
+
+
+# ---- the derived dequantization is llama.cpp's, value for value ---------------------------------
+
+
+@pytest.mark.parametrize("quant", GGUF)
+def test_dequant_equals_gguf_on_random_bytes(quants, quant):
+    q = quants[quant]
+    rng = rng_for("gguf-deq", quant)
+    b = random_blocks(q, rng, 16, 9)
+    if quant == "mxfp4":
+        b["e"][0, :2] = [0, 255]  # the subnormal and the largest scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert_bitwise_equal(q.dequantize_ref(b), gguf_dequant(quant, b), f"{quant} dequantize")
+
+
+def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
+    """Blocks of `quant` quantized from x: gguf's quantizer where it has one, else kernelgen.reference's."""
+    if quant == "iq4_nl":
+        return reference.quantize_iq4_nl(x)
+    return quantize(x, GGUF[quant]).view(q.dtype)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_1", "mxfp4", "iq4_nl"])
+def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
+    q = quants[quant]
+    rng = rng_for("gguf-quantized", quant)
+    x = (rng.standard_normal((6, 256)) * rng.uniform(0.01, 30, (6, 1))).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 5] = 1e4  # an outlier
+    b = quantized_blocks(quant, q, x)
+    got = q.dequantize_ref(b)
+    assert_bitwise_equal(got, gguf_dequant(quant, b), f"{quant} dequantize")
+    # and the quantization is sane (MXFP4 clips values above 1.5 * 2^floor(log2(amax)): 1/4 of amax)
+    step = np.abs(x).reshape(6, -1, 32).max(axis=-1, keepdims=True) / 3.5
+    assert np.all(np.abs(got - x).reshape(6, -1, 32) <= step + 1e-6), quant
+
+
+def test_reference_iq4_nl_picks_the_nearest_entry():
+    x = np.linspace(-1, 1, 32, dtype=np.float32)[None, :]
+    b = reference.quantize_iq4_nl(x)
+    assert b["d"][0, 0] == np.float16(1 / 127)  # -1 maps to the first entry, -127
+    d = np.float32(b["d"][0, 0])
+    grid = d * reference.IQ4_NL_VALUES.astype(np.float32)
+    qs = b["qs"][0, 0].astype(np.int32)
+    codes = np.concatenate([qs & 15, qs >> 4])
+    assert np.all(np.abs(grid[codes] - x[0]) <= np.abs(grid[None, :] - x[0][:, None]).min(axis=1))
+
+
+# ---- kernels against float64 dequantize(W) @ act ------------------------------------------------
+
+
+def f64_reference(k: Kernels, quant: str, blocks: np.ndarray, act: Act) -> tuple[np.ndarray, np.ndarray]:
+    """float64 dequantize(W) @ (the module's activations, dequantized), and the sum of the magnitudes
+    of the per-block terms the kernel rounds in f32 (the scale of its float error)."""
+    q = k.quants[quant]
+    zero, _ = consts(k)
+    rows = blocks.shape[0]
+    w = q.dequantize_ref(blocks).astype(np.float64)
+    a = (act.q.astype(np.float64) - zero) * np.repeat(act.d.astype(np.float64), 32)
+    terms = (w * a).reshape(rows, -1, 32)
+    # per block: scale * d_a * int_dot and offset * d_a * sum(a), each rounded on its own
+    wi = q.unpack_ref(blocks).reshape(rows, -1, 32).astype(np.float64)
+    ai = (act.q.astype(np.float64) - zero).reshape(-1, 32)
+    ad = act.d.astype(np.float64)
+    mag = np.abs(q.scale_ref(blocks) * ad * (wi * ai).sum(-1))
+    if q.offset is not None:
+        mag = mag + np.abs(q.offset_ref(blocks) * ad * ai.sum(-1))
+    return terms.sum(axis=(1, 2)), mag.sum(axis=1)
+
+
+@pytest.mark.parametrize("quant", NEW)
+def test_qmatvec_and_qdot_match_float64_dequantization(mode, kgen, quant):
+    km = kgen()
+    q = km.quants[quant]
+    cases = []
+    for k in (32, 96, 4128):  # one block, a tail past four blocks, many blocks
+        rng = rng_for("gguf-mv", quant, k)
+        x = (rng.standard_normal(k) * np.repeat(rng.uniform(0.1, 10, k // 32), 32)).astype(np.float32)
+        for rows in (1, 3, 9):
+            xw = (rng.standard_normal((rows, k)) * rng.uniform(0.01, 3, (rows, 1))).astype(np.float32)
+            xw[0, :32] = 0.0  # all-zero block
+            xw[-1, -1] = 500.0  # outlier block
+            cases.append((k, rows, "quantized", x, quantized_blocks(quant, q, xw)))
+            cases.append((k, rows, "random", x, random_blocks(q, rng, rows, k // 32, (-0.05, 0.05))))
+
+    def run(m: Kernels) -> list:
+        out = []
+        with m.pool(2) as pool:
+            for k, rows, kind, x, b in cases:
+                act = m.quantize_act(x)
+                w = m.pack(quant, b)
+                y = m.qmatvec(w, act)
+                assert_bitwise_equal(m.qmatvec(w, act, pool=pool), y, f"{quant} threaded vs one thread")
+                out += [act, y, np.float32(m.qdot(m.pack(quant, b[:1]), act))]
+        return out
+
+    outs = run(km)
+    for i, (k, rows, kind, x, b) in enumerate(cases):
+        act, y, d = outs[3 * i:3 * i + 3]
+        ref, mag = f64_reference(km, quant, b, act)
+        assert_q_close(y, ref, mag, f"{quant} qmatvec rows={rows} k={k} {kind}")
+        assert_q_close(np.float32([d]), ref[:1], mag[:1], f"{quant} qdot k={k} {kind}")
+    same_as_deterministic(mode, kgen, None, run, outs)
+
+
+def unit_blocks(quant: str, q, k: int) -> np.ndarray:
+    """Rows whose scale is 1 (and Q5_1's minimum an integer): every code of the type, in patterns."""
+    nb = k // 32
+    rng = rng_for("gguf-unit", quant, k)
+    rows = []
+    for pattern in ("lo", "hi", "random"):
+        b = np.zeros(nb, q.dtype)
+        b["qs"] = {"lo": 0x00, "hi": 0xFF}.get(pattern, 0) if pattern != "random" else rng.integers(0, 256, (nb, 16))
+        if "d" in q.dtype.names:
+            b["d"] = 1.0
+        if quant == "mxfp4":
+            b["e"] = 128  # 2^0
+        if quant == "q5_1":
+            b["qh"] = rng.integers(0, 256, (nb, 4)) if pattern == "random" else (0xFF if pattern == "hi" else 0)
+            b["m"] = -16.0
+        rows.append(b)
+    codes = np.arange(16, dtype=np.uint8)  # and one row with every code at both nibbles
+    b = np.zeros(nb, q.dtype)
+    b["qs"] = codes | (codes[::-1] << 4)
+    if "d" in q.dtype.names:
+        b["d"] = 1.0
+    if quant == "mxfp4":
+        b["e"] = 128
+    rows.append(b)
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("quant", NEW)
+def test_integer_accumulation_is_exact(mode, kgen, quant):
+    km = kgen()
+    q = km.quants[quant]
+    zero, _ = consts(km)
+    k = 160
+    blocks = unit_blocks(quant, q, k)
+    rng = rng_for("gguf-act", mode.target)
+    lo, hi = (-128, 127) if mode.target == "simd128" else (0, 127)
+    acts = [np.full(k, lo, act_dtype(km)), np.full(k, hi, act_dtype(km)),
+            rng.choice(np.array([lo, hi]), k).astype(act_dtype(km))]
+
+    def run(m: Kernels) -> list[np.ndarray]:
+        return unit_scale_qmatvec_and_qdots(m, quant, blocks, acts)
+
+    outs = run(km)
+    w = q.unpack_ref(blocks).reshape(blocks.shape[0], -1).astype(np.int64)
+    off = q.offset_ref(blocks).astype(np.int64)
+    for j, a in enumerate(acts):
+        av = a.astype(np.int64) - zero
+        want = (w * av).sum(axis=1) + (off * av.reshape(-1, 32).sum(axis=1)).sum(axis=1)
+        assert np.abs(want).max() < 2 ** 24
+        for got in outs[2 * j:2 * j + 2]:
+            assert np.array_equal(got.astype(np.int64), want), f"{quant}: got {got} want {want}"
+    same_as_deterministic(mode, kgen, None, run, outs)
+
+
+@pytest.mark.parametrize("quant", ["q5_1", "iq4_nl"])
+def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
+    """A NaN or infinite scale makes gguf's dequantized block non-finite; the kernels' row is then
+    not finite either, and the other rows are unaffected."""
+    km = kgen()
+    q = km.quants[quant]
+    rng = rng_for("gguf-nan", quant)
+    b = random_blocks(q, rng, 3, 4, (-0.05, 0.05))
+    b["qs"][:, :] = 0x99  # nonzero codes everywhere, so inf * code is inf, not NaN from 0 * inf
+    b["d"][0, 1] = np.nan
+    b["d"][1, 2] = np.inf
+    x = rng.standard_normal(128).astype(np.float32)
+    act = km.quantize_act(x)
+    y = km.qmatvec(km.pack(quant, b), act)
+    with np.errstate(invalid="ignore", over="ignore"):
+        deq = gguf_dequant(quant, b)
+    assert not np.isfinite(deq[0]).all() and not np.isfinite(deq[1]).all()
+    assert np.isnan(y[0]) and not np.isfinite(y[1])
+    ref, mag = f64_reference(km, quant, b[2:], act)
+    assert_q_close(y[2:], ref, mag, f"{quant} finite row")
