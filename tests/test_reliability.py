@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import wasmtime
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kernelgen
@@ -29,7 +29,7 @@ from kernelgen.cli import main
 from kernelgen.compiler import build as B
 from kernelgen.compiler.build import compile_source, write_outputs
 from kernelgen.compiler.parse import MAX_NESTING
-from kernelgen.errors import KernelgenError
+from kernelgen.errors import DslError, KernelgenError
 from kernelgen.tuning import store as S
 from kernelgen.compiler.check import check
 from kernelgen.compiler.parse import parse
@@ -388,6 +388,20 @@ def test_float_literals_out_of_range(tmp_path: Path, capsys, literal: str, messa
     assert err.startswith(f"{dsl}:2:") and message in err
 
 
+@pytest.mark.parametrize("source, where, message", [
+    ("const C: i32 = 4294967296;\nexport kernel f(x: i32) -> i32 {\n    return x + C;\n}\n", "1:16", "i32 cannot hold 4294967296"),
+    ("const C: f32 = 1e39;\nexport kernel f(x: f32) -> f32 {\n    return x + C;\n}\n", "1:16", r"f32 cannot hold 1e\+39"),
+    ("export kernel f(x: i32) -> i32 {\n    var y: i32 = 4294967296;\n    return x + y;\n}\n", "2:5", "does not fit in i32"),
+    ("export kernel f(x: i32) -> i32 {\n    tune r: i32 in {1, 4294967296} = 1;\n    return x + r;\n}\n", "2:5",
+     "a value does not fit in i32"),
+    ("export kernel f(x: i64) -> i64 {\n    return x + 18446744073709551616;\n}\n", "2:16", "no integer type holds it"),
+])
+def test_literals_out_of_their_types_range_are_located_errors(source: str, where: str, message: str) -> None:
+    with pytest.raises(DslError, match=message) as e:
+        compile_source(source, "k.dsl", ("simd128",))
+    assert str(e.value).startswith(f"k.dsl:{where}:")
+
+
 def test_instantiation_without_end_is_a_located_error(tmp_path: Path) -> None:
     dsl = tmp_path / "g.dsl"
     dsl.write_text("kernel g[N: i32](x: i32) -> i32 {\n    return g[N + 1](x);\n}\n"
@@ -563,6 +577,11 @@ def _is_int(v: object, lo: int, hi: int) -> bool:
 @given(npos=st.one_of(_ints(0, 40), NOT_INTS), dim=st.one_of(_ints(2, 64), NOT_INTS),
        pos0=st.one_of(_ints(0, 2**31 - 1), NOT_INTS),
        theta=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([10000, True, np.float32(500.0)])))
+@example(npos=True, dim=8, pos0=0, theta=10000)
+@example(npos=4, dim=8.0, pos0=0, theta=10000)
+@example(npos=4, dim=8, pos0=2**32, theta=10000)
+@example(npos=np.int64(4), dim=np.uint8(8), pos0=np.int32(7), theta=np.float32(500.0))
+@example(npos=4, dim=8, pos0=0, theta=True)
 def test_property_rope_table_arguments(loaded, npos, dim, pos0, theta) -> None:
     k, packed, act, pool, want = loaded
     valid = (_is_int(npos, 0, 40) and _is_int(dim, 2, 64) and int(dim) % 2 == 0 and _is_int(pos0, 0, 2**31 - 1 - int(npos))
@@ -583,6 +602,10 @@ def test_property_rope_table_arguments(loaded, npos, dim, pos0, theta) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chunk=st.one_of(st.none(), _ints(1, 2**31 - 1), NOT_INTS), threaded=st.booleans(),
        t=st.one_of(st.none(), _ints(1, 12), NOT_INTS), n=st.one_of(_ints(0, 100), NOT_INTS))
+@example(chunk=True, threaded=True, t=True, n=True)
+@example(chunk=2**32, threaded=True, t=2.0, n=2**40)
+@example(chunk=2**31 - 1, threaded=True, t=np.int64(5), n=np.uint8(7))
+@example(chunk=np.float32(4.0), threaded=True, t=12, n=1.5)
 def test_property_chunks_softmax_and_raw_calls(loaded, chunk, threaded, t, n) -> None:
     k, packed, act, pool, want = loaded
     try:
@@ -616,4 +639,45 @@ def test_property_chunks_softmax_and_raw_calls(loaded, chunk, threaded, t, n) ->
                 assert r == float(int(n))
     finally:
         k.module.release(m)
+    assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
+
+
+@st.composite
+def arrays(draw: st.DrawFn) -> np.ndarray:
+    """An array of any dtype and rank up to 2, sometimes a strided view (not contiguous)."""
+    dtype = draw(st.sampled_from([np.float32, np.float32, np.float32, np.float64, np.float16, np.int32]))
+    shape = draw(st.sampled_from([(0,), (1,), (7,), (33,), (64,), (3, 8), (2, 33)]))
+    step = draw(st.sampled_from([1, 1, 2]))
+    base = np.linspace(-9, 9, int(np.prod(shape)) * step).astype(dtype)
+    return base[::step].reshape(shape) if step > 1 else base.reshape(shape)
+
+
+def _f32_vector(a: object) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(x=arrays(), g=arrays(), alias=st.booleans(), threaded=st.booleans())
+def test_property_array_arguments_and_aliasing(loaded, x, g, alias, threaded) -> None:
+    k, packed, act, pool, want = loaded
+    g = x if alias else g  # the same array as both operands
+    p = pool if threaded else None
+    with np.errstate(over="ignore"):
+        cases = {
+            "silu_f32": (lambda: k.silu_f32(x, p), _f32_vector(x), lambda: x / (1 + np.exp(-x.astype(np.float64)))),
+            "swiglu_f32": (lambda: k.swiglu_f32(x, g, p), _f32_vector(x) and _f32_vector(g) and x.shape == g.shape,
+                           lambda: x / (1 + np.exp(-x.astype(np.float64))) * g),
+            "dot_f32": (lambda: k.dot_f32(x, g), _f32_vector(x) and _f32_vector(g) and x.shape == g.shape,
+                        lambda: np.dot(x.astype(np.float64), g)),
+            "matvec_f32": (lambda: k.matvec_f32(g, x, p), _f32_vector(x) and isinstance(g, np.ndarray) and g.dtype == np.float32
+                           and g.ndim == 2 and g.shape[1] == x.size, lambda: g.astype(np.float64) @ x),
+        }
+        for name, (call, valid, reference) in cases.items():
+            try:
+                got = call()
+            except (ValueError, TypeError):
+                assert not valid, name
+            else:
+                assert valid, name
+                np.testing.assert_allclose(got, reference(), rtol=2e-5, atol=2e-4, err_msg=name)
     assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()

@@ -74,7 +74,7 @@ def _check(program: A.Program) -> Checked:
         if t is None or not T.is_scalar(t):
             raise DslError(c.span, f"const {c.name}: type must be a scalar type, not {c.type!r}")
         v = _const_value(c.value, consts)
-        if T.is_int(t) and isinstance(v, float):
+        if not T.fits(v, t):
             raise DslError(c.value.span, f"const {c.name}: {t} cannot hold {v}")
         consts[c.name] = Val(None, t, float(v) if T.is_float(t) else v)
 
@@ -153,6 +153,8 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
             raise DslError(t.span, f"tune parameter {t.name!r}: use lowercase letters only (it becomes part of export names)")
         if t.type != "i32":
             raise DslError(t.span, f"tune parameter {t.name}: type must be i32")
+        if not all(T.fits(v, "i32") for v in t.domain):
+            raise DslError(t.span, f"tune parameter {t.name}: a value does not fit in i32")
         if len(set(t.domain)) != len(t.domain):
             raise DslError(t.span, f"tune parameter {t.name}: a value is listed twice")
         if t.default not in t.domain:

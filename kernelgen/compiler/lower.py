@@ -8,7 +8,6 @@ WAT. Types are computed here as the code is built; the rules for ops live in ops
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +68,6 @@ class Export:
     items: str = ""  # for a job: what its items are, from "items are ..." in its doc comment
 
 
-F32_MAX = float.fromhex("0x1.fffffep+127")  # the largest finite f32
 MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
 MAX_INSTANCES = 4096  # distinct instances of internal kernels in one module
 
@@ -222,11 +220,8 @@ class Lowerer:
                 return self.target.ops["splat"](self, t, [v]).code
             if T.is_int(t) and not isinstance(v.const, int):
                 raise self.error(f"a float constant cannot be used as {t}")
-            bits = 32 if t == "i32" else 64
-            if T.is_int(t) and not -(1 << (bits - 1)) <= v.const < (1 << bits):
+            if not T.fits(v.const, t):
                 raise self.error(f"{v.const} does not fit in {t}")
-            if t == "f32" and math.isfinite(v.const) and abs(v.const) > F32_MAX:
-                raise self.error(f"{v.const} does not fit in f32 (at most {F32_MAX:.9g})")
             return I(f"{t}.const", number(float(v.const) if T.is_float(t) else v.const))
         if type_ and v.type != type_:
             raise self.error(f"expected {type_}, got {v.type}")

@@ -67,6 +67,19 @@ def is_float(t: str) -> bool:
     return t in ("f32", "f64", FLOAT_LIT) or (t in VECTORS and VECTORS[t].is_float)
 
 
+F32_MAX = float.fromhex("0x1.fffffep+127")  # the largest finite f32
+
+
+def fits(value: int | float, t: str) -> bool:
+    """Whether a compile-time value can be written as a constant of scalar type `t`: an integer in
+    the signed or unsigned range of its width (wasm integers carry no sign), an f32 no larger than
+    the largest finite f32 (infinities and NaNs are written as such)."""
+    if is_int(t):
+        bits = 64 if t == "i64" else 32
+        return isinstance(value, int) and -(1 << (bits - 1)) <= value < (1 << bits)
+    return t != "f32" or not abs(value) < float("inf") or abs(value) <= F32_MAX
+
+
 def wasm_type(t: str) -> str:
     """The wasm value type that holds a value of type t."""
     return "v128" if t in VECTORS else t
