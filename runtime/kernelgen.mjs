@@ -132,7 +132,8 @@ export class Kernels {
   quantizeAct(x) { return this.#invoke('quantizeAct', [x]); }
 
   /** Stored blocks (Uint8Array: rows * k / block blocks of the type's stored bytes, e.g. GGUF
-   * Q8_0) -> a Packed handle {quant, rows, k, planes} to weights kept until reset(). */
+   * Q8_0) -> a Packed handle {quant, rows, k, planes, owner, generation} to weights kept until reset(); these
+   * kernels refuse a handle of other kernels or from before a reset(). */
   pack(quant, blocks, rows, k) { return this.#invoke('pack', [quant, blocks, rows, k]); }
 
   /** Dot of a one-row Packed with activations from quantizeAct -> number. */

@@ -190,10 +190,15 @@ export class Pool {
       throw new RangeError(`${job}: need integers count in 0..${MAX_ITEMS} and chunk in 1..${I32_MAX}, got count=${count}, chunk=${chunk}`);
     }
     chunk = Math.min(chunk, Math.max(1, Math.floor((I32_MAX - count) / (this.size + 1))));
+    const heapBase = this.manifest.memory.heap_base;
     spec.args.forEach((a, slot) => {
       const v = args[slot];
       const ok = a.type === 'f32' ? typeof v === 'number' : Number.isInteger(v) && v >= -(2 ** 31) && v < 2 ** 32;
       if (!ok) throw new TypeError(`${job} ${a.name}: expected ${a.type === 'f32' ? 'a number' : 'a 32-bit integer'}, got ${v}`);
+      // Below heap_base are the pool's own words: a job writing there would hang the next one.
+      if (a.dsl_type === 'ptr' && v < heapBase) {
+        throw new RangeError(`${job} ${a.name}: address ${v} is below the heap (heap_base ${heapBase}: the pool's words)`);
+      }
     });
     const { JOB_ARGS } = this.manifest.memory.fixed;
     const nwords = this.manifest.memory.job_arg_words;

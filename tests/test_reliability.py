@@ -116,12 +116,18 @@ def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() 
         print(refused(k.call, name, *packed.args, aq, ad, 0, 67, 256))       # y at address 0
         print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
         print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))
+        with k.pool(2) as pool:
+            job = k.job_name("qmatvec_job", "q8_0")
+            print(refused(pool.run, job, 67, 8, [*packed.args, aq, ad, 128, 256]))   # y on the pool words
+        print(refused(k.call, "par_for", 0, 10, 2**31 - 1))                         # the pool's own
+        print(refused(k.call, "pool_helper", 0, 0, 0))
         k.module.release(m)
         with k.pool(2) as pool:
             assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
         print("done")
     """)
-    assert out.count("is outside the heap") == 3 and out.strip().endswith("done")
+    assert out.count("is below the heap") == 4 and out.count("the thread pool's own") == 2
+    assert out.strip().endswith("done")
 
 
 def test_manifest_with_heap_base_zero_or_overlapping_words_is_refused(tmp_path: Path) -> None:
@@ -402,6 +408,15 @@ def test_literals_out_of_their_types_range_are_located_errors(source: str, where
     assert str(e.value).startswith(f"k.dsl:{where}:")
 
 
+def test_nested_unrolls_without_end_are_a_located_error(tmp_path: Path) -> None:
+    dsl = tmp_path / "u.dsl"
+    dsl.write_text("export kernel f(x: i32) -> i32 {\n    var y: i32 = x;\n    unroll a in 0..200 {\n"
+                   "        unroll b in 0..200 {\n            unroll c in 0..200 {\n                y = y + 1;\n"
+                   "            }\n        }\n    }\n    return y;\n}\n")
+    r = run([sys.executable, "-m", "kernelgen.cli", "check", "--dsl", str(dsl)])
+    assert r.returncode == 2 and r.stderr.startswith(f"{dsl}:4:9: unroll of 200 copies (40000 with the unrolls around it)"), r.stderr
+
+
 def test_instantiation_without_end_is_a_located_error(tmp_path: Path) -> None:
     dsl = tmp_path / "g.dsl"
     dsl.write_text("kernel g[N: i32](x: i32) -> i32 {\n    return g[N + 1](x);\n}\n"
@@ -470,6 +485,7 @@ const want = await k.matvecF32(w, x);
 const same = (a) => Buffer.from(a.buffer).equals(Buffer.from(want.buffer));
 for (const chunk of [2 ** 32, 2 ** 31, 0, -5, 1.5]) await attempt(`chunk ${chunk}`, () => k.matvecF32(w, x, { threads: true, chunk }));
 for (const chunk of [2 ** 31 - 1, 2 ** 30, 7]) results[`chunk ${chunk} same`] = same(await k.matvecF32(w, x, { threads: true, chunk }));
+await attempt('job writing the pool words', () => k.runJob('matvec_f32_job', 4, 1, [8192, 8192, 64, 1]));
 await attempt('pos0 2^32', () => k.ropeTable(4, 8, 10000, 2 ** 32));
 await attempt('pos0 1.5', () => k.ropeTable(4, 8, 10000, 1.5));
 const block = new Uint8Array(34); block[1] = 0x3c; block.fill(3, 2);
@@ -527,6 +543,7 @@ def test_js_runtime_refuses_bad_builds_and_arguments(tmp_path: Path) -> None:
     for chunk in ("4294967296", "2147483648", "0", "-5", "1.5"):
         assert res[f"chunk {chunk}"].startswith("RangeError"), res[f"chunk {chunk}"]
     assert all(res[f"chunk {c} same"] for c in (2**31 - 1, 2**30, 7))
+    assert res["job writing the pool words"].startswith("RangeError") and "below the heap" in res["job writing the pool words"]
     assert res["pos0 2^32"].startswith("RangeError") and res["pos0 1.5"].startswith("RangeError")
     assert res["qdot"] == 32 * 3 * 1.0  # d = 1.0, codes 3, activations 1 -> quantized to ACT_MAX with scale 1 / ACT_MAX
     assert "packed by other kernels" in res["foreign packed"] and "before reset()" in res["packed before reset"]

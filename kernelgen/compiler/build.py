@@ -215,7 +215,10 @@ def _replace_tree(files: dict[Path, bytes], out_dir: Path) -> list[Path]:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except (OSError, TypeError):  # no C library to ask (Windows)
+        return False
     if fn is None:
         return False
     at_fdcwd, rename_exchange = -100, 2

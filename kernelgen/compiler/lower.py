@@ -70,6 +70,8 @@ class Export:
 
 MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
 MAX_INSTANCES = 4096  # distinct instances of internal kernels in one module
+MAX_UNROLL = 256  # copies one `unroll` makes
+MAX_COPIES = 4096  # copies nested unrolls make of their innermost body
 
 
 class _Return(Exception):
@@ -105,6 +107,7 @@ class Lowerer:
         # led to it): `g[N]` calling `g[N + 1]` would otherwise instantiate for ever.
         self._pending: list[tuple[KernelInfo, dict[str, Binding], str, tuple[str, ...]]] = []
         self._chain: tuple[str, ...] = ()
+        self._copies = 1  # copies the enclosing unrolls (inline expansions included) make of this statement
         self._span: A.Span | None = None
         self._frame = _Frame()
         self._scopes: list[dict[str, Binding]] = []
@@ -358,13 +361,19 @@ class Lowerer:
         elif isinstance(s, A.Unroll):
             start = self._const_int(s.start, "an unroll bound")
             stop = self._const_int(s.stop, "an unroll bound")
-            if stop - start > 256:
-                raise self.error(f"unroll of {stop - start} copies; at most 256")
-            for k in range(start, stop):
-                self._push()
-                self._bind(s.var, Val(None, "i32", k))
-                self._block(s.body)
-                self._pop()
+            copies = self._copies * max(stop - start, 1)
+            if stop - start > MAX_UNROLL or copies > MAX_COPIES:
+                raise self.error(f"unroll of {stop - start} copies ({copies} with the unrolls around it); at most "
+                                 f"{MAX_UNROLL}, and {MAX_COPIES} nested")
+            saved, self._copies = self._copies, copies
+            try:
+                for k in range(start, stop):
+                    self._push()
+                    self._bind(s.var, Val(None, "i32", k))
+                    self._block(s.body)
+                    self._pop()
+            finally:
+                self._copies = saved
         elif isinstance(s, A.If):
             self._if(s)
         elif isinstance(s, A.Return):

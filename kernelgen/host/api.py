@@ -28,7 +28,7 @@ from .module import I32_MAX, as_int, as_real
 from ..errors import KernelgenError
 from ..names import parse_variant
 from ..quantformat import QuantFormat
-from .pool import Pool
+from .pool import POOL_EXPORTS, Pool
 
 
 @dataclass(frozen=True)
@@ -144,14 +144,14 @@ class Kernels:
     def call(self, name: str, *args: int | float) -> Any:
         """Run an exported function with raw arguments (addresses and scalars). An address (a
         parameter of DSL type ptr) must lie in the heap, at or above heap_base: below it are the pool's
-        words, which a stray write would corrupt."""
+        words, which a stray write would corrupt. The pool's own exports are run by `pool()` only."""
         spec = self.manifest["exports"].get(name)
+        if spec is not None and spec["kernel"] in POOL_EXPORTS:
+            raise ValueError(f"{name} is the thread pool's own (it waits for helpers or runs a loop): use Kernels.pool()")
         if spec is not None and len(args) == len(spec["params"]):
-            size = self.module.memory.data_len()
             for a, p in zip(args, spec["params"]):
-                if p["dsl_type"] == "ptr" and not self.module.heap_base <= as_int(f"{name} {p['name']}", a, 0, I32_MAX) <= size:
-                    raise ValueError(f"{name} {p['name']}: address {a} is outside the heap "
-                                     f"({self.module.heap_base}..{size}); pass addresses from module.alloc/put")
+                if p["dsl_type"] == "ptr":
+                    self.module.check_address(f"{name} {p['name']}", a)
         return self.module.call(name, *args)
 
     @_locked

@@ -195,6 +195,16 @@ class Module:
                 raise ValueError(f"release({mark}): not a mark of this allocator (top is {self._top})")
             self._top = mark
 
+    def check_address(self, what: str, addr: Any) -> int:
+        """`addr` as an address at or above heap_base: below it are the module's own words (the
+        pool's), which a stray write would corrupt (an address past the memory's end only traps).
+        ValueError otherwise."""
+        a = as_int(what, addr, 0, 2**32 - 1)
+        if a < self.heap_base:
+            raise ValueError(f"{what}: address {a} is below the heap (heap_base {self.heap_base}: the pool's words); "
+                             "pass addresses from alloc/put")
+        return a
+
     def put(self, array: np.ndarray, align: int = 64, pad: int = 0) -> int:
         """Copy `array` (as C-contiguous bytes) into fresh memory followed by `pad` zero bytes.
 

@@ -100,7 +100,9 @@ class Pool:
                              f"({', '.join(a['name'] for a in spec['args'])}), got {len(args)}")
         count = as_int(f"{job} count", count, 0, MAX_ITEMS)
         chunk = min(as_int(f"{job} chunk", chunk, 1, I32_MAX), max(1, (I32_MAX - count) // (self.size + 1)))
-        values = [as_real(f"{job} {a['name']}", v) if a["type"] == "f32" else as_int(f"{job} {a['name']}", v, -2**31, 2**32 - 1)
+        values = [as_real(f"{job} {a['name']}", v) if a["type"] == "f32"
+                  else self.module.check_address(f"{job} {a['name']}", v) if a["dsl_type"] == "ptr"
+                  else as_int(f"{job} {a['name']}", v, -2**31, 2**32 - 1)
                   for v, a in zip(args, spec["args"])]
         with self.module.lock:
             self._run(job, spec, count, chunk, values)
@@ -138,6 +140,8 @@ class Pool:
         self.close()
 
 
+# The pool machinery's exports (kernels.dsl, "the thread pool"): run by Pool, never by a raw call.
+POOL_EXPORTS = frozenset({"pool_helper", "pool_done", "pool_wait", "par_for", "pool_stop"})
 MAX_ITEMS = 2**30  # items per job: with the chunk bound in run, the claims stay within an i32
 
 

@@ -23,12 +23,14 @@ from ..compiler import ast as A
 from ..compiler.assemble import wabt_version
 from ..compiler.check import Checked, resolve_tune
 from ..errors import DslError
+from ..host.manifest import MAX_THREADS
+from ..host.module import I32_MAX
 
 STORE = Path("tuning") / "store.jsonl"
 FORMAT = 1
-# A pool job's tuned values (threads taking part, items per claim) and their sane ranges: the pools
-# take at most 256 threads and an i32 chunk (kernelgen/host/pool.py).
-JOB_TUNE = {"threads": (1, 256), "chunk": (1, 2**31 - 1)}
+# A pool job's tuned values (threads taking part, items per claim) and the ranges a manifest may
+# hold (kernelgen/host/manifest.py checks them when it loads).
+JOB_TUNE = {"threads": (1, MAX_THREADS), "chunk": (1, I32_MAX)}
 
 
 class StoreWarning(UserWarning):
