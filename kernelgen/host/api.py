@@ -150,8 +150,8 @@ class Kernels:
             raise ValueError(f"{name} is the thread pool's own (it waits for helpers or runs a loop): use Kernels.pool()")
         if spec is not None and len(args) == len(spec["params"]):
             for a, p in zip(args, spec["params"]):
-                if p["dsl_type"] == "ptr":
-                    self.module.check_address(f"{name} {p['name']}", a)
+                if p["dsl_type"] == "ptr" and not (type(a) is int and self.module.heap_base <= a < 2**32):
+                    self.module.check_address(f"{name} {p['name']}", a)  # raises, or takes a numpy integer
         return self.module.call(name, *args)
 
     @_locked

@@ -38,9 +38,10 @@ _INT_RANGE = {"i32": (-2**31, 2**32 - 1), "i64": (-2**63, 2**64 - 1)}
 def as_int(what: str, value: Any, lo: int, hi: int) -> int:
     """`value` as a Python int in [lo, hi]: an int or numpy integer, never a bool or a float (which
     wasmtime would truncate or wrap silently); TypeError or ValueError naming `what` otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
-        raise TypeError(f"{what}: expected an integer, got {type(value).__name__} {value!r}")
-    value = int(value)
+    if type(value) is not int:  # the common case first: this runs on every call
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+            raise TypeError(f"{what}: expected an integer, got {type(value).__name__} {value!r}")
+        value = int(value)
     if not lo <= value <= hi:
         raise ValueError(f"{what}: {value} is outside {lo}..{hi}")
     return value
@@ -263,10 +264,13 @@ class Module:
         params = self._params[name]
         if len(args) != len(params):
             raise TypeError(f"{name} takes {len(params)} arguments ({', '.join(params)}), got {len(args)}")
-        values = [as_int(f"{name} argument {i}", a, *_INT_RANGE[t]) if t in _INT_RANGE else as_real(f"{name} argument {i}", a)
-                  for i, (a, t) in enumerate(zip(args, params))]
-        # wasmtime-py takes i32/i64 as signed values.
-        values = [v - (1 << bits) if t in _INT_RANGE and v >= 1 << (bits - 1) else v
-                  for v, t, bits in ((v, t, 32 if t == "i32" else 64) for v, t in zip(values, params))]
+        values = []
+        for i, (a, t) in enumerate(zip(args, params)):
+            if t in _INT_RANGE:
+                lo, hi = _INT_RANGE[t]
+                v = as_int(f"{name} argument {i}", a, lo, hi) if type(a) is not int or not lo <= a <= hi else a
+                values.append(v + 2 * lo if v > -lo - 1 else v)  # wasmtime-py takes i32/i64 as signed values
+            else:
+                values.append(a if type(a) is float else as_real(f"{name} argument {i}", a))
         with self.lock:
             return func(self.store, *values)
