@@ -66,6 +66,42 @@ quant mxfp4 {
     dequant pow2(e - 128) * q;
 }
 
+# ---- super-blocks: 256 values in sub-blocks whose scales are stored quantized -------------------
+# The kernels see each sub-block of 32 as a block: its integers re-encoded in the narrowest form
+# their range allows (4-bit, 5-bit or bytes) and its scale and minimum as f32 (Kernels.pack).
+
+# Q4_K: 8 sub-blocks of 32 4-bit values (two sub-blocks share 32 bytes: low nibbles, then high);
+# each has a 6-bit scale and a 6-bit minimum packed into 12 bytes under the f16 d and dmin.
+quant q4_k {
+    block 256;
+    sub 32;
+    field d: f16;
+    field dmin: f16;
+    field scales: u8[12];
+    field qs: u8[128];
+    # sub-blocks 0-3: low 6 bits of bytes s and s + 4; 4-7: a nibble of byte s + 4 and the top bits
+    # of bytes s - 4 (scale) and s (minimum)
+    let sc = select(s < 4, scales[s] & 63, (scales[s + 4] & 15) | (scales[s % 4] >> 6 << 4));
+    let mn = select(s < 4, scales[s + 4] & 63, (scales[s + 4] >> 4) | (scales[s] >> 6 << 4));
+    unpack (qs[i / 64 * 32 + i % 32] >> (i / 32 % 2 * 4)) & 15;
+    dequant d * sc * q - dmin * mn;
+}
+
+# Q5_K: Q4_K with a fifth bit per value: bit s of qh[i % 32] for sub-block s.
+quant q5_k {
+    block 256;
+    sub 32;
+    field d: f16;
+    field dmin: f16;
+    field scales: u8[12];
+    field qh: u8[32];
+    field qs: u8[128];
+    let sc = select(s < 4, scales[s] & 63, (scales[s + 4] & 15) | (scales[s % 4] >> 6 << 4));
+    let mn = select(s < 4, scales[s + 4] & 63, (scales[s + 4] >> 4) | (scales[s] >> 6 << 4));
+    unpack ((qs[i / 64 * 32 + i % 32] >> (i / 32 % 2 * 4)) & 15) | ((qh[i % 32] >> (i / 32) & 1) << 4);
+    dequant d * sc * q - dmin * mn;
+}
+
 # ONNX 4-bit, as blocked DequantizeLinear stores it (block 32 along K): an f32 scale, a UINT4 zero
 # point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
 # kernelgen.formats.onnx_uint4_blocks gathers these blocks from the ONNX tensors.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -68,11 +68,39 @@ class Field(Node):
 
 
 @dataclass(frozen=True)
+class Elem(Node):
+    """`i`: the element's index in the block."""
+
+    kind = "i"
+
+
+@dataclass(frozen=True)
+class SubBlock(Node):
+    """`s`: the sub-block's index in a super-block (scale and offset formulas)."""
+
+    kind = "s"
+
+
+@dataclass(frozen=True)
 class Index(Node):
-    """`f[i]`: byte i of a byte array field."""
+    """`f[at]`: element `at` of an array field (`f[i]` in flat blocks; any integer formula of i or
+    s in super-blocks)."""
 
     kind = "index"
+    children = ("at",)
     field: str
+    at: Node
+
+
+@dataclass(frozen=True)
+class Select(Node):
+    """`select(c, a, b)`: a where the integer c is nonzero, else b."""
+
+    kind = "select"
+    children = ("cond", "a", "b")
+    cond: Node
+    a: Node
+    b: Node
 
 
 @dataclass(frozen=True)
@@ -117,7 +145,8 @@ class Neg(Node):
 
 @dataclass(frozen=True)
 class Op(Node):
-    """A binary operation: + - * / | & <<."""
+    """A binary operation: + - * / % | & << >> <. Integers stay integers (/ and % floor, < gives
+    0 or 1) until they meet a float; then both sides are f32, as in C."""
 
     kind = "op"
     children = ("left", "right")
@@ -126,7 +155,8 @@ class Op(Node):
     right: Node
 
 
-NODES: dict[str, type[Node]] = {c.kind: c for c in (Int, Float, Field, Index, Call, Lookup, Pow2, Neg, Op)}
+NODES: dict[str, type[Node]] = {c.kind: c for c in (Int, Float, Elem, SubBlock, Field, Index, Call, Lookup, Pow2,
+                                                      Select, Neg, Op)}
 CALLS = ("nib", "nibi", "bit")  # the functions Call names
 
 def fold(node: Node, v: Any) -> Any:
@@ -166,8 +196,17 @@ class _Text:
     def on_field(self, n: Field) -> str:
         return n.field
 
-    def on_index(self, n: Index) -> str:
-        return f"{n.field}[i]"
+    def on_i(self, n: Elem) -> str:
+        return "i"
+
+    def on_s(self, n: SubBlock) -> str:
+        return "s"
+
+    def on_index(self, n: Index, at: str) -> str:
+        return f"{n.field}[{at}]"
+
+    def on_select(self, n: Select, c: str, a: str, b: str) -> str:
+        return f"select({c}, {a}, {b})"
 
     def on_call(self, n: Call) -> str:
         return f"{n.func}({n.field}, i)"
@@ -189,29 +228,47 @@ def text(node: Node) -> str:
     return fold(node, _Text())
 
 
-_NP_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "|": np.bitwise_or,
-           "&": np.bitwise_and, "<<": np.left_shift}
+_FLOAT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide}
+_INT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.floor_divide, "%": np.mod, "|": np.bitwise_or,
+            "&": np.bitwise_and, "<<": np.left_shift, ">>": np.right_shift,
+            "<": lambda a, b: np.less(a, b).astype(np.int32)}
 
 
-class _Numpy:
-    """Evaluate over structured blocks: an unpack formula (`i` given: int32 per element, shape
-    blocks.shape + (block,)) or a scale/offset formula (i None: float32 per block)."""
+def _typed(v: np.ndarray) -> np.ndarray:
+    """A field's values as the formulas compute with them: int32 or float32."""
+    return v.astype(np.float32 if v.dtype.kind == "f" else np.int32)
 
-    def __init__(self, blocks: np.ndarray, i: np.ndarray | None) -> None:
-        self.blocks, self.i = blocks, i
+
+class NumpyEval:
+    """Evaluate over structured blocks, per element (`i` given: unpack, shape blocks.shape +
+    (block,)), per sub-block (`s` given: a super-block's scale/offset, blocks.shape + (subs,)) or
+    per block (neither: a flat block's scale/offset)."""
+
+    def __init__(self, blocks: np.ndarray, i: np.ndarray | None = None, s: np.ndarray | None = None) -> None:
+        self.blocks, self.i, self.s = blocks, i, s
+        self.per = i is not None or s is not None  # values carry a last axis
 
     def on_int(self, n: Int) -> np.generic:
-        return np.int32(n.value) if self.i is not None else np.float32(n.value)
+        return np.int32(n.value)
 
     def on_float(self, n: Float) -> np.generic:
         return np.float32(n.value)
 
-    def on_field(self, n: Field) -> np.ndarray:
-        v = self.blocks[n.field]
-        return v.astype(np.int32)[..., None] if self.i is not None else v.astype(np.float32)
+    def on_i(self, n: Elem) -> np.ndarray:
+        return self.i.astype(np.int32)
 
-    def on_index(self, n: Index) -> np.ndarray:
-        return self.blocks[n.field][..., self.i].astype(np.int32)
+    def on_s(self, n: SubBlock) -> np.ndarray:
+        return self.s.astype(np.int32)
+
+    def on_field(self, n: Field) -> np.ndarray:
+        v = _typed(self.blocks[n.field])
+        return v[..., None] if self.per else v
+
+    def on_index(self, n: Index, at: np.ndarray) -> np.ndarray:
+        return _typed(self.blocks[n.field][..., at])
+
+    def on_select(self, n: Select, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.where(c != 0, a, b)
 
     def on_call(self, n: Call) -> np.ndarray:
         f, i = self.blocks[n.field], self.i
@@ -235,7 +292,63 @@ class _Numpy:
         return -a
 
     def on_op(self, n: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return _NP_OPS[n.op](a, b)
+        if np.asarray(a).dtype.kind == "f" or np.asarray(b).dtype.kind == "f":
+            return _FLOAT_OPS[n.op](np.float32(a) if np.ndim(a) == 0 else np.asarray(a, np.float32),
+                                    np.float32(b) if np.ndim(b) == 0 else np.asarray(b, np.float32))
+        return _INT_OPS[n.op](a, b)
+
+
+class IntRange:
+    """The interval [lo, hi] an integer formula's values lie in (for a block of `block` values)."""
+
+    def __init__(self, block: int, fields: dict[str, str]) -> None:
+        self.block, self.fields = block, fields
+
+    def on_int(self, n: Int) -> tuple[int, int]:
+        return n.value, n.value
+
+    def on_i(self, n: Elem) -> tuple[int, int]:
+        return 0, self.block - 1
+
+    def _type(self, field: str) -> tuple[int, int]:
+        t = self.fields[field]
+        bits = 8 * FIELD_BYTES[t]
+        return (-(1 << bits - 1), (1 << bits - 1) - 1) if t[0] == "i" else (0, (1 << bits) - 1)
+
+    def on_field(self, n: Field) -> tuple[int, int]:
+        return self._type(n.field)
+
+    def on_index(self, n: Index, at: tuple[int, int]) -> tuple[int, int]:
+        return self._type(n.field)
+
+    def on_call(self, n: Call) -> tuple[int, int]:
+        return (0, 1) if n.func == "bit" else (0, 15)
+
+    def on_lookup(self, n: Lookup, code: tuple[int, int]) -> tuple[int, int]:
+        return min(n.values), max(n.values)
+
+    def on_select(self, n: Select, c: tuple[int, int], a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+        return min(a[0], b[0]), max(a[1], b[1])
+
+    def on_neg(self, n: Neg, a: tuple[int, int]) -> tuple[int, int]:
+        return -a[1], -a[0]
+
+    def on_op(self, n: Op, a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+        (a0, a1), (b0, b1) = a, b
+        corners = lambda f: (min(f(x, y) for x in a for y in b), max(f(x, y) for x in a for y in b))  # noqa: E731
+        if n.op in ("+", "-", "*"):
+            return corners({"+": int.__add__, "-": int.__sub__, "*": int.__mul__}[n.op])
+        if n.op == "<":
+            return 0, 1
+        if a0 < 0 or b0 < 0:  # bit operations, / and % here are on non-negative values
+            raise ValueError(f"{n.op} of a possibly negative value")
+        if n.op == "&":
+            return 0, min(a1, b1)
+        if n.op == "|":
+            return 0, (1 << max(a1, b1).bit_length()) - 1
+        if n.op == "%":
+            return 0, min(a1, b1 - 1)
+        return corners({"/": lambda x, y: x // max(y, 1), "<<": int.__lshift__, ">>": int.__rshift__}[n.op])
 
 
 # ---- the block format --------------------------------------------------------------------------
@@ -253,6 +366,34 @@ class FieldInfo:
         return FIELD_BYTES[self.type] * (self.count or 1)
 
 
+KERNEL_BLOCK = 32  # values per block in the kernels (one activation block)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How plane q holds one kernel block of a super-block type: the fields and the unpack formula
+    kernels read, and the numpy encoder (integers minus the zero, shape (..., 32) -> bytes)."""
+
+    fields: tuple[FieldInfo, ...]
+    unpack: Node
+    encode: Callable[[np.ndarray], np.ndarray]
+
+
+def _nibbles(u: np.ndarray) -> np.ndarray:
+    """Split order: byte j holds element j (low) and j + 16 (high), as GGUF's Q4_0."""
+    return ((u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)).astype(np.uint8)
+
+
+ENCODINGS = {
+    "nib": Encoding((FieldInfo("q4", "u8", 16, 0),), Call("nib", "q4"), _nibbles),
+    "nib_bit": Encoding((FieldInfo("q4", "u8", 16, 0), FieldInfo("q1", "u8", 4, 16)),
+                        Op("|", Call("nib", "q4"), Op("<<", Call("bit", "q1"), Int(4))),
+                        lambda u: np.concatenate([_nibbles(u), np.packbits((u >> 4) & 1, axis=-1, bitorder="little")],
+                                                 axis=-1)),
+    "byte": Encoding((FieldInfo("q8", "i8", 32, 0),), Index("q8", Elem()), lambda u: u.astype(np.int8).view(np.uint8)),
+}
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     """A quant type: stored layout, formulas, and the packed layout the kernels read."""
@@ -265,6 +406,30 @@ class QuantFormat:
     offset: Node | None
     value_fields: tuple[str, ...]  # fields `unpack` reads, stored in plane q in this order
     interleaved: tuple[str, ...]  # nibble fields read with nibi(): repacked to split order in plane q
+    sub: int | None = None  # a super-block's sub-block size: scale and offset are formulas of s
+
+    # ---- the blocks kernels see
+    @property
+    def kernel(self) -> QuantFormat:
+        """The block kernels read. A flat type's stored value fields are already that (plane q
+        holds them as stored). A super-block is re-encoded per sub-block of KERNEL_BLOCK values
+        (the activation block) from its unpacked integers, in the narrowest of ENCODINGS their
+        range fits; `Q.block`, `Q.bytes` and `Q.unpack` in kernels are this block's."""
+        if self.sub is None:
+            return self
+        kind, zero = self.encoding
+        enc = ENCODINGS[kind]
+        unpack = Op("+", enc.unpack, Int(zero)) if zero else enc.unpack
+        return dataclasses.replace(self, block=KERNEL_BLOCK, fields=enc.fields, unpack=unpack,
+                                   value_fields=tuple(f.name for f in enc.fields), interleaved=(), sub=None)
+
+    @property
+    def encoding(self) -> tuple[str, int]:
+        """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
+        lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
+        width = (hi - lo).bit_length()
+        kind = "nib" if width <= 4 else "nib_bit" if width == 5 else "byte"
+        return kind, (lo if kind != "byte" else 0)
 
     # ---- layout
     @property
@@ -291,7 +456,7 @@ class QuantFormat:
     @property
     def planes(self) -> dict[str, tuple[str, int]]:
         """Plane name -> (numpy dtype, bytes per block), in the order kernels take them."""
-        planes = {"q": ("u1", self.bytes), "scale": ("<f4", 4)}
+        planes = {"q": ("u1", self.kernel.bytes), "scale": ("<f4", 4)}
         if self.offset is not None:
             planes["offset"] = ("<f4", 4)
         planes["sum"] = ("<i4", 4)
@@ -307,6 +472,8 @@ class QuantFormat:
     def to_json(self) -> dict:
         return {
             "block": self.block,
+            **({"sub": self.sub, "kernel_block": KERNEL_BLOCK, "encoding": dict(zip(("kind", "zero"), self.encoding))}
+               if self.sub else {}),
             "stored_bytes": self.stored_bytes,
             "fields": [{"name": f.name, "type": f.type, "count": f.count, "offset": f.offset} for f in self.fields],
             "unpack": text(self.unpack),
@@ -326,7 +493,7 @@ class QuantFormat:
             f = d["formulas"]
             return cls(name, d["block"], tuple(FieldInfo(x["name"], x["type"], x["count"], x["offset"]) for x in d["fields"]),
                        from_json(f["unpack"]), from_json(f["scale"]), from_json(f["offset"]) if f["offset"] else None,
-                       tuple(d["value_fields"]), tuple(d["interleaved"]))
+                       tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None
 
@@ -344,14 +511,26 @@ class QuantFormat:
     def unpack_ref(self, blocks: np.ndarray) -> np.ndarray:
         """Each block's elements as int32, shape blocks.shape + (block,)."""
         blocks = self.as_blocks(blocks)
-        v = fold(self.unpack, _Numpy(blocks, np.arange(self.block)))
+        v = fold(self.unpack, NumpyEval(blocks, np.arange(self.block)))
         return np.broadcast_to(v, blocks.shape + (self.block,)).astype(np.int32)
 
+    @property
+    def subs(self) -> int:
+        """Scales per block: a super-block's sub-blocks, else 1."""
+        return self.block // self.sub if self.sub else 1
+
     def _per_block(self, formula: Node | None, blocks: np.ndarray) -> np.ndarray:
+        """A scale or offset formula per block (per sub-block of a super-block: blocks.shape[:-1] +
+        (n_blocks * subs,), each kernel block's value in order)."""
         blocks = self.as_blocks(blocks)
+        shape = blocks.shape + (self.subs,)
         if formula is None:
-            return np.zeros(blocks.shape, np.float32)
-        return np.broadcast_to(fold(formula, _Numpy(blocks, None)), blocks.shape).astype(np.float32)
+            v = np.zeros(shape, np.float32)
+        else:
+            s = np.arange(self.subs) if self.sub else None
+            v = fold(formula, NumpyEval(blocks, s=s))
+            v = np.broadcast_to(v if self.sub else np.asarray(v)[..., None], shape).astype(np.float32)
+        return v.reshape(blocks.shape[:-1] + (-1,))
 
     def scale_ref(self, blocks: np.ndarray) -> np.ndarray:
         return self._per_block(self.scale, blocks)
@@ -362,7 +541,8 @@ class QuantFormat:
     def dequantize_ref(self, blocks: np.ndarray) -> np.ndarray:
         """f32 values, shape blocks.shape[:-1] + (n_blocks * block,): the declared formula."""
         blocks = self.as_blocks(blocks)
-        x = self.scale_ref(blocks)[..., None] * self.unpack_ref(blocks).astype(np.float32)
+        q = self.unpack_ref(blocks).astype(np.float32).reshape(blocks.shape[:-1] + (-1, self.block // self.subs))
+        x = self.scale_ref(blocks)[..., None] * q
         if self.offset is not None:  # (no + 0: it would turn -0.0 into 0.0)
             x = x + self.offset_ref(blocks)[..., None]
         return x.reshape(blocks.shape[:-1] + (-1,))
@@ -373,19 +553,23 @@ class QuantFormat:
         blocks = self.as_blocks(blocks)
         if blocks.ndim != 2:
             raise ValueError(f"{self.name}: pack takes blocks of shape (rows, n_blocks), got {blocks.shape}")
-        raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
-        parts = [self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
-                 for f in (self.field(n) for n in self.value_fields)]
-        planes = {"q": np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1),
-                  "scale": self.scale_ref(blocks).reshape(-1)}
-        if self.offset is not None:
-            planes["offset"] = self.offset_ref(blocks).reshape(-1)
         values = self.unpack_ref(blocks)
         if values.size and (values.min() < -128 or values.max() > 127):
             bad = np.argwhere((values < -128) | (values > 127))[0]
             raise ValueError(f"{self.name}: block {tuple(bad[:-1])} unpacks to {values[tuple(bad)]} at element "
                              f"{bad[-1]}, outside int8: not a valid {self.name} block (the kernels' weights are int8)")
-        planes["sum"] = values.sum(axis=-1, dtype=np.int32).reshape(-1)
+        per_kernel_block = values.reshape(blocks.shape[0], -1, KERNEL_BLOCK if self.sub else self.block)
+        if self.sub:
+            kind, zero = self.encoding
+            q = ENCODINGS[kind].encode(per_kernel_block - zero)
+        else:
+            raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
+            q = np.concatenate([self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
+                                for f in (self.field(n) for n in self.value_fields)], axis=-1)
+        planes = {"q": np.ascontiguousarray(q).reshape(-1), "scale": self.scale_ref(blocks).reshape(-1)}
+        if self.offset is not None:
+            planes["offset"] = self.offset_ref(blocks).reshape(-1)
+        planes["sum"] = per_kernel_block.sum(axis=-1, dtype=np.int32).reshape(-1)
         return planes
 
     def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:

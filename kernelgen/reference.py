@@ -139,6 +139,40 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     return out
 
 
+Q4_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
+Q5_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)), ("qs", "u1", (128,))])
+
+
+def quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
+    """A simple valid Q4_K (bits 4) or Q5_K (bits 5) quantizer (not llama.cpp's, which searches
+    scales and minimums): per sub-block of 32, minimum m = max(0, -min) and step (max + m) /
+    (2^bits - 1); the super-block's d and dmin are the largest step and minimum over 63, each
+    sub-block's 6-bit scale and minimum the nearest multiples of them, and each value the nearest
+    code of the stored (f16) scales, clamped to 0 .. 2^bits - 1. Layouts are llama.cpp's."""
+    top = (1 << bits) - 1
+    xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 8, 32))
+    mins = np.maximum(0, -xs.min(axis=-1))
+    steps = (xs.max(axis=-1) + mins) / np.float32(top)
+    d = (steps.max(axis=-1) / np.float32(63)).astype(np.float16)
+    dmin = (mins.max(axis=-1) / np.float32(63)).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(0, 63).astype(np.uint8)
+        mn = np.nan_to_num(np.rint(mins / dmin.astype(np.float32)[..., None])).clip(0, 63).astype(np.uint8)
+        scale = d.astype(np.float32)[..., None] * sc
+        q = np.nan_to_num(np.rint((xs + (dmin.astype(np.float32)[..., None] * mn)[..., None]) / scale[..., None]))
+    q = q.clip(0, top).astype(np.uint8).reshape(xs.shape[:-2] + (4, 2, 32))  # chunk of 64, half, element
+    out = np.zeros(xs.shape[:-2], Q4_K if bits == 4 else Q5_K)
+    out["d"], out["dmin"] = d, dmin
+    out["scales"][..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
+    out["scales"][..., 4:8] = mn[..., :4] | (mn[..., 4:] >> 4) << 6
+    out["scales"][..., 8:12] = (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4
+    out["qs"] = ((q[..., 0, :] & 15) | (q[..., 1, :] & 15) << 4).reshape(xs.shape[:-2] + (128,))
+    if bits == 5:  # bit s of qh[l]: the fifth bit of sub-block s's element l
+        high = (q.reshape(xs.shape[:-2] + (8, 32)) >> 4).astype(np.uint8)
+        out["qh"] = (high << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2, dtype=np.uint8)
+    return out
+
+
 def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 or Q4_1 blocks -> f32, from the GGUF definitions."""
     qs = blocks["qs"].astype(np.int32)

@@ -37,9 +37,11 @@ export function halfToFloat(h) {
 
 // ---- formulas ----------------------------------------------------------------------------------
 // A formula is the manifest's JSON tree (kernelgen/quantformat.py: {kind, attributes, args}). One
-// walker, `fold`, calls a consumer's method for the node's kind with its children's results; the two
-// consumers below turn a tree into a function of a block read through a DataView `v` at byte
-// offset `o` (the block's first byte) and, for unpack, the element index `i`.
+// walker, `fold`, calls the consumer's method for the node's kind with its children's results. The
+// consumer below turns a tree into {int, at}: `at(v, o, x)` evaluates it on the block read through
+// DataView `v` at byte offset `o`, where x is the element index i (unpack) or the sub-block index
+// s (a super-block's scale and offset). As in quantformat.NumpyEval, integers stay int32 until they
+// meet a float; then both sides are float32, rounded after every operation.
 
 function fold(tree, consumer) {
   const visit = consumer[tree.kind];
@@ -47,80 +49,93 @@ function fold(tree, consumer) {
   return visit(tree, ...(tree.args ?? []).map((t) => fold(t, consumer)));
 }
 
+const r = Math.fround;
 const INT_OPS = {
   '+': (a, b) => (a + b) | 0,
   '-': (a, b) => (a - b) | 0,
+  '*': (a, b) => Math.imul(a, b),
+  '/': (a, b) => Math.floor(a / b) | 0,
+  '%': (a, b) => (((a % b) + b) % b) | 0,
   '&': (a, b) => a & b,
   '|': (a, b) => a | b,
   '<<': (a, b) => a << b,
+  '>>': (a, b) => a >> b,
+  '<': (a, b) => (a < b ? 1 : 0),
 };
+const FLOAT_OPS = { '+': (a, b) => r(a + b), '-': (a, b) => r(a - b), '*': (a, b) => r(a * b), '/': (a, b) => r(a / b) };
 
-/** Unpack: (v, o, i) => int32, evaluated in int32 as numpy does in quantformat.py. */
-const unpackConsumer = (fields) => ({
-  int: (t) => () => t.value | 0,
+const isInt = (type) => type[0] !== 'f';
+
+const formulaConsumer = (fields) => ({
+  int: (t) => ({ int: true, at: () => t.value | 0 }),
+  float: (t) => ({ int: false, at: () => r(t.value) }),
+  i: () => ({ int: true, at: (v, o, x) => x }),
+  s: () => ({ int: true, at: (v, o, x) => x }),
   field: (t) => {
     const f = fields[t.field];
     const read = FIELD_READERS[f.type];
-    return (v, o) => read(v, o + f.offset);
+    return { int: isInt(f.type), at: (v, o) => read(v, o + f.offset) };
   },
-  index: (t) => {
+  index: (t, at) => {
     const f = fields[t.field];
     const read = FIELD_READERS[f.type];
-    return (v, o, i) => read(v, o + f.offset + i);
+    const size = FIELD_BYTES[f.type];
+    return { int: isInt(f.type), at: (v, o, x) => read(v, o + f.offset + size * at.at(v, o, x)) };
   },
   call: (t) => {
     const f = fields[t.field];
     const n = f.count;
     switch (t.func) {
       // nib: element i is the low nibble of byte i for i < n, else the high nibble of byte i - n
-      case 'nib': return (v, o, i) => (i < n ? v.getUint8(o + f.offset + i) & 15 : v.getUint8(o + f.offset + i - n) >> 4);
+      case 'nib': return { int: true, at: (v, o, i) => (i < n ? v.getUint8(o + f.offset + i) & 15 : v.getUint8(o + f.offset + i - n) >> 4) };
       // nibi: element i is nibble i & 1 of byte i >> 1 (ONNX UINT4)
-      case 'nibi': return (v, o, i) => (v.getUint8(o + f.offset + (i >> 1)) >> (4 * (i & 1))) & 15;
+      case 'nibi': return { int: true, at: (v, o, i) => (v.getUint8(o + f.offset + (i >> 1)) >> (4 * (i & 1))) & 15 };
       // bit: bit i of the little-endian mask
-      case 'bit': return (v, o, i) => (v.getUint8(o + f.offset + (i >> 3)) >> (i & 7)) & 1;
+      case 'bit': return { int: true, at: (v, o, i) => (v.getUint8(o + f.offset + (i >> 3)) >> (i & 7)) & 1 };
       default: throw new Error(`unpack: unknown function ${t.func}`);
     }
   },
-  lookup: (t, code) => (v, o, i) => t.values[code(v, o, i)],
+  lookup: (t, code) => ({ int: true, at: (v, o, x) => t.values[code.at(v, o, x)] }),
+  pow2: (t, a) => ({ int: false, at: (v, o, x) => r(2 ** a.at(v, o, x)) }),
+  select: (t, c, a, b) => ({ int: a.int && b.int, at: (v, o, x) => (c.at(v, o, x) !== 0 ? a : b).at(v, o, x) }),
+  neg: (t, a) => ({ int: a.int, at: a.int ? (v, o, x) => -a.at(v, o, x) | 0 : (v, o, x) => -a.at(v, o, x) }),
   op: (t, a, b) => {
-    const op = INT_OPS[t.op];
-    if (!op) throw new Error(`unpack: unknown operator ${t.op}`);
-    return (v, o, i) => op(a(v, o, i), b(v, o, i));
+    const op = (a.int && b.int ? INT_OPS : FLOAT_OPS)[t.op];
+    if (!op) throw new Error(`formula: unknown operator ${t.op}`);
+    return { int: a.int && b.int, at: (v, o, x) => op(a.at(v, o, x), b.at(v, o, x)) };
   },
 });
 
-const r = Math.fround;
-const FLOAT_OPS = { '+': (a, b) => r(a + b), '-': (a, b) => r(a - b), '*': (a, b) => r(a * b), '/': (a, b) => r(a / b) };
-
-/** Scale or offset: (v, o) => float32, rounding after every operation as numpy's float32
- * arithmetic does (one double operation rounded once to float32 is exact for + - * /). */
-const scalarConsumer = (fields) => ({
-  int: (t) => () => r(t.value),
-  float: (t) => () => r(t.value),
-  field: (t) => {
-    const f = fields[t.field];
-    const read = FIELD_READERS[f.type];
-    return (v, o) => r(read(v, o + f.offset));
+// A super-block's kernel blocks in plane q, from their integers minus the zero (u, 32 values):
+// quantformat.ENCODINGS, byte for byte.
+const ENCODERS = {
+  nib: (u, dst) => {
+    for (let j = 0; j < 16; j++) dst[j] = (u[j] & 15) | ((u[j + 16] & 15) << 4);
   },
-  neg: (t, a) => (v, o) => -a(v, o),
-  pow2: (t, a) => (v, o) => r(2 ** a(v, o)),
-  op: (t, a, b) => {
-    const op = FLOAT_OPS[t.op];
-    if (!op) throw new Error(`scale/offset: unknown operator ${t.op}`);
-    return (v, o) => op(a(v, o), b(v, o));
+  nib_bit: (u, dst) => {
+    ENCODERS.nib(u, dst);
+    for (let j = 0; j < 4; j++) {
+      let mask = 0;
+      for (let b = 0; b < 8; b++) mask |= ((u[8 * j + b] >> 4) & 1) << b;
+      dst[16 + j] = mask;
+    }
   },
-});
+  byte: (u, dst) => {
+    for (let j = 0; j < u.length; j++) dst[j] = u[j] & 255;
+  },
+};
 
 // ---- packing -----------------------------------------------------------------------------------
 
-/** Plane name -> {Array: typed array constructor, perBlock: elements per block}, in the order the
- * kernels take the planes as arguments. */
+/** Plane name -> {Array: typed array constructor, perBlock: elements per stored block}, in the
+ * order the kernels take the planes as arguments (a super-block holds several kernel blocks). */
 export function planeLayout(spec) {
+  const kernelBlocks = spec.block / (spec.kernel_block ?? spec.block);
   const out = {};
   for (const [name, p] of Object.entries(spec.planes)) {
     const Array = PLANE_ARRAYS[p.dtype];
     if (!Array) throw new Error(`plane ${name}: unsupported dtype ${p.dtype}`);
-    out[name] = { Array, perBlock: p.bytes_per_block / Array.BYTES_PER_ELEMENT };
+    out[name] = { Array, perBlock: kernelBlocks * p.bytes_per_block / Array.BYTES_PER_ELEMENT };
   }
   return out;
 }
@@ -131,36 +146,48 @@ export function planeLayout(spec) {
  */
 export function packInto(spec, blocks, nblocks, planes) {
   const fields = Object.fromEntries(spec.fields.map((f) => [f.name, { ...f, count: f.count ?? 1 }]));
+  const consumer = formulaConsumer(fields);
   const { unpack, scale, offset } = spec.formulas;
-  const unpackAt = fold(unpack, unpackConsumer(fields));
-  const scaleAt = fold(scale, scalarConsumer(fields));
-  const offsetAt = offset ? fold(offset, scalarConsumer(fields)) : null;
+  const unpackAt = fold(unpack, consumer).at;
+  const scaleAt = fold(scale, consumer).at;
+  const offsetAt = offset ? fold(offset, consumer).at : null;
+  const kernelBlock = spec.kernel_block ?? spec.block;
+  const per = spec.block / kernelBlock; // kernel blocks per stored block, each with its scale (s)
+  const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
+  const zero = spec.encoding?.zero ?? 0;
   const interleaved = new Set(spec.interleaved);
   const valueFields = spec.value_fields.map((n) => fields[n]);
   const qBytes = spec.planes.q.bytes_per_block;
   const view = new DataView(blocks.buffer, blocks.byteOffset, blocks.byteLength);
+  const values = new Int32Array(spec.block);
   for (let b = 0; b < nblocks; b++) {
     const o = b * spec.stored_bytes;
-    let at = b * qBytes;
-    for (const f of valueFields) {
-      const nbytes = f.count * FIELD_BYTES[f.type];
-      const src = blocks.subarray(o + f.offset, o + f.offset + nbytes);
-      if (interleaved.has(f.name)) splitNibbles(src, planes.q.subarray(at, at + nbytes));
-      else planes.q.set(src, at);
-      at += nbytes;
-    }
-    planes.scale[b] = scaleAt(view, o);
-    if (offsetAt) planes.offset[b] = offsetAt(view, o);
-    let sum = 0;
     for (let i = 0; i < spec.block; i++) {
       const q = unpackAt(view, o, i);
       if (q < INT8_MIN || q > INT8_MAX) {
         throw new RangeError(`block ${b} unpacks to ${q} at element ${i}, outside int8: not a valid block of this type `
           + '(the kernels\' weights are int8)');
       }
-      sum += q;
+      values[i] = q;
     }
-    planes.sum[b] = sum;
+    if (!encode) { // a flat block: its value fields as stored
+      let at = b * qBytes;
+      for (const f of valueFields) {
+        const nbytes = f.count * FIELD_BYTES[f.type];
+        const src = blocks.subarray(o + f.offset, o + f.offset + nbytes);
+        if (interleaved.has(f.name)) splitNibbles(src, planes.q.subarray(at, at + nbytes));
+        else planes.q.set(src, at);
+        at += nbytes;
+      }
+    }
+    for (let s = 0; s < per; s++) {
+      const k = b * per + s;
+      const u = values.subarray(s * kernelBlock, (s + 1) * kernelBlock);
+      if (encode) encode(u.map((x) => x - zero), planes.q.subarray(k * qBytes, (k + 1) * qBytes));
+      planes.scale[k] = scaleAt(view, o, s);
+      if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
+      planes.sum[k] = u.reduce((acc, x) => acc + x, 0);
+    }
   }
 }
 

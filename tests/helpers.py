@@ -111,8 +111,8 @@ def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) ->
     blocks = draw(rows * n_blocks)
     for _ in range(64):
         v = q.unpack_ref(blocks.reshape(-1, 1)).reshape(blocks.size, -1)
-        big = (np.abs(q.scale_ref(blocks)) > 1) | (np.abs(q.offset_ref(blocks)) > 1)
-        bad = np.flatnonzero((v < -128).any(axis=1) | (v > 127).any(axis=1) | big)
+        big = (np.abs(q.scale_ref(blocks)) > 1) | (np.abs(q.offset_ref(blocks)) > 1)  # per sub-block
+        bad = np.flatnonzero((v < -128).any(axis=1) | (v > 127).any(axis=1) | big.reshape(blocks.size, -1).any(axis=1))
         if not bad.size:
             return blocks.reshape(rows, n_blocks)
         blocks[bad] = draw(bad.size)

@@ -61,6 +61,23 @@ def Q(block: str = "32", unpack: str = "qs[i]", dequant: str = "d * q") -> str:
     return QUANT.format(block=block, unpack=unpack, dequant=dequant)
 
 
+SUPER = """quant k {{
+    block 256;
+    sub {sub};
+    field d: f16;
+    field qs: u8[128];
+    unpack {unpack};
+    dequant d * q;
+}}
+export kernel f(x: ptr) {{
+}}
+"""
+
+
+def S(sub: str = "32", unpack: str = "(qs[i / 64 * 32 + i % 32] >> (i / 32 % 2 * 4)) & 15") -> str:
+    return SUPER.format(sub=sub, unpack=unpack)
+
+
 # kernels.dsl cut off in the middle of a kernel's parameter list.
 TRUNCATED = SOURCE[:SOURCE.index("export kernel dot_f32")] + "export kernel dot_f32(x: ptr"
 
@@ -195,6 +212,10 @@ CASES = [
     Case("codebook indexed by a byte", Q(unpack="kv[qs[i]]").replace("block 32;", "block 32;\n    table kv = {"
          + ", ".join(["1"] * 16) + "};"), 6, 12, "a table is indexed by a nibble: table[nib(field, i)]"),
     Case("pow2 in unpack", Q(unpack="pow2(qs[i])"), 5, 12, "quant q: unpack: only field[i]"),
+    Case("super-block with sub-blocks of 16", S(sub="16"), 1, 1, "quant k: sub-blocks of 32 values"),
+    Case("super-block index past its field", S(unpack="qs[i] & 15"), 6, 12, "qs[...] reads element 128 of 128 at i = 128"),
+    Case("sub-block index in unpack", S(unpack="qs[s] & 15"), 6, 15, "'s' is not defined here (the index is 'i')"),
+    Case("super-block values wider than int8", S(unpack="qs[i / 2] << 1"), 6, 12, "values may fall outside int8"),
     Case("dequant reading an array field", Q(dequant="qs * q"), 6, 13, "'qs' is not a scalar field of the block"),
     Case("packed Q where Q is not a generic", "export kernel f(w: packed Q, x: ptr) {\n}\n", 1, 17,
          "'packed Q' needs Q to be a [Q: quant] parameter"),

@@ -8,16 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as G
+from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kernelgen import reference
+from kernelgen.host import formats
 from kernelgen.host.api import Act, Kernels
 
 from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, same_as_deterministic,
                      unit_scale_qmatvec_and_qdots)
 
-GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4}
-NEW = ("q5_1", "iq4_nl", "mxfp4")
+GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
+        "q4_k": G.Q4_K, "q5_k": G.Q5_K}
+NEW = ("q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k")
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +70,12 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
     """Blocks of `quant` quantized from x: gguf's quantizer where it has one, else kernelgen.reference's."""
     if quant == "iq4_nl":
         return reference.quantize_iq4_nl(x)
+    if quant in ("q4_k", "q5_k"):
+        return reference.quantize_k(x, 4 if quant == "q4_k" else 5)
     return quantize(x, GGUF[quant]).view(q.dtype)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_1", "mxfp4", "iq4_nl"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k"])
 def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     q = quants[quant]
     rng = rng_for("gguf-quantized", quant)
@@ -80,9 +85,22 @@ def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     b = quantized_blocks(quant, q, x)
     got = q.dequantize_ref(b)
     assert_bitwise_equal(got, gguf_dequant(quant, b), f"{quant} dequantize")
-    # and the quantization is sane (MXFP4 clips values above 1.5 * 2^floor(log2(amax)): 1/4 of amax)
-    step = np.abs(x).reshape(6, -1, 32).max(axis=-1, keepdims=True) / 3.5
-    assert np.all(np.abs(got - x).reshape(6, -1, 32) <= step + 1e-6), quant
+    # and the quantization is sane (MXFP4 clips values above 1.5 * 2^floor(log2(amax)): 1/4 of amax;
+    # the K-quants' error is within a step of the super-block's 6-bit scale grid)
+    step = np.abs(x).reshape(6, -1, q.block).max(axis=-1, keepdims=True) / 3.5
+    assert np.all(np.abs(got - x).reshape(6, -1, q.block) <= step + 1e-6), quant
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_reference_k_quantizer_error_is_within_a_step(bits):
+    rng = rng_for("k-quant", bits)
+    x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 5, (6, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, 7] = 300.0
+    b = reference.quantize_k(x, bits)
+    got = dequantize(b.view(np.uint8).reshape(6, -1), G.Q4_K if bits == 4 else G.Q5_K)
+    amax = np.abs(x).reshape(6, -1, 256).max(axis=-1, keepdims=True)
+    assert np.all(np.abs(got - x).reshape(6, -1, 256) <= amax / 2 ** (bits - 1))
 
 
 def test_reference_iq4_nl_picks_the_nearest_entry():
@@ -123,7 +141,8 @@ def test_qmatvec_and_qdot_match_float64_dequantization(mode, kgen, quant):
     km = kgen()
     q = km.quants[quant]
     cases = []
-    for k in (32, 96, 4128):  # one block, a tail past four blocks, many blocks
+    # one block, a tail past four blocks, many blocks (super-blocks: one, three, seventeen)
+    for k in ((32, 96, 4128) if q.block == 32 else (256, 768, 4352)):
         rng = rng_for("gguf-mv", quant, k)
         x = (rng.standard_normal(k) * np.repeat(rng.uniform(0.1, 10, k // 32), 32)).astype(np.float32)
         for rows in (1, 3, 9):
@@ -131,7 +150,7 @@ def test_qmatvec_and_qdot_match_float64_dequantization(mode, kgen, quant):
             xw[0, :32] = 0.0  # all-zero block
             xw[-1, -1] = 500.0  # outlier block
             cases.append((k, rows, "quantized", x, quantized_blocks(quant, q, xw)))
-            cases.append((k, rows, "random", x, random_blocks(q, rng, rows, k // 32, (-0.05, 0.05))))
+            cases.append((k, rows, "random", x, random_blocks(q, rng, rows, k // q.block, (-0.05, 0.05))))
 
     def run(m: Kernels) -> list:
         out = []
@@ -154,9 +173,17 @@ def test_qmatvec_and_qdot_match_float64_dequantization(mode, kgen, quant):
 
 
 def unit_blocks(quant: str, q, k: int) -> np.ndarray:
-    """Rows whose scale is 1 (and Q5_1's minimum an integer): every code of the type, in patterns."""
-    nb = k // 32
+    """Rows whose scale is 1 (and minimum an integer): every code of the type, in patterns."""
+    nb = k // q.block
     rng = rng_for("gguf-unit", quant, k)
+    if q.sub:  # K-quants: d = dmin = 1, every 6-bit scale 1, minimums 0 (sub-blocks 0-3) and 3 (4-7)
+        b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
+        b["d"], b["dmin"] = 1.0, 1.0
+        b["scales"] = [1, 1, 1, 1, 0, 0, 0, 0, 1 | 3 << 4, 1 | 3 << 4, 1 | 3 << 4, 1 | 3 << 4]
+        b["qs"][0], b["qs"][1] = 0x00, 0xFF
+        if "qh" in q.dtype.names:
+            b["qh"][0], b["qh"][1] = 0x00, 0xFF
+        return b
     rows = []
     for pattern in ("lo", "hi", "random"):
         b = np.zeros(nb, q.dtype)
@@ -185,7 +212,7 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     km = kgen()
     q = km.quants[quant]
     zero, _ = consts(km)
-    k = 160
+    k = 160 if q.block == 32 else 512
     blocks = unit_blocks(quant, q, k)
     rng = rng_for("gguf-act", mode.target)
     lo, hi = (-128, 127) if mode.target == "simd128" else (0, 127)
@@ -227,3 +254,85 @@ def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
     assert np.isnan(y[0]) and not np.isfinite(y[1])
     ref, mag = f64_reference(km, quant, b[2:], act)
     assert_q_close(y[2:], ref, mag, f"{quant} finite row")
+
+
+# ---- GGUF files --------------------------------------------------------------------------------
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, G | None]]) -> None:
+    w = GGUFWriter(path, "kernelgen-test")
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def gguf_tensors(rng: np.random.Generator, rows: int, k: int) -> dict[str, tuple[np.ndarray, G | None]]:
+    """One tensor per type a model file holds: floats, and quantized ones as stored bytes."""
+    def x() -> np.ndarray:
+        return (rng.standard_normal((rows, k)) * rng.uniform(0.1, 2, (rows, 1))).astype(np.float32)
+
+    def raw(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(np.uint8).reshape(rows, -1)
+
+    return {"embd.f32": (x(), None), "norm.f16": (x().astype(np.float16), None),
+            "attn_q.q8_0": (quantize(x(), G.Q8_0), G.Q8_0), "attn_k.q4_0": (quantize(x(), G.Q4_0), G.Q4_0),
+            "ffn_up.q4_k": (raw(reference.quantize_k(x(), 4)), G.Q4_K),
+            "ffn_gate.q5_k": (raw(reference.quantize_k(x(), 5)), G.Q5_K),
+            "attn_v.iq4_nl": (raw(reference.quantize_iq4_nl(x())), G.IQ4_NL),
+            "ffn_down.mxfp4": (quantize(x(), G.MXFP4), G.MXFP4)}
+
+
+def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
+    km = kgen()
+    rows, k = 5, 512
+    rng = rng_for("gguf-file")
+    tensors = gguf_tensors(rng, rows, k)
+    write_gguf(tmp_path / "model.gguf", tensors)
+    loaded = formats.load_gguf(km, tmp_path / "model.gguf")
+    assert list(loaded) == list(tensors)
+    assert_bitwise_equal(loaded["embd.f32"], tensors["embd.f32"][0], "F32 tensor")
+    assert_bitwise_equal(loaded["norm.f16"], tensors["norm.f16"][0], "F16 tensor")
+    act = km.quantize_act(rng.standard_normal(k).astype(np.float32))
+    for name, (data, qtype) in tensors.items():
+        if qtype is None:
+            continue
+        quant = qtype.name.lower()
+        w = loaded[name]
+        assert (w.quant, w.rows, w.k) == (quant, rows, k)
+        blocks = data.view(km.quants[quant].dtype)
+        assert_bitwise_equal(km.quants[quant].dequantize_ref(blocks), dequantize(data, qtype), f"{name} dequantize")
+        ref, mag = f64_reference(km, quant, blocks, act)
+        assert_q_close(km.qmatvec(w, act), ref, mag, f"{name} qmatvec")
+
+
+def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_path):
+    rng = rng_for("gguf-file-q6k")
+    tensors = gguf_tensors(rng, 2, 256)
+    q6_k = rng.integers(0, 256, (2, 210), dtype=np.uint8)  # Q6_K: 210 bytes per 256 values
+    write_gguf(tmp_path / "q6.gguf", {**tensors, "output.q6_k": (q6_k, G.Q6_K)})
+    top = kernels.module.mark()
+    with pytest.raises(ValueError, match=r"tensor 'output.q6_k' has type Q6_K, which this build does not support "
+                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL, MXFP4\)"):
+        formats.load_gguf(kernels, tmp_path / "q6.gguf")
+    assert kernels.module.mark() == top
+
+
+def test_load_gguf_frees_what_it_packed_when_packing_fails(kernels, tmp_path, monkeypatch):
+    write_gguf(tmp_path / "model.gguf", gguf_tensors(rng_for("gguf-file-fail"), 2, 256))
+    top = kernels.module.mark()
+    pack = kernels.pack
+    calls = []
+
+    def failing_pack(quant, blocks):
+        calls.append(quant)
+        if len(calls) == 3:
+            raise ValueError("pack failed")
+        return pack(quant, blocks)
+
+    monkeypatch.setattr(kernels, "pack", failing_pack)
+    with pytest.raises(ValueError, match="pack failed"):
+        formats.load_gguf(kernels, tmp_path / "model.gguf")
+    assert len(calls) == 3 and kernels.module.mark() == top

@@ -55,8 +55,13 @@ def special_f32(rng: np.random.Generator, n: int, scale: float = 3.0) -> np.ndar
 def quant_blocks(k: Kernels, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """(ROWS, K / 32) stored blocks of every quant type of the build, as bytes, made from each
     type's declaration (so a newly declared type is covered with no change here)."""
-    return {name: random_blocks(q, ROWS, K // q.block, rng).view(np.uint8).reshape(ROWS, -1)
+    return {name: random_blocks(q, ROWS, k_of(q) // q.block, rng).view(np.uint8).reshape(ROWS, -1)
             for name, q in k.quants.items()}
+
+
+def k_of(q) -> int:
+    """Row length for quant type q: K, or the least multiple of K holding whole (super-)blocks."""
+    return int(np.lcm(K, q.block))
 
 
 class Vectors:
@@ -117,18 +122,27 @@ def write_vectors(root: Path) -> None:
             "xn": v.array("xn", xn), "y": v.array("y", y), "g": v.array("g", g),
             "wf": v.array("wf", wf), "xf": v.array("xf", xf), "scores": v.array("scores", scores),
             "heads": v.array("heads", heads), "cos3": v.array("cos3", cos[3]), "sin3": v.array("sin3", sin[3])}
+    x_acts = {K: x_act}  # an activation per row length (super-blocks need longer rows)
     for q, b in blocks.items():
+        kq = k_of(first.quants[q])
+        if kq not in x_acts:
+            x_acts[kq] = rng.standard_normal(kq).astype(np.float32)
+            v.array(f"x_act_{kq}", x_acts[kq])
         v.array(f"blocks_{q}", b)
         v.array(f"row_{q}", b[:1])
-        v.index["packed"][f"w_{q}"] = {"quant": q, "blocks": f"blocks_{q}", "rows": ROWS, "k": K}
-        v.index["packed"][f"row_{q}"] = {"quant": q, "blocks": f"row_{q}", "rows": 1, "k": K}
+        v.index["packed"][f"w_{q}"] = {"quant": q, "blocks": f"blocks_{q}", "rows": ROWS, "k": kq}
+        v.index["packed"][f"row_{q}"] = {"quant": q, "blocks": f"row_{q}", "rows": 1, "k": kq}
+
+    def act_name(q: str) -> str:
+        kq = k_of(first.quants[q])
+        return "x_act" if kq == K else f"x_act_{kq}"
 
     v.case("quantize_act", "quantizeAct", [args["x_act"]])
     v.case("quantize_act_special", "quantizeAct", [args["x_special"]])
     for q in blocks:
-        v.case(f"pack_{q}", "packPlanes", [q, {"array": f"blocks_{q}"}, ROWS * K // 32])
-        v.case(f"qdot_{q}", "qdot", [{"packed": f"row_{q}"}, {"act": "x_act"}])
-        v.case(f"qmatvec_{q}", "qmatvec", [{"packed": f"w_{q}"}, {"act": "x_act"}], {}, threaded=True)
+        v.case(f"pack_{q}", "packPlanes", [q, {"array": f"blocks_{q}"}, ROWS * k_of(first.quants[q]) // first.quants[q].block])
+        v.case(f"qdot_{q}", "qdot", [{"packed": f"row_{q}"}, {"act": act_name(q)}])
+        v.case(f"qmatvec_{q}", "qmatvec", [{"packed": f"w_{q}"}, {"act": act_name(q)}], {}, threaded=True)
     v.case("dot_f32", "dotF32", [args["xn"], args["y"]])
     v.case("matvec_f32", "matvecF32", [args["wf"], args["xf"]], {}, threaded=True)
     v.case("exp_f32", "exp", [args["x"]])
@@ -149,10 +163,12 @@ def write_vectors(root: Path) -> None:
         v.expect(target, "quantize_act", {"q": act.q, "d": act.d})
         special = k.quantize_act(x_special)
         v.expect(target, "quantize_act_special", {"q": special.q, "d": special.d})
+        acts = {kq: k.quantize_act(xa) for kq, xa in x_acts.items()}
         for q, b in blocks.items():
+            act_q = acts[k_of(k.quants[q])]
             v.expect(target, f"pack_{q}", k.quants[q].pack(b))
-            v.expect(target, f"qdot_{q}", {"value": k.qdot(k.pack(q, b[:1]), act)})
-            v.expect(target, f"qmatvec_{q}", {"out": k.qmatvec(k.pack(q, b), act)})
+            v.expect(target, f"qdot_{q}", {"value": k.qdot(k.pack(q, b[:1]), act_q)})
+            v.expect(target, f"qmatvec_{q}", {"out": k.qmatvec(k.pack(q, b), act_q)})
         v.expect(target, "dot_f32", {"value": k.dot_f32(xn, y)})
         v.expect(target, "matvec_f32", {"out": k.matvec_f32(wf, xf)})
         v.expect(target, "exp_f32", {"out": k.exp_f32(x)})

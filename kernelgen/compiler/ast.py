@@ -192,6 +192,8 @@ class Quant(Node):
     unpack: Expr | None
     dequant: Expr | None
     tables: tuple[Table, ...] = ()
+    sub: int | None = None
+    lets: tuple[Let, ...] = ()
 
 
 @dataclass(frozen=True)

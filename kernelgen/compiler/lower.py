@@ -615,7 +615,7 @@ class Lowerer:
         if isinstance(e.base, A.Name):
             b = self._lookup(e.base.id)
             if isinstance(b, QuantFormat):
-                props = {"block": b.block, "bytes": b.bytes, "has_offset": int(b.offset is not None)}
+                props = {"block": b.kernel.block, "bytes": b.kernel.bytes, "has_offset": int(b.offset is not None)}
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(); not {e.name!r}")
                 return Val(None, "i32", props[e.name])

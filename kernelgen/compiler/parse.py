@@ -209,6 +209,12 @@ class _Build(Transformer):
     def field_decl(self, meta, name, type_, count):
         return ("field", A.Field(self._span(meta), str(name), str(type_), count), self._span(meta))
 
+    def sub_decl(self, meta, size):
+        return ("sub", _int(size), self._span(meta))
+
+    def let_decl(self, meta, name, value):
+        return ("let", A.Let(self._span(meta), str(name), None, value), self._span(meta))
+
     def table_decl(self, meta, name, *values):
         return ("table", A.Table(self._span(meta), str(name), tuple(values)), self._span(meta))
 
@@ -219,8 +225,8 @@ class _Build(Transformer):
         return ("dequant", expr, self._span(meta))
 
     def quant_decl(self, meta, name, *items):
-        parts: dict[str, Any] = {"block": None, "unpack": None, "dequant": None}
-        lists: dict[str, list] = {"field": [], "table": []}
+        parts: dict[str, Any] = {"block": None, "sub": None, "unpack": None, "dequant": None}
+        lists: dict[str, list] = {"field": [], "table": [], "let": []}
         for kind, value, span in items:
             if kind in lists:
                 lists[kind].append(value)
@@ -229,7 +235,7 @@ class _Build(Transformer):
             else:
                 parts[kind] = value
         return A.Quant(self._span(meta), str(name), parts["block"], tuple(lists["field"]), parts["unpack"],
-                       parts["dequant"], tuple(lists["table"]))
+                       parts["dequant"], tuple(lists["table"]), parts["sub"], tuple(lists["let"]))
 
     def mode(self, meta, tok):
         return str(tok)

@@ -13,8 +13,10 @@ from typing import Callable
 
 from . import ast as A
 from ..errors import DslError
-from ..quantformat import (CALLS, FIELD_BYTES, Call, Field, FieldInfo, Float, Index, Int, Lookup, Neg, Node, Op, Pow2,
-                           QuantFormat, fold)
+import numpy as np
+
+from ..quantformat import (CALLS, FIELD_BYTES, KERNEL_BLOCK, Call, Elem, Field, FieldInfo, Float, Index, Int, Lookup, Neg,
+                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, fold)
 from .wat import I, Instr
 
 LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
@@ -22,6 +24,7 @@ LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
 _UNPACK_ALLOWED = ("only field[i], nib(field, i), nibi(field, i), bit(field, i), table[nib(field, i)], byte fields, "
                    "integers, + - | & and << by a constant are allowed")
 _SCALAR_ALLOWED = "only scalar fields, numbers, + - * / and pow2(x) are allowed"
+_NOT_I = "'i' is not a byte-sized scalar field (use field[i], nib(field, i) or bit(field, i))"
 TABLE_SIZE = 16  # a codebook is indexed by a nibble
 
 
@@ -29,13 +32,14 @@ TABLE_SIZE = 16  # a codebook is indexed by a nibble
 
 
 def _formula(e: A.Expr, err: Callable[[A.Node, str], DslError], unsupported: str,
-             tables: dict[str, tuple[int, ...]]) -> Node:
-    """The nodes of a formula's AST; DslError for syntax no formula has."""
+             tables: dict[str, tuple[int, ...]], lets: dict[str, Node]) -> Node:
+    """The nodes of a formula's AST (a `let` name replaced by its formula); DslError for syntax no
+    formula has."""
     def is_i(x: A.Expr) -> bool:
         return isinstance(x, A.Name) and x.id == "i"
 
     def sub(x: A.Expr) -> Node:
-        return _formula(x, err, unsupported, tables)
+        return _formula(x, err, unsupported, tables, lets)
 
     if isinstance(e, A.Index) and isinstance(e.base, A.Name) and e.base.id in tables:
         if len(e.indices) != 1:
@@ -45,6 +49,14 @@ def _formula(e: A.Expr, err: Callable[[A.Node, str], DslError], unsupported: str
         if len(e.args) != 1:
             raise err(e, "write pow2(x)")
         return Pow2(sub(e.args[0]), span=e.span)
+    if isinstance(e, A.Call) and isinstance(e.func, A.Name) and e.func.id == "select":
+        if len(e.args) != 3:
+            raise err(e, "write select(condition, a, b)")
+        return Select(*map(sub, e.args), span=e.span)
+    if isinstance(e, A.Name) and e.id in lets:
+        return lets[e.id]
+    if isinstance(e, A.Name) and e.id in ("i", "s"):
+        return (Elem if e.id == "i" else SubBlock)(span=e.span)
     if isinstance(e, A.IntLit):
         return Int(e.value, span=e.span)
     if isinstance(e, A.FloatLit):
@@ -52,11 +64,11 @@ def _formula(e: A.Expr, err: Callable[[A.Node, str], DslError], unsupported: str
     if isinstance(e, A.Name):
         return Field(e.id, span=e.span)
     if isinstance(e, A.Index):
-        if len(e.indices) != 1 or not is_i(e.indices[0]):
-            raise err(e, "index a field with the element index: field[i]")
+        if len(e.indices) != 1:
+            raise err(e, "index a field with one index: field[i]")
         if not isinstance(e.base, A.Name):
             raise err(e.base, "field[i] needs a field name")
-        return Index(e.base.id, span=e.span)
+        return Index(e.base.id, sub(e.indices[0]), span=e.span)
     if isinstance(e, A.Call) and isinstance(e.func, A.Name) and e.func.id in CALLS:
         name = e.func.id
         if len(e.args) != 2 or not is_i(e.args[1]):
@@ -100,10 +112,13 @@ class _CheckUnpack:
     def on_int(self, n: Int) -> None:
         pass
 
+    def on_i(self, n: Elem) -> str:
+        return "i"  # only as an index: f[i] (on_index); anywhere else on_op or check_quant rejects it
+
     def on_float(self, n: Node, *_: None) -> None:
         raise self.err(n, _UNPACK_ALLOWED)
 
-    on_neg = on_pow2 = on_float
+    on_neg = on_pow2 = on_select = on_s = on_float
 
     def on_lookup(self, n: Lookup, _: None) -> None:
         if not isinstance(n.code, Call) or n.code.func not in ("nib", "nibi"):
@@ -115,7 +130,9 @@ class _CheckUnpack:
             raise self.err(n, f"{n.field!r} is not a byte-sized scalar field (use field[i], nib(field, i) or bit(field, i))")
         self.used.append((f.name, "scalar"))
 
-    def on_index(self, n: Index) -> None:
+    def on_index(self, n: Index, at: str | None) -> None:
+        if n.at != Elem():
+            raise self.err(n, "index a field with the element index: field[i]")
         self._array(n, n.field, self.q.block, "field[i]", "index")
 
     def on_call(self, n: Call) -> None:
@@ -124,7 +141,9 @@ class _CheckUnpack:
         if n.func != "bit" and (block // 2) % LANES:
             raise self.err(n, f"nib() needs a block of a multiple of {2 * LANES}")
 
-    def on_op(self, n: Op, *_: None) -> None:
+    def on_op(self, n: Op, *args: str | None) -> None:
+        if "i" in args:
+            raise self.err(n, _NOT_I)
         shift = n.op == "<<" and isinstance(n.right, Int) and 0 <= n.right.value < 8
         if n.op not in ("+", "-", "|", "&") and not shift:
             raise self.err(n, _UNPACK_ALLOWED)
@@ -152,7 +171,7 @@ class _CheckScalar:
     def on_index(self, n: Node, *_: None) -> None:
         raise self.err(n, _SCALAR_ALLOWED)
 
-    on_call = on_lookup = on_index
+    on_call = on_lookup = on_select = on_i = on_s = on_index
 
     def on_op(self, n: Op, *_: None) -> None:
         if n.op not in ("+", "-", "*", "/"):
@@ -168,7 +187,78 @@ class _MentionsQ:
     def on_int(self, n: Node, *args: bool) -> bool:
         return any(args)
 
-    on_float = on_index = on_call = on_lookup = on_pow2 = on_neg = on_op = on_int
+    on_float = on_i = on_s = on_index = on_call = on_lookup = on_pow2 = on_select = on_neg = on_op = on_int
+
+
+class _CheckSuper:
+    """A super-block's formulas: unpack (over `i`, integers only) and scale/offset (over the
+    sub-block `s`). Array fields are indexed by integer formulas of that index alone, checked to
+    stay inside the field for every element or sub-block."""
+
+    def __init__(self, q: A.Quant, fields: dict[str, FieldInfo], what: str, var: str, count: int) -> None:
+        self.q, self.fields, self.what, self.var = q, fields, what, var
+        self.at = {var: np.arange(count)}  # the index's values
+        self.used: list[tuple[str, str]] = []
+
+    def err(self, node: Node, msg: str) -> DslError:
+        return DslError(node.span, f"quant {self.q.name}: {self.what}: {msg}")
+
+    def on_int(self, n: Node, *_: None) -> None:
+        pass
+
+    on_neg = on_select = on_int
+
+    def on_float(self, n: Node, *_: None) -> None:
+        if self.var == "i":
+            raise self.err(n, "unpack is integer arithmetic")
+
+    on_pow2 = on_float
+
+    def _index(self, n: Node) -> None:
+        if n.kind != self.var:
+            raise self.err(n, f"{n.kind!r} is not defined here (the index is {self.var!r})")
+
+    on_i = on_s = _index
+
+    def on_field(self, n: Field) -> None:
+        f = self.fields.get(n.field)
+        if f is None or f.count is not None:
+            raise self.err(n, f"{n.field!r} is not a scalar field of the block (index an array field)")
+        if self.var == "i" and f.type[0] == "f":
+            raise self.err(n, "unpack is integer arithmetic")
+
+    def on_index(self, n: Index, _: None) -> None:
+        f = self.fields.get(n.field)
+        if f is None or f.count is None or f.type[0] == "f":
+            raise self.err(n, f"{n.field!r} is not an integer array field")
+        if any(x.kind not in ("int", "op", self.var) for x in _nodes(n.at)) or any(
+                x.op == "<" for x in _nodes(n.at) if isinstance(x, Op)):
+            raise self.err(n, f"index {n.field} with a formula of {self.var!r} and integers (+ - * / %)")
+        at = np.broadcast_to(fold(n.at, NumpyEval(np.zeros(0), **self.at)), self.at[self.var].shape)
+        if at.min() < 0 or at.max() >= f.count:
+            k = int(np.flatnonzero((at < 0) | (at >= f.count))[0])
+            raise self.err(n, f"{n.field}[...] reads element {at[k]} of {f.count} at {self.var} = {k}")
+        self.used.append((f.name, "index"))
+
+    def on_call(self, n: Node) -> None:
+        raise self.err(n, "nib/nibi/bit read flat blocks; in a super-block index the bytes: (f[i / 64 * 32 + i % 32] >> ...) & 15")
+
+    on_lookup = on_call
+
+    def on_op(self, n: Op, *_: None) -> None:
+        if self.var == "i" and n.op not in ("+", "-", "*", "/", "%", "|", "&", "<<", ">>", "<"):
+            raise self.err(n, f"operator {n.op} is not integer arithmetic")
+
+
+class _AllNodes:
+    """Every node of a formula, the root first."""
+
+    def __getattr__(self, name: str) -> Callable[..., list[Node]]:
+        return lambda n, *children: [n] + [x for c in children for x in c]
+
+
+def _nodes(n: Node) -> list[Node]:
+    return fold(n, _AllNodes())
 
 
 def check_quant(q: A.Quant) -> QuantFormat:
@@ -203,21 +293,40 @@ def check_quant(q: A.Quant) -> QuantFormat:
     def err_in(what: str) -> Callable[[A.Node, str], DslError]:
         return lambda node, msg: DslError(node.span, f"quant {q.name}: {what}: {msg}")
 
-    unpack = _formula(q.unpack, err_in("unpack"), _UNPACK_ALLOWED, tables)
-    checker = _CheckUnpack(q, byname)
-    fold(unpack, checker)
+    lets: dict[str, Node] = {}
+    for let in q.lets:
+        if let.name in lets or let.name in byname or let.name in tables or let.name in ("i", "s", "q"):
+            raise DslError(let.span, f"quant {q.name}: let {let.name}: the name is taken")
+        lets[let.name] = _formula(let.value, err_in(f"let {let.name}"), _SCALAR_ALLOWED, tables, lets)
+    if q.sub is not None and (q.sub != KERNEL_BLOCK or q.block % q.sub or q.block == q.sub):
+        raise DslError(q.span, f"quant {q.name}: sub-blocks of {KERNEL_BLOCK} values (the kernels' block) in a larger"
+                               f" block are supported, got sub {q.sub} in block {q.block}")
+    unpack = _formula(q.unpack, err_in("unpack"), _UNPACK_ALLOWED, tables, lets)
+    checker = _CheckUnpack(q, byname) if q.sub is None else _CheckSuper(q, byname, "unpack", "i", q.block)
+    if fold(unpack, checker) == "i":
+        raise DslError(q.unpack.span, f"quant {q.name}: unpack: {_NOT_I}")
     for name in {f for f, _ in checker.used}:
         hows = {h for f, h in checker.used if f == name}
         if len(hows) > 1:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack reads {name} in two ways ({', '.join(sorted(hows))})")
-    scale, off = _split_dequant(q, _formula(q.dequant, err_in("dequant"), _SCALAR_ALLOWED, {}))
+    scale, off = _split_dequant(q, _formula(q.dequant, err_in("dequant"), _SCALAR_ALLOWED, {}, lets))
     for formula in (scale, off):
         if formula is not None:
-            fold(formula, _CheckScalar(q, byname))
+            fold(formula, _CheckScalar(q, byname) if q.sub is None else
+                 _CheckSuper(q, byname, "dequant", "s", q.block // q.sub))
     used_names = {f for f, _ in checker.used}
     value_fields = tuple(f.name for f in fields if f.name in used_names)
     interleaved = tuple(dict.fromkeys(f for f, how in checker.used if how == "nibi"))
-    return QuantFormat(q.name, q.block, tuple(fields), unpack, scale, off, value_fields, interleaved)
+    qf = QuantFormat(q.name, q.block, tuple(fields), unpack, scale, off, value_fields, interleaved, q.sub)
+    if q.sub is not None:
+        try:
+            lo, hi = fold(unpack, IntRange(q.block, {f.name: f.type for f in fields}))
+        except ValueError as e:
+            raise DslError(q.unpack.span, f"quant {q.name}: unpack: cannot bound its values ({e})") from None
+        if lo < -128 or hi > 127:
+            raise DslError(q.unpack.span, f"quant {q.name}: unpack: values may fall outside int8 ({lo}..{hi}): the"
+                                          " kernels' weights are int8")
+    return qf
 
 
 def _tables(q: A.Quant, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ...]]:
@@ -283,7 +392,10 @@ class _LowerUnpack:
         load = I(f"i32.load8_{'s' if f.type == 'i8' else 'u'}", *_off(self.qf.value_offset(f.name)), self.base)
         return I("i8x16.splat", load)
 
-    def on_index(self, n: Index) -> Instr:
+    def on_i(self, n: Elem) -> None:
+        return None  # f[i] is the only use (on_index)
+
+    def on_index(self, n: Index, _: None) -> Instr:
         return I("v128.load", *_off(self.qf.value_offset(n.field) + LANES * self.j), self.base)
 
     def on_call(self, n: Call) -> Instr:
@@ -314,6 +426,7 @@ class _LowerUnpack:
 
 def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Exception]) -> Instr:
     """i8x16 of elements 16j..16j+15 of the block whose packed values start at `base`."""
-    if not 0 <= j < qf.block // LANES:
-        raise error(f"{qf.name}.unpack: lane group {j} is out of range 0..{qf.block // LANES - 1}")
-    return fold(qf.unpack, _LowerUnpack(qf, base, j))
+    kb = qf.kernel
+    if not 0 <= j < kb.block // LANES:
+        raise error(f"{qf.name}.unpack: lane group {j} is out of range 0..{kb.block // LANES - 1}")
+    return fold(kb.unpack, _LowerUnpack(kb, base, j))

@@ -72,7 +72,7 @@ for (const [target, unusable] of TARGETS) {
 
     test('every threaded kernel equals its one-thread run at 1..n threads', async () => {
       const rand = random(7);
-      const kdim = 160;
+      const kdim = 1280; // whole blocks of every type (256 for super-blocks)
       const act = await k.quantizeAct(normals(rand, kdim));
       const x = normals(rand, 1003);
       const g = normals(rand, 1003);
