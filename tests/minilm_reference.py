@@ -143,8 +143,9 @@ class Agreement:
 HEADER = f"{'embeddings':<28} {'cos mean':>9} {'cos min':>9} {'top-1':>6} {'top-5':>6}"
 
 
-def agreement(ref: np.ndarray, got: np.ndarray, ref_q: np.ndarray, got_q: np.ndarray) -> Agreement:
-    """ref/got: unit-length corpus embeddings [n, dim]; ref_q/got_q: the queries'."""
+def agreement(reference: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> Agreement:
+    """Each a pair (corpus embeddings [n, dim], query embeddings [queries, dim]); the reference's unit length."""
+    (ref, ref_q), (got, got_q) = reference, got
     cos = np.concatenate([(ref * got).sum(1) / np.linalg.norm(got, axis=1),
                           (ref_q * got_q).sum(1) / np.linalg.norm(got_q, axis=1)])
     top = lambda q, c: np.argsort(-(q @ c.T), axis=1, kind="stable")[:, :5]  # noqa: E731
