@@ -600,6 +600,259 @@ job kernel silu_job(begin: i32, end: i32, x: ptr, y: ptr, n: i32) {
     silu_groups(x, 0, y, begin, end, n);
 }
 
+# ---- encoder layers (BERT): erf GELU, LayerNorm, bias, mean pooling, L2 normalisation ---------
+#
+# Activations are f32[rows, n] row-major with n a multiple of 4 (BERT's 384 and 1536): rows are
+# whole vectors, so no row shares a vector with the next and threads split by rows.
+
+# erf on two intervals of |x| (coefficients fitted to float64 erf by least squares on Chebyshev
+# nodes): |x| < ERF_SPLIT: x + x P(x^2); up to ERF_HI: 1 - Q(|x| - ERF_MID) (Q fits erfc, whose
+# small size keeps 1 - Q accurate); beyond, 1 (erf(3.921875) rounds to 1 in f32).
+const ERF_SPLIT: f32 = 0.921875;
+const ERF_HI: f32 = 3.921875;
+const ERF_MID: f32 = 2.421875;
+const ERF_A0: f32 = 0.12837916612625122;
+const ERF_A1: f32 = -0.3761253356933594;
+const ERF_A2: f32 = 0.11282140016555786;
+const ERF_A3: f32 = -0.026776403188705444;
+const ERF_A4: f32 = 0.005005626007914543;
+const ERF_A5: f32 = -0.0006047158385626972;
+const ERF_B0: f32 = 0.0006146439700387418;
+const ERF_B1: f32 = -0.0031996106263250113;
+const ERF_B2: f32 = 0.007751290686428547;
+const ERF_B3: f32 = -0.011446928605437279;
+const ERF_B4: f32 = 0.011262149550020695;
+const ERF_B5: f32 = -0.007482413202524185;
+const ERF_B6: f32 = 0.003078274894505739;
+const ERF_B7: f32 = -0.0003379068220965564;
+const ERF_B8: f32 = -0.000506542797666043;
+const ERF_B9: f32 = 0.00032916240161284804;
+const ERF_B10: f32 = -3.6127876228420064e-05;
+const ERF_B11: f32 = -3.377890607225709e-05;
+const ERF_B12: f32 = 8.443436854577158e-06;
+const ERF_B13: f32 = 6.698870720356354e-07;
+const SQRT1_2: f32 = 0.70710678118654752;
+
+# erf of four f32 lanes (tests/test_encoder.py measures the ulp). Both polynomials run on every
+# lane and a select picks one; the sign is copied from x, so erf(-0) = -0 and NaN stays NaN.
+inline kernel erf4(x: f32x4) -> f32x4 {
+    let a = abs(x);
+    let t = a * a;
+    var p: f32x4 = f32x4.splat(ERF_A5);
+    p = madd(p, t, f32x4.splat(ERF_A4));
+    p = madd(p, t, f32x4.splat(ERF_A3));
+    p = madd(p, t, f32x4.splat(ERF_A2));
+    p = madd(p, t, f32x4.splat(ERF_A1));
+    p = madd(p, t, f32x4.splat(ERF_A0));
+    let small = madd(a, p, a);
+    let u = min(a, f32x4.splat(ERF_HI)) - f32x4.splat(ERF_MID);  # min keeps a NaN
+    var q: f32x4 = f32x4.splat(ERF_B13);
+    q = madd(q, u, f32x4.splat(ERF_B12));
+    q = madd(q, u, f32x4.splat(ERF_B11));
+    q = madd(q, u, f32x4.splat(ERF_B10));
+    q = madd(q, u, f32x4.splat(ERF_B9));
+    q = madd(q, u, f32x4.splat(ERF_B8));
+    q = madd(q, u, f32x4.splat(ERF_B7));
+    q = madd(q, u, f32x4.splat(ERF_B6));
+    q = madd(q, u, f32x4.splat(ERF_B5));
+    q = madd(q, u, f32x4.splat(ERF_B4));
+    q = madd(q, u, f32x4.splat(ERF_B3));
+    q = madd(q, u, f32x4.splat(ERF_B2));
+    q = madd(q, u, f32x4.splat(ERF_B1));
+    q = madd(q, u, f32x4.splat(ERF_B0));
+    var r: f32x4 = select(a < f32x4.splat(ERF_SPLIT), small, f32x4.splat(1.0) - q);
+    r = select(a >= f32x4.splat(ERF_HI), f32x4.splat(1.0), r);
+    let sign = i32x4.bits(x) ^ i32x4.bits(a);
+    return f32x4.bits(i32x4.bits(r) | sign);
+}
+
+# Vector groups g0 .. g1 - 1 of erf_f32 (values 4 g0 .. 4 g1 - 1, the last group cut at n).
+kernel erf_groups(x: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
+    for i in g0..g1 {
+        store_first(y + i * 16, erf4(f32x4.load(x + i * 16)), n - i * 4);
+    }
+}
+
+# y = erf(x) over n f32 values.
+#   x: f32[n]
+#   y: f32[n], written; may be x
+#   n: element count; a partial last vector is read whole, only its valid lanes written
+export kernel erf_f32(x: ptr, y: ptr, n: i32) {
+    erf_groups(x, y, 0, (n + 3) / 4, n);
+}
+
+# Rows r0 .. r1 - 1 of gelu_f32: gelu(v) = v / 2 (1 + erf(v / sqrt 2)), v = x + b.
+kernel gelu_rows(x: ptr, b: ptr, y: ptr, r0: i32, r1: i32, n: i32) {
+    let half = f32x4.splat(0.5);
+    for r in r0..r1 {
+        let row = r * n * 4;
+        for i in 0..n step 4 {
+            let v = f32x4.load(x + row + i * 4) + f32x4.load(b + i * 4);
+            let hv = v * half;
+            f32x4.store(y + row + i * 4, madd(hv, erf4(v * f32x4.splat(SQRT1_2)), hv));
+        }
+    }
+}
+
+# BERT's GELU in its erf form, with the bias of the linear layer before it fused in:
+# y[r, j] = gelu(x[r, j] + b[j]).
+#   x: f32[rows, n]
+#   b: f32[n], the bias (zeros for none)
+#   y: f32[rows, n], written; may be x
+#   rows: row count
+#   n: row length, a multiple of 4
+export kernel gelu_f32(x: ptr, b: ptr, y: ptr, rows: i32, n: i32) {
+    gelu_rows(x, b, y, 0, rows, n);
+}
+
+# gelu_f32 on the thread pool: items are rows.
+#   x: f32[rows, n]
+#   b: f32[n]
+#   y: f32[rows, n], written
+#   n: row length, a multiple of 4
+job kernel gelu_job(begin: i32, end: i32, x: ptr, b: ptr, y: ptr, n: i32) {
+    gelu_rows(x, b, y, begin, end, n);
+}
+
+# y[r, j] = x[r, j] + b[j]: a linear layer's bias.
+#   x: f32[rows, n]
+#   b: f32[n]
+#   y: f32[rows, n], written; may be x
+#   rows: row count
+#   n: row length, a multiple of 4
+export kernel add_bias_f32(x: ptr, b: ptr, y: ptr, rows: i32, n: i32) {
+    for r in 0..rows {
+        let row = r * n * 4;
+        for i in 0..n step 4 {
+            f32x4.store(y + row + i * 4, f32x4.load(x + row + i * 4) + f32x4.load(b + i * 4));
+        }
+    }
+}
+
+# Rows r0 .. r1 - 1 of layernorm_f32, three passes over each row: v = x + res + b (stored in y)
+# and its sum; the sum of squared deviations from the mean; the normalised row.
+kernel layernorm_rows(x: ptr, res: ptr, b: ptr, gamma: ptr, beta: ptr, y: ptr, r0: i32, r1: i32, n: i32, eps: f32) {
+    let inv_n = 1.0 / f32(n);
+    for r in r0..r1 {
+        let row = r * n * 4;
+        var acc: f32x4 = f32x4.splat(0.0);
+        for i in 0..n step 4 {
+            let v = (f32x4.load(x + row + i * 4) + f32x4.load(res + row + i * 4)) + f32x4.load(b + i * 4);
+            f32x4.store(y + row + i * 4, v);
+            acc = acc + v;
+        }
+        let mean = f32x4.splat(hsum(acc) * inv_n);
+        var sq: f32x4 = f32x4.splat(0.0);
+        for i in 0..n step 4 {
+            let d = f32x4.load(y + row + i * 4) - mean;
+            sq = madd(d, d, sq);
+        }
+        let inv_sd = f32x4.splat(1.0 / sqrt(hsum(sq) * inv_n + eps));
+        for i in 0..n step 4 {
+            let d = (f32x4.load(y + row + i * 4) - mean) * inv_sd;
+            f32x4.store(y + row + i * 4, madd(d, f32x4.load(gamma + i * 4), f32x4.load(beta + i * 4)));
+        }
+    }
+}
+
+# LayerNorm over each row of v = x + res + b (BERT adds the residual and the bias of the linear
+# layer before it): y = (v - mean) / sqrt(var + eps) * gamma + beta, mean and variance (biased) of
+# the row, the variance from the deviations (two passes).
+#   x: f32[rows, n]
+#   res: f32[rows, n], the residual
+#   b: f32[n], a bias
+#   gamma: f32[n]
+#   beta: f32[n]
+#   y: f32[rows, n], written; may be x or res
+#   rows: row count
+#   n: row length, a multiple of 4
+#   eps: added to the variance (BERT: 1e-12)
+export kernel layernorm_f32(x: ptr, res: ptr, b: ptr, gamma: ptr, beta: ptr, y: ptr, rows: i32, n: i32, eps: f32) {
+    layernorm_rows(x, res, b, gamma, beta, y, 0, rows, n, eps);
+}
+
+# layernorm_f32 on the thread pool: items are rows.
+#   x: f32[rows, n]
+#   res: f32[rows, n]
+#   b: f32[n]
+#   gamma: f32[n]
+#   beta: f32[n]
+#   y: f32[rows, n], written
+#   n: row length, a multiple of 4
+#   eps: added to the variance
+job kernel layernorm_job(begin: i32, end: i32, x: ptr, res: ptr, b: ptr, gamma: ptr, beta: ptr, y: ptr, n: i32, eps: f32) {
+    layernorm_rows(x, res, b, gamma, beta, y, begin, end, n, eps);
+}
+
+# Mean of each sequence's tokens under its mask: y[s] = sum_i mask[s, i] x[s, i] / sum_i mask[s, i]
+# (the sum of the mask clamped to >= 1e-9, as sentence-transformers does). Tokens whose mask is 0
+# are skipped, so padding never reaches the result whatever it holds (NaN included).
+#   x: f32[seqs, t, n], token vectors
+#   mask: f32[seqs, t], 1 for real tokens, 0 for padding (other weights are used as given)
+#   y: f32[seqs, n], written
+#   seqs: sequence count
+#   t: tokens per sequence (padded length)
+#   n: vector length, a multiple of 4
+export kernel mean_pool_f32(x: ptr, mask: ptr, y: ptr, seqs: i32, t: i32, n: i32) {
+    for s in 0..seqs {
+        let out = y + s * n * 4;
+        for j in 0..n step 4 {
+            f32x4.store(out + j * 4, f32x4.splat(0.0));
+        }
+        var total: f32 = 0.0;
+        for i in 0..t {
+            let w = f32.load(mask + (s * t + i) * 4);
+            if w != 0.0 {
+                total = total + w;
+                let tok = x + (s * t + i) * n * 4;
+                let vw = f32x4.splat(w);
+                for j in 0..n step 4 {
+                    f32x4.store(out + j * 4, madd(f32x4.load(tok + j * 4), vw, f32x4.load(out + j * 4)));
+                }
+            }
+        }
+        let inv = f32x4.splat(1.0 / max(total, 1e-9));
+        for j in 0..n step 4 {
+            f32x4.store(out + j * 4, f32x4.load(out + j * 4) * inv);
+        }
+    }
+}
+
+# Each row scaled to unit length, y = x / |x|. The row is divided by max|x| first so that its
+# squares neither overflow nor underflow; a zero row stays zero; a row holding inf or NaN becomes NaN.
+#   x: f32[rows, n]
+#   y: f32[rows, n], written; may be x
+#   rows: row count
+#   n: row length, a multiple of 4
+export kernel l2_normalize_f32(x: ptr, y: ptr, rows: i32, n: i32) {
+    for r in 0..rows {
+        let row = r * n * 4;
+        var m: f32x4 = f32x4.splat(0.0);
+        for i in 0..n step 4 {
+            m = max(m, abs(f32x4.load(x + row + i * 4)));
+        }
+        var big: f32 = hmax(m);
+        var inv_norm: f32 = 0.0;  # stays 0 for a zero row
+        if big == 0.0 {
+            big = 1.0;  # no 0 / 0 below
+        }
+        let vbig = f32x4.splat(big);
+        var sq: f32x4 = f32x4.splat(0.0);
+        for i in 0..n step 4 {
+            let v = f32x4.load(x + row + i * 4) / vbig;
+            sq = madd(v, v, sq);
+        }
+        let norm = sqrt(hsum(sq));
+        if norm != 0.0 {
+            inv_norm = 1.0 / norm;
+        }
+        let vs = f32x4.splat(inv_norm);
+        for i in 0..n step 4 {
+            f32x4.store(y + row + i * 4, (f32x4.load(x + row + i * 4) / vbig) * vs);
+        }
+    }
+}
+
 # ---- f64 sin, cos, exp, log (wasm has none) and RoPE -------------------------------------------
 
 # pi/2 in three parts of 33, 33 and 53 bits: n * PIO2_1 and n * PIO2_2 are exact for |n| < 2^20,

@@ -91,6 +91,29 @@ SCRIPT = textwrap.dedent('''
                     ("swiglu_f32", k.swiglu_f32(e, g), silu * g, k.swiglu_f32(e, g, pool=pool))):
                 close(got, ref, np.abs(ref), f"{target} {what}", 1e-6)
                 same(threaded, got, what)
+            # encoder layers: erf, GELU (bias fused), bias, LayerNorm (residual and bias fused), pooling, L2
+            import math
+            erf = np.vectorize(math.erf)
+            close(k.erf_f32(e / 8), erf(e64 / 8), 1.0, f"{target} erf_f32", 3e-7)
+            hx = rng.standard_normal((3, 12)).astype(np.float32)
+            hb, hg = rng.standard_normal(12).astype(np.float32), rng.standard_normal(12).astype(np.float32)
+            v64 = hx.astype(np.float64) + hb
+            gelu = 0.5 * v64 * (1 + erf(v64 / math.sqrt(2)))
+            got = k.gelu_f32(hx, hb)
+            close(got, gelu, 1.0 + np.abs(gelu), f"{target} gelu_f32", 1e-6)
+            same(k.gelu_f32(hx, hb, pool=pool), got, "gelu_f32")
+            close(k.add_bias_f32(hx, hb), v64, 1.0 + np.abs(v64), f"{target} add_bias_f32", 1e-7)
+            v64 = v64 + hx[::-1]
+            ln = (v64 - v64.mean(1, keepdims=True)) / np.sqrt(v64.var(1, keepdims=True) + 1e-5) * hg + hb
+            got = k.layernorm_f32(hx, hg, hb, 1e-5, residual=np.ascontiguousarray(hx[::-1]), bias=hb)
+            close(got, ln, 1.0 + np.abs(ln), f"{target} layernorm_f32", 1e-5)
+            same(k.layernorm_f32(hx, hg, hb, 1e-5, np.ascontiguousarray(hx[::-1]), hb, pool=pool), got, "layernorm_f32")
+            mask = np.array([[1, 1, 0], [1, 0, 0]])
+            pooled = k.mean_pool_f32(hx[None].repeat(2, 0), mask)
+            ref = np.stack([hx[:2].astype(np.float64).mean(0), hx[0]])
+            close(pooled, ref, 1.0, f"{target} mean_pool_f32", 1e-6)
+            close(k.l2_normalize_f32(hx), hx / np.linalg.norm(hx.astype(np.float64), axis=1, keepdims=True), 1.0,
+                  f"{target} l2_normalize_f32", 1e-6)
             # f64 math
             t = rng.uniform(-10, 10, 21)
             for what, fn, ref in (("sin_f64", k.sin_f64, np.sin(t)), ("cos_f64", k.cos_f64, np.cos(t)),

@@ -25,6 +25,8 @@ from kernelgen.host.api import Kernels, padded_rows
 
 from helpers import random_blocks
 
+from helpers import need
+
 ROOT = Path(__file__).resolve().parents[1]
 NODE = shutil.which("node")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -35,13 +37,6 @@ NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 THREADS = 3
 ROWS, K = 37, 320  # 10 blocks a row: two four-block steps and two blocks left over
 N = 1003  # elementwise length: a partial last vector
-
-
-def need(ok: object, reason: str) -> None:
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason} (CI must have it: .ci/run installs it)")
-        pytest.skip(reason)
 
 
 def special_f32(rng: np.random.Generator, n: int, scale: float = 3.0) -> np.ndarray:

@@ -76,6 +76,8 @@ def test_threaded_kernels_are_bit_identical_to_one_thread(kernels, threads: int)
     cos, sin = k.rope_table(5, 64)
     wf = rng.standard_normal((13, 70)).astype(np.float32)
     xf = rng.standard_normal(70).astype(np.float32)
+    wide = rng.standard_normal((9, 36)).astype(np.float32)  # encoder layers: rows of a multiple of 4
+    bias, gamma = rng.standard_normal(36).astype(np.float32), rng.standard_normal(36).astype(np.float32)
     packed = {q: k.pack(q, blocks) for q, blocks in {
         "q8_0": R.quantize_q8_0(rng.standard_normal((23, 160))),
         "q4_0": R.quantize_q4_0(rng.standard_normal((23, 160))),
@@ -88,7 +90,9 @@ def test_threaded_kernels_are_bit_identical_to_one_thread(kernels, threads: int)
         return out + [k.matvec_f32(wf, xf, pool, chunk), k.softmax_f32(scores, 29, pool, chunk),
                       k.exp_f32(x, pool, chunk), *astuple(k.quantize_act(x[:992], pool, chunk)),
                       k.silu_f32(x, pool, chunk), k.swiglu_f32(x, g, pool, chunk),
-                      k.rope(heads, cos[4], sin[4], False, pool, chunk), k.rope(heads, cos[4], sin[4], True, pool, chunk)]
+                      k.rope(heads, cos[4], sin[4], False, pool, chunk), k.rope(heads, cos[4], sin[4], True, pool, chunk),
+                      k.gelu_f32(wide, bias, pool, chunk),
+                      k.layernorm_f32(wide, gamma, bias, 1e-5, wide[::-1] * 2, gamma, pool, chunk)]
 
     single = all_kernels(None, None)
     with k.pool(threads) as pool:

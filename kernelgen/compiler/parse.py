@@ -210,7 +210,7 @@ class _Build(Transformer):
         return ("field", A.Field(self._span(meta), str(name), str(type_), count), self._span(meta))
 
     def sub_decl(self, meta, size):
-        return ("sub", _int(size), self._span(meta))
+        return ("sub", _int(size, self.filename), self._span(meta))
 
     def let_decl(self, meta, name, value):
         return ("let", A.Let(self._span(meta), str(name), None, value), self._span(meta))

@@ -304,6 +304,105 @@ class Kernels:
         return self._map("swiglu_f32", np.float32, _f32("swiglu_f32 x", x, 1), _f32("swiglu_f32 g", g, 1),
                          job="swiglu_job", pool=pool, chunk=chunk)
 
+    # ---- encoder layers (BERT)
+    def erf_f32(self, x: np.ndarray) -> np.ndarray:
+        return self._map("erf_f32", np.float32, _f32("erf_f32 x", x, 1))
+
+    def _rows(self, what: str, x: np.ndarray) -> np.ndarray:
+        """f32[rows, n] with n a positive multiple of 4 (rows are whole vectors)."""
+        x = _f32(what, x, 2)
+        if x.shape[1] == 0 or x.shape[1] % 4:
+            raise ValueError(f"{what}: rows must hold a positive multiple of 4 values, got shape {x.shape}")
+        return x
+
+    def _put_row_vector(self, what: str, v: np.ndarray | None, n: int) -> int:
+        """Address of f32[n] `v` in memory (zeros for None: the kernels always add a bias)."""
+        if v is None:
+            v = np.zeros(n, np.float32)
+        v = _f32(what, v, 1)
+        if v.size != n:
+            raise ValueError(f"{what}: expected {n} values (the row length), got {v.size}")
+        return self.module.put(v)
+
+    def gelu_f32(self, x: np.ndarray, bias: np.ndarray | None = None, pool: Pool | None = None,
+                 chunk: int | None = None) -> np.ndarray:
+        """gelu(x + bias) in BERT's erf form, per row of x[rows, n]."""
+        x = self._rows("gelu_f32 x", x)
+        rows, n = x.shape
+        m = self.module.mark()
+        try:
+            pb = self._put_row_vector("gelu_f32 bias", bias, n)
+            px = self.module.put(x)
+            self._run("gelu_f32", None, [px, pb, px, rows, n], "gelu_job", [px, pb, px, n], rows, pool, chunk)
+            return self.module.get(px, np.float32, x.size).reshape(x.shape)
+        finally:
+            self.module.release(m)
+
+    def add_bias_f32(self, x: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """x[rows, n] + bias[n] per row."""
+        x = self._rows("add_bias_f32 x", x)
+        m = self.module.mark()
+        try:
+            pb = self._put_row_vector("add_bias_f32 bias", bias, x.shape[1])
+            px = self.module.put(x)
+            self.call(self.export_name("add_bias_f32"), px, pb, px, *x.shape)
+            return self.module.get(px, np.float32, x.size).reshape(x.shape)
+        finally:
+            self.module.release(m)
+
+    def layernorm_f32(self, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1e-12,
+                      residual: np.ndarray | None = None, bias: np.ndarray | None = None,
+                      pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+        """LayerNorm of each row of x + residual + bias (each optional), times gamma plus beta."""
+        x = self._rows("layernorm_f32 x", x)
+        rows, n = x.shape
+        if residual is not None and _f32("layernorm_f32 residual", residual, 2).shape != x.shape:
+            raise ValueError(f"layernorm_f32: residual has shape {residual.shape}, x {x.shape}")
+        if not eps >= 0:
+            raise ValueError(f"layernorm_f32: eps must be >= 0, got {eps}")
+        m = self.module.mark()
+        try:
+            pg = self._put_row_vector("layernorm_f32 gamma", gamma, n)
+            pbeta = self._put_row_vector("layernorm_f32 beta", beta, n)
+            pb = self._put_row_vector("layernorm_f32 bias", bias, n)
+            pr = self.module.put(np.zeros_like(x) if residual is None else np.ascontiguousarray(residual))
+            px = self.module.put(x)
+            args = [px, pr, pb, pg, pbeta, px]
+            self._run("layernorm_f32", None, [*args, rows, n, float(eps)], "layernorm_job", [*args, n, float(eps)],
+                      rows, pool, chunk)
+            return self.module.get(px, np.float32, x.size).reshape(x.shape)
+        finally:
+            self.module.release(m)
+
+    def mean_pool_f32(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Mean of x[seqs, t, n] over the tokens whose mask[seqs, t] is nonzero (weighted by it)."""
+        x = _f32("mean_pool_f32 x", x, 3)
+        if not isinstance(mask, np.ndarray) or mask.shape != x.shape[:2] or mask.dtype.kind not in "biuf":
+            raise ValueError(f"mean_pool_f32: mask must be a numeric array of shape {x.shape[:2]}, got "
+                             f"{getattr(mask, 'dtype', type(mask).__name__)}{list(getattr(mask, 'shape', []))}")
+        seqs, t, n = x.shape
+        if n == 0 or n % 4:
+            raise ValueError(f"mean_pool_f32: vectors must hold a positive multiple of 4 values, got shape {x.shape}")
+        m = self.module.mark()
+        try:
+            px, pm = self.module.put(x), self.module.put(np.ascontiguousarray(mask, np.float32))
+            py = self.module.alloc(4 * seqs * n)
+            self.call(self.export_name("mean_pool_f32"), px, pm, py, seqs, t, n)
+            return self.module.get(py, np.float32, seqs * n).reshape(seqs, n)
+        finally:
+            self.module.release(m)
+
+    def l2_normalize_f32(self, x: np.ndarray) -> np.ndarray:
+        """Each row of x[rows, n] at unit length (a zero row stays zero)."""
+        x = self._rows("l2_normalize_f32 x", x)
+        m = self.module.mark()
+        try:
+            px = self.module.put(x)
+            self.call(self.export_name("l2_normalize_f32"), px, px, *x.shape)
+            return self.module.get(px, np.float32, x.size).reshape(x.shape)
+        finally:
+            self.module.release(m)
+
     def _f64_map(self, kernel: str, x: np.ndarray) -> np.ndarray:
         if not isinstance(x, np.ndarray) or x.dtype != np.float64 or x.ndim != 1:
             raise TypeError(f"{kernel}: expected a 1-D float64 array, got {getattr(x, 'dtype', type(x).__name__)}")

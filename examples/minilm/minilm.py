@@ -1,0 +1,166 @@
+"""all-MiniLM-L6-v2 sentence embeddings computed by kernelgen's kernels, linear layers in Q8_0.
+
+    python examples/minilm/minilm.py [--target relaxed-simd] [--threads 2] "a sentence" "another one"
+
+The host (this file) only moves data: it gathers embedding rows, lays out buffers and calls
+kernels. Every arithmetic step runs in wasm:
+
+    x = layernorm_f32(word[ids], residual=pos[0..T), bias=type[0])
+    per layer:  qkv = qmatvec(Wqkv, quantize_act(x_t)) per token, + bias      (add_bias_f32)
+                per sentence and query token: scores of all 12 heads in one matvec_f32,
+                softmax_f32 over the sentence's tokens, the weighted values in one matvec_f32
+                x = layernorm_f32(qmatvec(Wo, ctx_t), residual=x, bias=bo)
+                x = layernorm_f32(qmatvec(W2, gelu_f32(qmatvec(W1, x_t), b1)), residual=x, bias=b2)
+    embedding = l2_normalize_f32(mean_pool_f32(x padded to [batch, T, 384], mask))
+
+Interim, until the GEMM issue's qmatmul and matmul_f32 are on main: the linear layers run as one
+quantized mat-vec per token (correct, slow: the weights are streamed once per token), and attention
+as mat-vecs over keys laid out block-diagonally (row (h, j) holds key j's head-h slice in head h's
+columns, zeros elsewhere), so one call gives one query's scores for all heads at 12x the FLOPs of a
+per-head product. Only the real tokens of each sentence are computed; the padding exists only in
+the pooling step, where the mask keeps it out.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import kernelgen
+from kernelgen import reference
+from kernelgen.host.api import Kernels, Packed
+from kernelgen.host.pool import Pool
+
+import inputs
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear layer y = W x + b with W packed in the module's memory."""
+
+    w: Packed
+    b: np.ndarray  # f32[out]
+
+
+@dataclass(frozen=True)
+class EncoderLayer:
+    qkv: Linear    # queries (pre-scaled by 1 / sqrt(head size)), keys, values: [1152, 384]
+    out: Linear    # attention output [384, 384]
+    ln1: tuple[np.ndarray, np.ndarray]
+    ffn1: Linear   # [1536, 384]
+    ffn2: Linear   # [384, 1536]
+    ln2: tuple[np.ndarray, np.ndarray]
+
+
+class MiniLM:
+    """The model on one kernelgen module; `embed(batch, pool)` gives unit-length f32[batch, 384]."""
+
+    QUANT = "q8_0"
+
+    def __init__(self, kernels: Kernels, safetensors_file: Path, config: dict) -> None:
+        from safetensors.numpy import load_file
+
+        self.k = kernels
+        w = load_file(str(safetensors_file))
+        self.heads: int = config["num_attention_heads"]
+        self.hidden: int = config["hidden_size"]
+        self.head_size = self.hidden // self.heads
+        self.eps: float = config["layer_norm_eps"]
+        self.word = w["embeddings.word_embeddings.weight"]
+        self.pos = w["embeddings.position_embeddings.weight"]
+        self.type0 = np.ascontiguousarray(w["embeddings.token_type_embeddings.weight"][0])
+        self.ln0 = (w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+        # Attention scores are q . k / sqrt(d): the scale is folded into the query weights and bias.
+        scale = np.float32(1 / math.sqrt(self.head_size))
+        self.layers = []
+        for i in range(config["num_hidden_layers"]):
+            g = lambda name: w[f"encoder.layer.{i}.{name}"]  # noqa: E731
+            a = "attention.self."
+            self.layers.append(EncoderLayer(
+                self._linear(np.concatenate([g(a + "query.weight") * scale, g(a + "key.weight"), g(a + "value.weight")]),
+                             np.concatenate([g(a + "query.bias") * scale, g(a + "key.bias"), g(a + "value.bias")])),
+                self._linear(g("attention.output.dense.weight"), g("attention.output.dense.bias")),
+                (g("attention.output.LayerNorm.weight"), g("attention.output.LayerNorm.bias")),
+                self._linear(g("intermediate.dense.weight"), g("intermediate.dense.bias")),
+                self._linear(g("output.dense.weight"), g("output.dense.bias")),
+                (g("output.LayerNorm.weight"), g("output.LayerNorm.bias"))))
+
+    def _linear(self, w: np.ndarray, b: np.ndarray) -> Linear:
+        return Linear(self.k.pack(self.QUANT, reference.quantize_q8_0(w)), np.ascontiguousarray(b, np.float32))
+
+    def _project(self, layer: Linear, x: np.ndarray, pool: Pool | None) -> np.ndarray:
+        """x[tokens, in] -> W x_t per token, f32[tokens, out] (the bias is added by the next kernel)."""
+        return np.stack([self.k.qmatvec(layer.w, self.k.quantize_act(row), pool) for row in x])
+
+    def _attention(self, qkv: np.ndarray, pool: Pool | None) -> np.ndarray:
+        """One sentence's attention: qkv f32[L, 3 * 384] (biases added) -> context f32[L, 384]."""
+        n, h, d = self.hidden, self.heads, self.head_size
+        q, key, v = qkv[:, :n], qkv[:, n:2 * n], qkv[:, 2 * n:]
+        length = qkv.shape[0]
+        heads = np.arange(h)
+        # keys_bd[h * L + j, h * d:(h + 1) * d] = key[j, head h]; values_bd[h * d + c, h * L + j] = v[j, h, c]
+        keys_bd = np.zeros((h, length, h, d), np.float32)
+        keys_bd[heads, :, heads, :] = key.reshape(length, h, d).transpose(1, 0, 2)
+        keys_bd = keys_bd.reshape(h * length, n)
+        values_bd = np.zeros((h, d, h, length), np.float32)
+        values_bd[heads, :, heads, :] = v.reshape(length, h, d).transpose(1, 2, 0)
+        values_bd = values_bd.reshape(n, h * length)
+        stride = -(-length // 4) * 4
+        scores = np.zeros((length * h, stride), np.float32)
+        for i in range(length):
+            scores[i * h:(i + 1) * h, :length] = self.k.matvec_f32(keys_bd, q[i], pool).reshape(h, length)
+        probs = self.k.softmax_f32(scores, length, pool)[:, :length].reshape(length, h * length)
+        return np.stack([self.k.matvec_f32(values_bd, p, pool) for p in probs])
+
+    def embed(self, batch: inputs.Batch, pool: Pool | None = None) -> np.ndarray:
+        """Unit-length sentence embeddings, f32[batch, 384]."""
+        k = self.k
+        lengths = batch.lengths.tolist()
+        # Only real tokens are computed: rows of all sentences one after another.
+        ids = np.concatenate([row[:n] for row, n in zip(batch.ids, lengths)])
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        starts = np.cumsum([0] + lengths)
+        x = k.layernorm_f32(self.word[ids], *self.ln0, self.eps, residual=self.pos[positions], bias=self.type0,
+                            pool=pool)
+        for L in self.layers:
+            qkv = k.add_bias_f32(self._project(L.qkv, x, pool), L.qkv.b)
+            ctx = np.concatenate([self._attention(qkv[a:b], pool) for a, b in zip(starts[:-1], starts[1:])])
+            x = k.layernorm_f32(self._project(L.out, ctx, pool), *L.ln1, self.eps, residual=x, bias=L.out.b, pool=pool)
+            f = k.gelu_f32(self._project(L.ffn1, x, pool), L.ffn1.b, pool)
+            x = k.layernorm_f32(self._project(L.ffn2, f, pool), *L.ln2, self.eps, residual=x, bias=L.ffn2.b, pool=pool)
+        padded = np.zeros((*batch.ids.shape, self.hidden), np.float32)
+        padded[batch.mask > 0] = x  # row-major order of the mask's ones is the rows' order
+        return k.l2_normalize_f32(k.mean_pool_f32(padded, batch.mask))
+
+
+def load_model(target: str = "relaxed-simd", out_dir: Path | None = None) -> MiniLM:
+    """The model on the committed build of `target` (out/ beside examples/ unless given)."""
+    out = out_dir or Path(__file__).resolve().parents[2] / "out"
+    return MiniLM(kernelgen.load(out, target), inputs.safetensors_path(), inputs.config())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sentences", nargs="+")
+    ap.add_argument("--target", default="relaxed-simd", choices=("simd128", "relaxed-simd"))
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    model = load_model(args.target)
+    batch = inputs.tokenize(args.sentences)
+    if args.threads > 1:
+        with model.k.pool(args.threads) as pool:
+            e = model.embed(batch, pool)
+    else:
+        e = model.embed(batch)
+    np.set_printoptions(precision=4, suppress=True)
+    for s, v in zip(args.sentences, e):
+        print(f"{s[:60]!r}: {v[:6]} ...")
+    if len(args.sentences) > 1:
+        print("cosine similarities:\n", e @ e.T)
+
+
+if __name__ == "__main__":
+    main()
