@@ -369,9 +369,10 @@ export class Driver {
   /** cos and sin tables, Float32Array(npos * dim / 2) each, of angles (pos0 + p) * theta^(-2i / dim). */
   ropeTable(npos, dim, theta = 10000, pos0 = 0) {
     if (!Number.isInteger(dim) || dim <= 0 || dim % 2 || dim > I32_MAX || !Number.isInteger(npos) || npos < 0
-        || !Number.isInteger(pos0) || pos0 < 0 || npos + pos0 > I32_MAX || typeof theta !== 'number' || !(theta > 0 && theta < Infinity)) {
+        || !Number.isInteger(pos0) || pos0 < 0 || npos + pos0 > I32_MAX || typeof theta !== 'number' || !(theta >= 1 && theta < Infinity)) {
+      // theta >= 1 keeps every angle at most the position, within the sin/cos argument reduction's range
       throw new RangeError(`ropeTable: need integers dim (even, > 0), npos >= 0 and pos0 >= 0 with npos + pos0 <= ${I32_MAX}, `
-        + `and a number theta > 0; got dim=${dim}, npos=${npos}, pos0=${pos0}, theta=${theta}`);
+        + `and a finite theta >= 1; got dim=${dim}, npos=${npos}, pos0=${pos0}, theta=${theta}`);
     }
     return this.#scoped(() => {
       const n = npos * (dim / 2);
