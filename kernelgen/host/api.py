@@ -15,6 +15,7 @@ calls take turns (threads that want parallel work share a `pool` instead).
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,16 +73,23 @@ def _f32(name: str, x: Any, ndim: int) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def _locked(method: Any) -> Any:
-    """Hold the module's lock for the whole call: its buffers, the default Store and the pool words
-    are shared by every thread using this Kernels."""
-    @functools.wraps(method)
-    def locked(self: Kernels, *args: Any, **kwargs: Any) -> Any:
-        with self.module.lock:
-            return method(self, *args, **kwargs)
-    return locked
+def _each_call_locked(cls: type) -> type:
+    """Every method of `cls` holds the module's (re-entrant) lock for the whole call: the buffers a
+    call allocates and frees, the default Store and the pool words are shared by every thread using
+    one Kernels. Done once for the class, so a method added later cannot forget it."""
+    def locked(method: Any) -> Any:
+        @functools.wraps(method)
+        def call(self: Kernels, *args: Any, **kwargs: Any) -> Any:
+            with self.module.lock:
+                return method(self, *args, **kwargs)
+        return call
+    for name, f in list(vars(cls).items()):
+        if inspect.isfunction(f) and not name.startswith("__"):
+            setattr(cls, name, locked(f))
+    return cls
 
 
+@_each_call_locked
 class Kernels:
     """One built target under wasmtime. `deterministic` sets wasmtime's relaxed_simd_deterministic
     (off by default: the native lowering, which gives the library's kernels the same bits); `where`
@@ -140,7 +148,6 @@ class Kernels:
     def tune_of(self, kernel: str, quant: str | None = None) -> dict[str, int]:
         return parse_variant(self.export_name(kernel, quant)).tune
 
-    @_locked
     def call(self, name: str, *args: int | float) -> Any:
         """Run an exported function with raw arguments (addresses and scalars). An address (a
         parameter of DSL type ptr) must lie in the heap, at or above heap_base: below it are the pool's
@@ -154,7 +161,6 @@ class Kernels:
                     self.module.check_address(f"{name} {p['name']}", a)  # raises, or takes a numpy integer
         return self.module.call(name, *args)
 
-    @_locked
     def reset(self) -> None:
         """Free all memory the module holds for this host, packed weights included."""
         self.module.reset()
@@ -165,7 +171,6 @@ class Kernels:
         return self.quants[name]
 
     # ---- weights and activations
-    @_locked
     def pack(self, quant: str, blocks: np.ndarray) -> Packed:
         """Pack stored blocks of shape (rows, n_blocks * stored_bytes) uint8, or the quant's structured
         dtype (rows, n_blocks), into the module's memory."""
@@ -178,7 +183,6 @@ class Kernels:
         addrs = {name: self.module.put(arr) for name, arr in planes.items()}
         return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs, self, self.module.generation)
 
-    @_locked
     def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
         """f32[n] (n a multiple of 32) -> activations in this target's form (see ACT_ZERO/ACT_MAX)."""
         x = _f32("quantize_act x", x, 1)
@@ -218,7 +222,6 @@ class Kernels:
             raise ValueError(f"{what}: these weights were packed before reset(), which freed them; pack them again")
         return w
 
-    @_locked
     def qdot(self, w: Packed, act: Act) -> float:
         """Dot of a one-row packed matrix with quantized activations."""
         w = self._check_packed(w, "qdot")
@@ -230,7 +233,6 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    @_locked
     def qmatvec(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """y = W a, f32[rows]; on `pool`'s threads if given, `chunk` rows per claim."""
         w = self._check_packed(w, "qmatvec")
@@ -244,7 +246,6 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    @_locked
     def dot_f32(self, x: np.ndarray, y: np.ndarray) -> float:
         x, y = _f32("dot_f32 x", x, 1), _f32("dot_f32 y", y, 1)
         if x.shape != y.shape:
@@ -255,7 +256,6 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    @_locked
     def matvec_f32(self, w: np.ndarray, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         w, x = _f32("matvec_f32 w", w, 2), _f32("matvec_f32 x", x, 1)
         if w.shape[1] != x.size:
@@ -272,7 +272,6 @@ class Kernels:
 
 
     # ---- elementwise, softmax, RoPE
-    @_locked
     def _map(self, kernel: str, dtype: type, *arrays: np.ndarray, job: str | None = None,
              pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """Run an elementwise kernel `kernel(in..., out, n)` over 1-D arrays of one length (on `pool`
@@ -358,8 +357,9 @@ class Kernels:
         rows, n = x.shape
         if residual is not None and _f32("layernorm_f32 residual", residual, 2).shape != x.shape:
             raise ValueError(f"layernorm_f32: residual has shape {residual.shape}, x {x.shape}")
-        if not eps >= 0:
-            raise ValueError(f"layernorm_f32: eps must be >= 0, got {eps}")
+        eps = as_real("layernorm_f32 eps", eps)
+        if not 0 <= eps < float("inf"):
+            raise ValueError(f"layernorm_f32: eps must be finite and >= 0, got {eps}")
         m = self.module.mark()
         try:
             pg = self._put_row_vector("layernorm_f32 gamma", gamma, n)
@@ -430,7 +430,6 @@ class Kernels:
     def log_f64(self, x: np.ndarray) -> np.ndarray:
         return self._f64_map("log_f64", x)
 
-    @_locked
     def softmax_f32(self, x: np.ndarray, t: int | None = None, pool: Pool | None = None,
                     chunk: int | None = None) -> np.ndarray:
         """Softmax over the first `t` columns of each row of x[rows, stride] (stride a multiple of 4,
@@ -449,7 +448,6 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    @_locked
     def rope_table(self, npos: int, dim: int, theta: float = 10000.0, pos0: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables, f32[npos, dim / 2], of angles (pos0 + p) * theta^(-2i / dim).
 
@@ -470,7 +468,6 @@ class Kernels:
         finally:
             self.module.release(m)
 
-    @_locked
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False,
              pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """Rotate x[heads, dim] by one position's table rows (cos, sin: f32[dim / 2]); `interleaved`
