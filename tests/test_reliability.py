@@ -311,6 +311,28 @@ def test_a_second_build_waits_for_the_lock_and_says_why_it_gave_up(tmp_path: Pat
     assert write_outputs(built, tmp_path / "out")  # the lock released: it builds
 
 
+def test_a_build_killed_at_any_moment_leaves_one_whole_build(tmp_path: Path) -> None:
+    """kill -9 a build at spread-out moments: out/ is always one build's, every target of it."""
+    out = tmp_path / "out"
+    dsl = [tmp_path / "a.dsl", tmp_path / "b.dsl"]
+    dsl[0].write_text(TINY)
+    dsl[1].write_text(TINY.replace("x + 1", "x + 2"))
+    write_outputs(compile_source(TINY, targets=B.TARGET_NAMES), out)
+    rng = np.random.default_rng(7)
+    for i in range(6):
+        p = subprocess.Popen([sys.executable, "-m", "kernelgen.cli", "build", "--no-store", "--dsl", str(dsl[i % 2]),
+                              "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            p.wait(timeout=float(rng.uniform(0.2, 2.5)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=TIMEOUT)
+        results = {t: kernelgen.load(out, t).call("f", 1) for t in B.TARGET_NAMES}  # load checks wasm vs manifest
+        assert len(set(results.values())) == 1 and set(results.values()) <= {2, 3}, results
+    write_outputs(compile_source(TINY, targets=B.TARGET_NAMES), out)  # a later build cleans up after the kills
+    assert sorted(os.listdir(tmp_path)) == ["a.dsl", "b.dsl", "out"]
+
+
 def test_concurrent_builds_leave_a_consistent_out(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmds = [[sys.executable, "-m", "kernelgen.cli", "build", "--no-store", "--out", str(out), "--tune", f"dot_f32.unroll={u}"]
