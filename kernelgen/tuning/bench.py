@@ -126,12 +126,18 @@ def _packed_bytes(k: Kernels, quant: str, rows: int, cols: int) -> int:
     return sum(size for _, size in k.quants[quant].planes.values()) * rows * (cols // k.quants[quant].block)
 
 
+def _filled(k: Kernels, nbytes: int) -> int:
+    """A buffer written once: untouched pages all read one zero page, from cache."""
+    addr = k.module.alloc(nbytes)
+    k.module.view(addr, np.uint8, nbytes)[:] = 1
+    return addr
+
+
 def stream(quant: str, rows: int, cols: int) -> Callable[[Kernels], float]:
     """A streaming read of as many bytes as `quant`'s packed rows x cols: the memory roofline."""
     def run(k: Kernels) -> float:
         nbytes = _packed_bytes(k, quant, rows, cols) // 64 * 64
-        buf = k.module.alloc(nbytes + 64)
-        k.module.view(buf, np.uint8, nbytes)[:] = 1  # touched: untouched pages all read one zero page
+        buf = _filled(k, nbytes)
         return measure(lambda reps: k.call("bench_stream_repeat", reps, buf, nbytes)).seconds
     return run
 
@@ -152,13 +158,6 @@ def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Ker
             index = pool.job_index(job)
             return measure(lambda reps: k.call("bench_par_for", reps, index, rows, 16)).seconds
     return run
-
-
-def _filled(k: Kernels, nbytes: int) -> int:
-    """A buffer written once: untouched pages all read one zero page, from cache."""
-    addr = k.module.alloc(nbytes)
-    k.module.view(addr, np.uint8, nbytes)[:] = 1
-    return addr
 
 
 def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Callable[[Kernels], float]:
