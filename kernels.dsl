@@ -3,6 +3,8 @@
 # Pointers are byte addresses in the one shared memory. Target constants differ per target:
 #   ACT_ZERO, ACT_MAX  how activations are quantized for the integer dot: int8 in [-127, 127]
 #                      on simd128 (0, 127); 7-bit in [-63, 63] stored +64 on relaxed SIMD (64, 63)
+#   ACT_BYTES          bytes per stored activation: 2 on simd128 (widened to i16 once, for its
+#                      i16 dot), 1 on relaxed SIMD; idot(acc, w, ptr, offset) reads this layout
 
 # ---- quantization types: stored layouts are llama.cpp's GGUF blocks, byte for byte -------------
 
@@ -197,16 +199,21 @@ kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
             }
             let lo = i16x8.narrow(v[0], v[1]);
             let hi = i16x8.narrow(v[2], v[3]);
-            i8x16.store(q + b * 32, h * 16, i8x16.narrow(lo, hi) + ACT_ZERO);
+            static if ACT_BYTES == 2 {
+                i16x8.store(q + b * 64, h * 32, lo + ACT_ZERO);
+                i16x8.store(q + b * 64, h * 32 + 16, hi + ACT_ZERO);
+            } else {
+                i8x16.store(q + b * 32, h * 16, i8x16.narrow(lo, hi) + ACT_ZERO);
+            }
         }
     }
 }
 
 # Quantize activations per block of 32 for the integer dot: d = amax / ACT_MAX,
-# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO.
+# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO in ACT_BYTES.
 #   x: f32[n]
 #   n: element count, a multiple of 32
-#   q: i8[n], written (u8 in [1, 127] on relaxed SIMD)
+#   q: i16[n] on simd128, u8[n] in [1, 127] on relaxed SIMD, written
 #   d: f32[n / 32], written: the block scales
 export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
     quantize_blocks(x, q, d, 0, n / 32);
@@ -214,7 +221,7 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 
 # quantize_act on the thread pool: items are blocks of 32 values.
 #   x: f32[n]
-#   q: i8[n], written
+#   q: n activations of ACT_BYTES, written
 #   d: f32[n / 32], written
 job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
     quantize_blocks(x, q, d, begin, end);
@@ -226,12 +233,12 @@ job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
 # w.sum (i32 per block) and, for types with an offset term, w.offset. Activations come in blocks
 # of 32 (quantize_act), so these kernels take quant types whose block is 32.
 
-# One block's integer dot w . a in i32 lanes whose sum is the dot (activations still offset).
-inline kernel qraw[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
-    var acc: i32x4 = i32x4.splat(0);
-    let wq = w.q + blk * Q.bytes;
-    unroll j in 0..Q.block / 16 {
-        acc = idot(acc, Q.unpack(wq, j), i8x16.load(a, j * 16));
+# One block's integer dot w . a in i32 lanes whose sum is the dot (activations still offset):
+# wq points at the block's packed codes, a at its activations.
+inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
+    var acc: i32x4 = idot(i32x4.splat(0), Q.unpack(wq, 0), a, 0);
+    unroll j in 1..Q.block / 16 {
+        acc = idot(acc, Q.unpack(wq, j), a, j * 16);
     }
     return acc;
 }
@@ -239,25 +246,45 @@ inline kernel qraw[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
 # One block's exact integer dot. On relaxed SIMD the activations carry +ACT_ZERO;
 # sum(w * (a + 64)) - 64 * sum(w) removes it (spread over the four lanes: 16 * sum(w) each).
 inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
-    var acc: i32x4 = qraw[Q](w, blk, a);
+    var acc: i32x4 = qraw[Q](w.q + blk * Q.bytes, a);
     static if ACT_ZERO != 0 {
         acc = acc - i32x4.splat(i32.load(w.sum + blk * 4) * (ACT_ZERO / 4));
     }
     return acc;
 }
 
-# Four vectors -> one whose lane i is the sum of vector i's lanes (a transpose folded into adds).
-inline kernel lanesums4(a: i32x4, b: i32x4, c: i32x4, d: i32x4) -> i32x4 {
-    let ab = i32x4.shuffle(a, b, 0, 4, 1, 5) + i32x4.shuffle(a, b, 2, 6, 3, 7);
-    let cd = i32x4.shuffle(c, d, 0, 4, 1, 5) + i32x4.shuffle(c, d, 2, 6, 3, 7);
+# Two vectors -> one whose lanes 0, 1 sum to a's lanes and lanes 2, 3 to b's (half of a transpose).
+inline kernel lanepairs(a: i32x4, b: i32x4) -> i32x4 {
+    return i32x4.shuffle(a, b, 0, 4, 1, 5) + i32x4.shuffle(a, b, 2, 6, 3, 7);
+}
+
+# Two lanepairs results -> one vector whose lane i is the sum of the ith original vector's lanes.
+inline kernel lanequads(ab: i32x4, cd: i32x4) -> i32x4 {
     return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);
 }
 
+# Four vectors -> one whose lane i is the sum of vector i's lanes (a transpose folded into adds).
+inline kernel lanesums4(a: i32x4, b: i32x4, c: i32x4, d: i32x4) -> i32x4 {
+    return lanequads(lanepairs(a, b), lanepairs(c, d));
+}
+
 # The exact dots of blocks blk .. blk + 3 of one row, lane i for block blk + i: their scales then
-# apply as one vector, a quarter of the per-block scalar work of qblock.
+# apply as one vector, a quarter of the per-block scalar work of qblock. Two blocks per pass of a
+# run-time loop: an engine computes each pass's dots before the loop's back edge, so only two
+# blocks' loads are live at once (all four unrolled, cranelift places the pure arithmetic after all
+# the loads and spills vectors to the stack).
 inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
-    var d: i32x4 = lanesums4(qraw[Q](w, blk, a), qraw[Q](w, blk + 1, a + Q.block),
-                             qraw[Q](w, blk + 2, a + 2 * Q.block), qraw[Q](w, blk + 3, a + 3 * Q.block));
+    var p[2]: i32x4 = i32x4.splat(0);
+    var wq: ptr = w.q + blk * Q.bytes;
+    var ap: ptr = a;
+    for i in 0..2 {
+        let x = lanepairs(qraw[Q](wq, ap), qraw[Q](wq + Q.bytes, ap + Q.block * ACT_BYTES));
+        p[0] = p[1];
+        p[1] = x;
+        wq = wq + 2 * Q.bytes;
+        ap = ap + 2 * Q.block * ACT_BYTES;
+    }
+    var d: i32x4 = lanequads(p[0], p[1]);
     static if ACT_ZERO != 0 {
         d = d - i32x4.load(w.sum + blk * 4) * ACT_ZERO;
     }
@@ -268,7 +295,7 @@ inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
 inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
     var acc: i32x4 = i32x4.splat(-(ACT_ZERO * Q.block / 4));
     unroll j in 0..Q.block / 16 {
-        acc = idot(acc, i8x16.splat(1), i8x16.load(a, j * 16));
+        acc = idot(acc, i8x16.splat(1), a, j * 16);
     }
     return acc;
 }
@@ -277,8 +304,8 @@ inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
 inline kernel ascaled4[Q: quant](a: ptr, da4: f32x4) -> f32x4 {
     var s: f32x4 = f32x4.splat(0.0);
     static if Q.has_offset {
-        let sums = lanesums4(ablock[Q](a), ablock[Q](a + Q.block), ablock[Q](a + 2 * Q.block),
-                             ablock[Q](a + 3 * Q.block));
+        let sums = lanesums4(ablock[Q](a), ablock[Q](a + Q.block * ACT_BYTES), ablock[Q](a + 2 * Q.block * ACT_BYTES),
+                             ablock[Q](a + 3 * Q.block * ACT_BYTES));
         s = f32x4.convert(sums) * da4;
     }
     return s;
@@ -309,13 +336,13 @@ kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, nb: i32)
     let nbs = nb - nb % (4 * A);
     for b in 0..nbs step 4 * A {
         unroll s in 0..A {
-            let ab = aq + (b + 4 * s) * Q.block;
+            let ab = aq + (b + 4 * s) * Q.block * ACT_BYTES;
             let da4 = f32x4.load(ad + (b + 4 * s) * 4);
             acc[s] = qstep4[Q](w, r * nb + b + 4 * s, ab, da4, ascaled4[Q](ab, da4), acc[s]);
         }
     }
     for b in nbs..nb {
-        acc[0] = qstep1[Q](w, r * nb + b, aq + b * Q.block, f32.load(ad + b * 4), acc[0]);
+        acc[0] = qstep1[Q](w, r * nb + b, aq + b * Q.block * ACT_BYTES, f32.load(ad + b * 4), acc[0]);
     }
     unroll s in 1..A {
         acc[0] = acc[0] + acc[s];
@@ -325,7 +352,7 @@ kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, nb: i32)
 
 # Dot of one packed row with quantized activations.
 #   w: packed row of k / Q.block blocks
-#   aq: activations from quantize_act, k bytes
+#   aq: activations from quantize_act, k of ACT_BYTES each
 #   ad: activation scales from quantize_act, k / 32 f32
 #   k: row length, a multiple of Q.block
 export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
@@ -343,7 +370,7 @@ kernel qrows[Q: quant, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0
         let nbs = nb - nb % (4 * A);
         for b in 0..nbs step 4 * A {
             unroll s in 0..A {
-                let ab = aq + (b + 4 * s) * Q.block;
+                let ab = aq + (b + 4 * s) * Q.block * ACT_BYTES;
                 let da4 = f32x4.load(ad + (b + 4 * s) * 4);
                 let as4 = ascaled4[Q](ab, da4);
                 unroll r in 0..N {
@@ -352,7 +379,7 @@ kernel qrows[Q: quant, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0
             }
         }
         for b in nbs..nb {
-            let ab = aq + b * Q.block;
+            let ab = aq + b * Q.block * ACT_BYTES;
             let da = f32.load(ad + b * 4);
             unroll r in 0..N {
                 acc[r * A] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r * A]);
@@ -381,7 +408,7 @@ kernel qmatvec_rows[Q: quant, R: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: 
 
 # y = W a for a packed quantized matrix and quantized activations.
 #   w: packed matrix, n rows of k / Q.block blocks
-#   aq: activations from quantize_act, k bytes
+#   aq: activations from quantize_act, k of ACT_BYTES each
 #   ad: activation scales from quantize_act, k / 32 f32
 #   y: f32[n], written
 #   n: row count
@@ -395,7 +422,7 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
 
 # qmatvec on the thread pool, with qmatvec's tune values: items are rows.
 #   w: packed matrix of k / Q.block blocks per row
-#   aq: activations from quantize_act, k bytes
+#   aq: activations from quantize_act, k of ACT_BYTES each
 #   ad: activation scales, k / 32 f32
 #   y: f32[n], written
 #   k: row length, a multiple of Q.block

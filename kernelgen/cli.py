@@ -164,10 +164,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))
     store = _store(args)
+    engines = ("wasmtime", "node") if args.engine == "both" else (args.engine,)
     report = run(source, args.target, load_store(store) if store else None, args.repeat,
-                 progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True))
+                 progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True),
+                 engines=engines)
     print(file=sys.stderr)
     print(json.dumps(as_json(report), indent=2) if args.json else format_table(report))
+    if args.plot:
+        from .tuning.bench import plot
+        try:
+            plot(report, args.plot)
+        except ImportError:
+            raise KernelgenError("--plot needs matplotlib: pip install 'kernelgen[plot]'") from None
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -246,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--repeat", type=_positive, default=1, metavar="N",
                     help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
+    be.add_argument("--engine", choices=("wasmtime", "node", "both"), default="wasmtime",
+                    help="run in wasmtime, or the mat-vec rows in Node (V8) through the JS runtime, or both")
+    be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
     ls.add_argument("--json", action="store_true", help="print the list as JSON")

@@ -11,6 +11,7 @@ import { Pool } from './pool.mjs';
 
 const PAGE_BYTES = 65536;
 const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
+const ACT_ARRAYS = { int8: Int8Array, uint8: Uint8Array, int16: Int16Array }; // manifest activation.dtype
 const VECTOR_BYTES = 16; // elementwise kernels read a partial last vector whole
 const LANES = 4; // f32 lanes per vector: the items of the elementwise jobs
 const TARGETS = ['relaxed-simd', 'simd128'];
@@ -106,8 +107,10 @@ export class Driver {
     this.#exports = exports;
     this.#pool = pool;
     this.#top = manifest.memory.heap_base;
-    // Activation bytes are int8 where stored as they are, uint8 where offset by ACT_ZERO.
-    this.#actArray = manifest.constants.ACT_ZERO === 0 ? Int8Array : Uint8Array;
+    // How quantize_act stores activations on this target (Int16Array on simd128, Uint8Array holding
+    // q + ACT_ZERO on relaxed SIMD): the manifest says.
+    this.#actArray = ACT_ARRAYS[manifest.activation.dtype];
+    if (!this.#actArray) throw new Error(`unknown activation dtype ${manifest.activation.dtype} in the manifest`);
     for (const [name, e] of Object.entries(manifest.exports)) this.#exportNames.set(`${e.kernel}/${e.quant}`, name);
     for (const [name, j] of Object.entries(manifest.jobs)) this.#jobNames.set(`${j.kernel}/${j.quant}`, name);
   }
@@ -211,8 +214,8 @@ export class Driver {
 
   // ---- weights and activations ---------------------------------------------------------------
 
-  /** f32[n] (n a positive multiple of 32) -> {q, d}: q Int8Array on simd128, Uint8Array holding
-   * q + ACT_ZERO on relaxed SIMD; d one f32 scale per 32 values. */
+  /** f32[n] (n a positive multiple of 32) -> {q, d}: q Int16Array on simd128 (int8 values, stored
+   * widened), Uint8Array holding q + ACT_ZERO on relaxed SIMD; d one f32 scale per 32 values. */
   quantizeAct(x) {
     f32Array('quantizeAct x', x);
     if (x.length === 0 || x.length % ACT_BLOCK) {
@@ -220,7 +223,7 @@ export class Driver {
     }
     return this.#scoped(() => {
       const px = this.#put(x);
-      const pq = this.#alloc(x.length);
+      const pq = this.#alloc(x.length * this.#actArray.BYTES_PER_ELEMENT);
       const pd = this.#alloc((x.length / ACT_BLOCK) * 4);
       this.#exports[this.exportName('quantize_act')](px, x.length, pq, pd);
       return { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, x.length / ACT_BLOCK) };

@@ -40,9 +40,11 @@ def consts(k: Kernels) -> tuple[int, int]:
     return c["ACT_ZERO"], c["ACT_MAX"]
 
 
-def act_dtype(k: Kernels) -> type:
-    """The dtype of the module's activation bytes: int8 (ACT_ZERO = 0) or uint8 (stored with an offset)."""
-    return np.int8 if consts(k)[0] == 0 else np.uint8
+def act_dtype(k: Kernels) -> np.dtype:
+    """The dtype of the module's stored activations: int16 on simd128 (int8 values widened once for
+    its i16 dot, ACT_BYTES = 2), uint8 where stored with an offset (relaxed SIMD)."""
+    c = k.manifest["constants"]
+    return np.dtype({(0, 2): np.int16, (0, 1): np.int8, (64, 1): np.uint8}[c["ACT_ZERO"], c["ACT_BYTES"]])
 
 
 def rows_tune(rows: int) -> dict:
@@ -93,7 +95,7 @@ def unit_scale_qmatvec_and_qdots(m: Kernels, quant: str, blocks: np.ndarray, act
     singles = [m.pack(quant, blocks[r:r + 1]) for r in range(blocks.shape[0])]
     out = []
     for a in acts:
-        act = Act(q=a, d=np.ones(a.size // 32, np.float32))
+        act = Act(q=a.astype(act_dtype(m)), d=np.ones(a.size // 32, np.float32))
         out.append(m.qmatvec(packed, act))
         out.append(np.array([m.qdot(p, act) for p in singles], np.float32))
     return out

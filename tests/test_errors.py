@@ -135,6 +135,13 @@ CASES = [
          "idot's weights must be i8x16, not f32x4", lowering=True),
     Case("idot with a wrong accumulator", K("i32x4.store(x, idot(f32x4.splat(0.0), i8x16.load(x), i8x16.load(x)));"),
          2, 20, "idot's accumulator must be i32x4, not f32x4", lowering=True),
+    Case("idot with an offset but activation values",
+         K("i32x4.store(x, idot(i32x4.splat(0), i8x16.load(x), i8x16.load(x), 16));"), 2, 20,
+         "idot's offset goes with an activation pointer, not an i8x16 value", lowering=True),
+    Case("idot with a run-time offset", K("i32x4.store(x, idot(i32x4.splat(0), i8x16.load(x), x, n));"), 2, 20,
+         "the offset of idot() must be a compile-time integer", lowering=True),
+    Case("idot with activations of another type", K("i32x4.store(x, idot(i32x4.splat(0), i8x16.load(x), f32x4.load(x)));"),
+         2, 20, "idot's activations must be i8x16, not f32x4", lowering=True),
     # ---- statements
     Case("assigning to a let", "export kernel f(x: ptr, n: i32) {\n    let a = n + 1;\n    a = 2;\n}\n", 3, 5,
          "cannot assign to 'a': only 'var' locals can change", lowering=True),

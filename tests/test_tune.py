@@ -10,6 +10,7 @@ import functools
 import io
 import json
 import math
+import shutil
 import types
 import warnings
 from dataclasses import asdict
@@ -816,6 +817,88 @@ def test_bench_refuses_a_ratio_naming_no_row() -> None:
         bench.run(SOURCE, ("simd128",), cases=FAKE_CASES[:1], ratios=[Ratio("slow 8x8", "nothing 1x1")], limits=[])
     with pytest.raises(ValueError, match="repeat must be >= 1"):
         bench.run(SOURCE, ("simd128",), repeat=0)
+
+
+def test_seed_style_peer_matches_numpy_and_a_wrong_one_is_caught() -> None:
+    """The bench's hand-written peer runs on a module's own memory and is checked before it is timed."""
+    from kernelgen.compiler.build import compile_kernels
+    from kernelgen.tuning.peer import SeedPeer
+    from kernelgen import reference
+
+    for target in ("simd128", "relaxed-simd"):
+        k = compile_kernels(SOURCE, target)
+        rng = np.random.default_rng(7)
+        w = k.pack("q8_0", reference.quantize_q8_0(rng.standard_normal((9, 320))))
+        x = rng.standard_normal(320).astype(np.float32)
+        peer = SeedPeer.on(k)
+        args, ref = peer.prepare(w, x)
+        peer.check(args, ref)
+        y = k.module.get(args[5], np.float32, 9)
+        mine = k.qmatvec(w, k.quantize_act(x))  # the same matrix, activations quantized by the target
+        assert np.abs(y - mine).max() < 0.03 * np.abs(mine).max()
+        peer.repeat(args)(3)
+        with pytest.raises(AssertionError, match="seed-style peer differs from numpy"):
+            peer.check(args, ref * 1.01)
+        with pytest.raises(ValueError, match="q8_0 only"):
+            peer.prepare(k.pack("q4_0", reference.quantize_q4_0(rng.standard_normal((2, 64)))), x[:64])
+
+
+MV_SMALL = (256, 2048)  # q4_0's planes are six streaming-read chunks, q8_0's ten
+
+
+def _small_matvec_cases() -> list[Case]:
+    r, c = MV_SMALL
+    shape, n = f"{r}x{c}", r * c
+    return [
+        Case("stream of q8_0's packed bytes", shape, n, "weights", bench.stream("q8_0", r, c),
+             node=("stream", "q8_0", MV_SMALL, 1), weights=("q8_0", r, c)),
+        Case("seed-style q8_0 (hand-written)", shape, n, "weights", bench.seed(r, c), node=("seed", "q8_0", MV_SMALL, 1),
+             weights=("q8_0", r, c)),
+        Case("qmatvec q8_0", shape, n, "weights", bench.qmatvec("q8_0", r, c), node=("qmatvec", "q8_0", MV_SMALL, 1),
+             weights=("q8_0", r, c)),
+        Case("qmatvec q4_0", shape, n, "weights", bench.qmatvec("q4_0", r, c), node=("qmatvec", "q4_0", MV_SMALL, 1),
+             weights=("q4_0", r, c)),
+        *[Case(f"qmatvec q8_0 pool, {t}", shape, n, "weights", bench.qmatvec("q8_0", r, c, t),
+               node=("qmatvec pool", "q8_0", MV_SMALL, t), weights=("q8_0", r, c)) for t in (1, 2)],
+        *[Case(f"stream pool, {t}", shape, n, "weights", bench.stream_pool("q8_0", r, c, t),
+               node=("stream", "q8_0", MV_SMALL, t), weights=("q8_0", r, c)) for t in (1, 2)],
+        Case("np.base", "8", 8, "elements", _cycle(5e-6), numpy=True),
+    ]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
+def test_bench_runs_the_mat_vec_rows_in_wasmtime_and_node(tmp_path: Path, monkeypatch) -> None:
+    """--engine both: the mat-vec cases also run in V8 through the JS runtime (node_bench.mjs), as
+    rows on "<target> node"; ratios on every target pair rows of the same engine; the seed-style
+    peer is checked before it is timed in both; the roofline chart draws every engine's rows."""
+    from kernelgen.tuning.bench import plot
+    monkeypatch.setattr(bench, "node_timings",
+                        lambda built, keys, min_ms=5, f=bench.node_timings: f(built, keys, min_ms))
+    shape = f"{MV_SMALL[0]}x{MV_SMALL[1]}"
+    ratios = [Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}", at_least=0.01),
+              Ratio(f"qmatvec q4_0 {shape}", f"qmatvec q8_0 {shape}"),
+              Ratio(f"qmatvec q8_0 pool, 2 {shape}", f"qmatvec q8_0 pool, 1 {shape}"),
+              Ratio(f"qmatvec q8_0 {shape}", f"stream of q8_0's packed bytes {shape}", "relaxed-simd node")]
+    report = bench.run(SOURCE, ("relaxed-simd",), cases=_small_matvec_cases(), ratios=ratios, limits=[],
+                       engines=("wasmtime", "node"))
+    rows = {(r.key, r.target): r for r in report.rows}
+    per_block = {"q8_0": 32 + 4 + 4, "q4_0": 16 + 4 + 4}  # codes, f32 scale, i32 sum per block of 32
+    for target in ("relaxed-simd", "relaxed-simd node"):
+        for c in _small_matvec_cases()[:-1]:
+            row = rows[(c.key, target)]
+            assert row.value.median > 0 and row.nbytes == per_block[c.weights[0]] * MV_SMALL[0] * MV_SMALL[1] // 32
+    assert ("np.base 8", "numpy") in rows and ("np.base 8", "relaxed-simd node") not in rows
+    pairs = [(q.row.target, q.versus.target) for q in report.ratios]
+    assert pairs == [("relaxed-simd", "relaxed-simd"), ("relaxed-simd node", "relaxed-simd node")] * 3 + [
+        ("relaxed-simd node", "relaxed-simd node")]
+    assert all(q.met for q in report.ratios if q.at_least)
+    assert "relaxed-simd node" in format_table(report)
+    plot(report, tmp_path / "roof.png")
+    assert (tmp_path / "roof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no mat-vec rows"):
+        plot(Report([r for r in report.rows if not r.nbytes], [], [], 1), tmp_path / "none.png")
+    with pytest.raises(ValueError, match="engines must be"):
+        bench.run(SOURCE, ("simd128",), engines=("v8",))
 
 
 def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() -> None:

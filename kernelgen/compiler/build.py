@@ -81,9 +81,10 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         "tools": {"wat2wasm": wabt_version()},
         "memory": memory,
         "constants": dict(t.constants),
-        # quantize_act's blocks: ACT_MAX-scaled values per this many f32, stored + ACT_ZERO.
+        # quantize_act's blocks: ACT_MAX-scaled values per this many f32, stored + ACT_ZERO in
+        # ACT_BYTES each (hosts size and type the activation buffer from this).
         "activation": {"block": 32, "zero": t.constants["ACT_ZERO"], "max": t.constants["ACT_MAX"],
-                       "dtype": "int8" if t.constants["ACT_ZERO"] == 0 else "uint8"},
+                       "dtype": _act_dtype(t.constants)},
         "quants": {name: q.to_json() for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
@@ -95,6 +96,12 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         "wasm_sha256": hashlib.sha256(wasm).hexdigest(),  # the hosts refuse a wasm from another build
     }
     return Built(target, wat, wasm, manifest)
+
+
+def _act_dtype(constants: dict[str, int]) -> str:
+    """The numpy/typed-array name of a stored activation: signed where stored as is, else unsigned."""
+    bits = 8 * constants["ACT_BYTES"]
+    return f"int{bits}" if constants["ACT_ZERO"] == 0 else f"uint{bits}"
 
 
 def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, int]] | None,

@@ -455,29 +455,60 @@ def _run_job(c: Ctx, q: str | None, args: list[Val]) -> Val:
 # ---- ops whose lowering differs by target ------------------------------------------------------
 
 
-def _idot_check(c: Ctx, args: list[Val]) -> list[Val]:
-    acc, w, a = _arity(c, args, 3, "idot")
+def _idot_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, int | None]:
+    """(acc, w, a, offset). `a` is an i8x16 of activations, or the address of activations stored in
+    the target's layout (ACT_BYTES each) with a constant `offset` counted in activations."""
+    if len(args) not in (3, 4):
+        raise c.error(f"idot(acc, w, a) or idot(acc, w, ptr, offset) takes 3 or 4 arguments, got {len(args)}")
+    acc, w, a = args[:3]
     _need(c, acc, "i32x4", "idot's accumulator")
     _need(c, w, "i8x16", "idot's weights")
+    if a.type == "i32":
+        return acc, w, a, _offset(c, args, 3, "idot")
     _need(c, a, "i8x16", "idot's activations")
-    return [acc, w, a]
+    if len(args) == 4:
+        raise c.error("idot's offset goes with an activation pointer, not an i8x16 value")
+    return acc, w, a, None
+
+
+def _act_load(p: Instr, offset: int) -> Instr:
+    """16 bytes of stored activations at p + offset bytes."""
+    return Instr("v128.load", (f"offset={offset}",) if offset else (), (p,))
 
 
 def _idot_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    """acc + w.a with lanes of 4 products each: sign-extend to i16 and use i32x4.dot_i16x8_s twice."""
-    acc, w, a = _idot_check(c, args)
+    """acc + w.a with lanes of 4 products each: i32x4.dot_i16x8_s on the sign-extended halves of w.
+    Activations given by address are stored widened to i16 (ACT_BYTES = 2, quantize_act writes them
+    so): two loads instead of two extends, once per row instead of once per call."""
+    acc, w, a, offset = _idot_check(c, args)
     w1, w2 = c.reuse(w)
-    a1, a2 = c.reuse(a)
-    lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), I("i16x8.extend_low_i8x16_s", a1))
-    hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), I("i16x8.extend_high_i8x16_s", a2))
-    return Val(I("i32x4.add", c.materialize(acc), I("i32x4.add", lo, hi)), "i32x4")
+    if offset is None:
+        a1, a2 = c.reuse(a)
+        a_lo, a_hi = I("i16x8.extend_low_i8x16_s", a1), I("i16x8.extend_high_i8x16_s", a2)
+    else:
+        p1, p2 = c.reuse(a)
+        size = SIMD128_ACT["ACT_BYTES"]
+        a_lo, a_hi = _act_load(p1, offset * size), _act_load(p2, offset * size + 16)
+    lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), a_lo)
+    hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), a_hi)
+    dots = I("i32x4.add", lo, hi)
+    if _is_zero_vector(acc):  # a block's first dot: nothing to add it to (engines keep the add)
+        return Val(dots, "i32x4")
+    return Val(I("i32x4.add", c.materialize(acc), dots), "i32x4")
+
+
+def _is_zero_vector(v: Val) -> bool:
+    code = v.code
+    return (code is not None and code.op == "v128.const" and not code.args
+            and all(float(x) == 0 for x in code.imms[1:]))
 
 
 def _idot_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """One relaxed dot. The activation operand is the 7-bit one: the kernels keep it in [0, 127]
     (ACT_ZERO = 64), where x86's pmaddubsw and ARM's sdot agree and nothing saturates."""
-    acc, w, a = _idot_check(c, args)
-    code = I("i32x4.relaxed_dot_i8x16_i7x16_add_s", c.materialize(w), c.materialize(a), c.materialize(acc))
+    acc, w, a, offset = _idot_check(c, args)
+    act = c.materialize(a) if offset is None else _act_load(c.materialize(a, "i32"), offset)
+    code = I("i32x4.relaxed_dot_i8x16_i7x16_add_s", c.materialize(w), act, c.materialize(acc))
     return Val(code, "i32x4")
 
 
@@ -562,13 +593,19 @@ class Target:
     wat2wasm_flags: tuple[str, ...] = field(default=())
 
 
-# ACT_ZERO / ACT_MAX: how activations are quantized for the integer dot on this target. SIMD128
-# takes int8 in [-127, 127]; relaxed SIMD's dot wants its second operand 7-bit and non-negative,
-# so activations are quantized to [-63, 63] and stored offset by 64, in [1, 127]. Kernels remove
-# the offset exactly with the per-block weight sums of the packed layout.
+# How activations are quantized and stored for the integer dot on each target (kernels read these
+# as constants; quantize_act writes this layout and idot's pointer form reads it):
+#   ACT_ZERO, ACT_MAX  SIMD128 takes int8 in [-127, 127]; relaxed SIMD's dot wants its second
+#                      operand 7-bit and non-negative, so activations are quantized to [-63, 63] and
+#                      stored offset by 64, in [1, 127] (kernels remove the offset exactly with the
+#                      per-block weight sums of the packed layout).
+#   ACT_BYTES          bytes per stored activation: SIMD128's dot is i16 x i16, so activations are
+#                      stored widened to i16 once per call; relaxed SIMD's dot reads bytes.
+SIMD128_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2}
+RELAXED_ACT = {"ACT_ZERO": 64, "ACT_MAX": 63, "ACT_BYTES": 1}
 TARGETS: dict[str, Target] = {
-    "simd128": Target("simd128", SIMD128, {"ACT_ZERO": 0, "ACT_MAX": 127},
+    "simd128": Target("simd128", SIMD128, SIMD128_ACT,
                       ("simd", "threads"), ("--enable-threads", "--disable-relaxed-simd")),
-    "relaxed-simd": Target("relaxed-simd", RELAXED, {"ACT_ZERO": 64, "ACT_MAX": 63},
+    "relaxed-simd": Target("relaxed-simd", RELAXED, RELAXED_ACT,
                            ("simd", "relaxed-simd", "threads"), ("--enable-threads",)),
 }

@@ -52,8 +52,8 @@ class Packed:
 
 @dataclass(frozen=True)
 class Act:
-    """Activations quantized by the module's own quantize_act: q (int8 on simd128, uint8 holding
-    q + 64 on relaxed SIMD) and one f32 scale per 32 values."""
+    """Activations quantized by the module's own quantize_act: q (int8 values stored as int16 on
+    simd128, uint8 holding q + 64 on relaxed SIMD) and one f32 scale per 32 values."""
 
     q: np.ndarray
     d: np.ndarray
@@ -102,8 +102,9 @@ class Kernels:
         self.module = host.Module(wasm, manifest, deterministic)
         self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
                                                 for name, q in manifest["quants"].items()}
-        # Activation bytes are int8 where they are stored as is, uint8 where offset by ACT_ZERO.
-        self._act_dtype = np.int8 if manifest["constants"]["ACT_ZERO"] == 0 else np.uint8
+        # How quantize_act stores activations on this target (int16 on simd128, uint8 holding q + 64
+        # on relaxed SIMD): the manifest says.
+        self._act_dtype = np.dtype(manifest["activation"]["dtype"])
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
             self._exports[(e["kernel"], e["quant"])] = name
@@ -191,7 +192,7 @@ class Kernels:
         m = self.module.mark()
         try:
             px = self.module.put(x)
-            pq = self.module.alloc(x.size)
+            pq = self.module.alloc(x.size * self._act_dtype.itemsize)
             pd = self.module.alloc(x.size // 32 * 4)
             self._run("quantize_act", None, [px, x.size, pq, pd], "quantize_act_job", [px, pq, pd], x.size // 32,
                       pool, chunk)

@@ -12,28 +12,42 @@ The bench is three small tables of data, read by one loop:
 
 `--repeat N` runs the whole table N times; every cell then shows min/median/max over the runs, and
 a goal is judged on the median. Adding a row or a goal is one entry in these tables.
+
+`--engine node` (or `both`) runs the mat-vec cases again in Node (V8) through the JS runtime
+(`node_bench.mjs`), as rows on the targets "simd128 node" and "relaxed-simd node"; a case names
+its Node timing with `node`. `plot` draws the mat-vec rows as a roofline chart.
 """
 from __future__ import annotations
 
+import json
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from ..host.api import Kernels, padded_rows
-from ..compiler.build import TARGET_NAMES, compile_source, from_built
+from ..compiler.build import TARGET_NAMES, Built, compile_source, from_built
+from ..errors import KernelgenError
 from ..compiler.check import check
 from ..compiler.parse import parse
 from ..host.pool import Pool
 from ..names import variant_name
 from .store import Record
-from .timing import POOL_REPEAT, STREAM_SOURCE, measure, measure_python, repeat_name, repeat_source
+from .peer import SeedPeer
+from .peer import wasm as peer_wasm
+from .timing import POOL_REPEAT, STREAM_CHUNK, STREAM_SOURCE, measure, measure_python, repeat_name, repeat_source
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
 SAME = "="  # a ratio's versus row on the same target as its row
+NODE = " node"  # suffix of a target run in Node (V8) through the JS runtime
+NODE_BENCH = Path(__file__).with_name("node_bench.mjs")
 
 
 class Bench:
@@ -41,11 +55,20 @@ class Bench:
 
     def __init__(self, source: str, targets: tuple[str, ...], records: list[Record] | None) -> None:
         self.source, self.records = source, records
-        checked = check(parse(source))
-        extra = STREAM_SOURCE + POOL_REPEAT + "".join(
-            repeat_source(checked, k) for k in ("qmatvec", "exp_f32", "softmax_f32"))
-        self.kernels = {b.target: from_built(b) for b in compile_source(source + extra, targets=targets,
-                                                                         records=records)}
+        self.built = {b.target: b for b in bench_built(source, targets, records)}
+        self.kernels = {t: from_built(b) for t, b in self.built.items()}
+
+
+def bench_built(source: str, targets: tuple[str, ...], records: list[Record] | None) -> list[Built]:
+    """The library plus the bench's wrappers: repeat loops, the streaming read and its pool job."""
+    checked = check(parse(source))
+    extra = STREAM_SOURCE + POOL_REPEAT + "".join(
+        repeat_source(checked, k) for k in ("qmatvec", "exp_f32", "softmax_f32"))
+    return compile_source(source + extra, targets=targets, records=records)
+
+
+# (kernel, quant, (rows, cols), threads): how node_bench.mjs names a timing
+NodeKey = tuple[str, str, tuple[int, int], int]
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,8 @@ class Case:
     unit: str
     time: Callable[[Kernels | None], float]
     numpy: bool = False  # a baseline: timed once, in Python, on no module
+    node: NodeKey | None = None  # its timing in node_bench.mjs's output, for --engine node
+    weights: tuple[str, int, int] | None = None  # (quant, rows, cols) a mat-vec case reads: the chart's x
 
     @property
     def key(self) -> str:
@@ -101,12 +126,18 @@ def _packed_bytes(k: Kernels, quant: str, rows: int, cols: int) -> int:
     return sum(size for _, size in k.quants[quant].planes.values()) * rows * (cols // k.quants[quant].block)
 
 
+def _filled(k: Kernels, nbytes: int) -> int:
+    """A buffer written once: untouched pages all read one zero page, from cache."""
+    addr = k.module.alloc(nbytes)
+    k.module.view(addr, np.uint8, nbytes)[:] = 1
+    return addr
+
+
 def stream(quant: str, rows: int, cols: int) -> Callable[[Kernels], float]:
     """A streaming read of as many bytes as `quant`'s packed rows x cols: the memory roofline."""
     def run(k: Kernels) -> float:
         nbytes = _packed_bytes(k, quant, rows, cols) // 64 * 64
-        buf = k.module.alloc(nbytes + 64)
-        k.module.view(buf, np.uint8, nbytes)[:] = 1  # touched: untouched pages all read one zero page
+        buf = _filled(k, nbytes)
         return measure(lambda reps: k.call("bench_stream_repeat", reps, buf, nbytes)).seconds
     return run
 
@@ -126,6 +157,34 @@ def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Ker
             pool.run(job, rows, 16, [*w.args, aq, ad, y, cols])  # publishes the arguments
             index = pool.job_index(job)
             return measure(lambda reps: k.call("bench_par_for", reps, index, rows, 16)).seconds
+    return run
+
+
+def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Callable[[Kernels], float]:
+    """The streaming read of `quant`'s packed bytes as a pool job (bench_stream_job) on `threads`."""
+    def run(k: Kernels) -> float:
+        nbytes = _packed_bytes(k, quant, rows, cols)
+        chunks = max(1, nbytes // STREAM_CHUNK)
+        buf = _filled(k, chunks * STREAM_CHUNK)
+        with Pool(k, threads) as pool:
+            pool.run("bench_stream_job", chunks, 1, [buf])
+            index = pool.job_index("bench_stream_job")
+            seconds = measure(lambda reps: k.call("bench_par_for", reps, index, chunks, 1)).seconds
+        return seconds * nbytes / (chunks * STREAM_CHUNK)
+    return run
+
+
+def seed(rows: int, cols: int) -> Callable[[Kernels], float]:
+    """The seed-style hand-written Q8_0 kernel (peer.py) on the planes qmatvec q8_0 reads, checked
+    against numpy before it is timed."""
+    def run(k: Kernels) -> float:
+        rng = np.random.default_rng(1)
+        w = k.pack("q8_0", _blocks(k, "q8_0", rows, cols, rng))
+        x = rng.standard_normal(cols).astype(np.float32)
+        peer = SeedPeer.on(k)
+        args, ref = peer.prepare(w, x)
+        peer.check(args, ref)
+        return measure(peer.repeat(args)).seconds
     return run
 
 
@@ -181,14 +240,34 @@ def numpy_softmax(_: None) -> float:
 
 # ---- the tables ----------------------------------------------------------------------------------
 
+MATVEC_SHAPES = ((256, 4096), (4096, 4096), (8192, 8192))  # the last one's weights come from DRAM
+BIG = (8192, 8192)
+
+
+def _matvec_cases() -> list[Case]:
+    """For each shape: the streaming read of q8_0's packed bytes, the seed-style peer, qmatvec q8_0;
+    q4_0 and the pool on one and two threads at BIG."""
+    out = []
+    for r, c in MATVEC_SHAPES:
+        shape, n = f"{r}x{c}", r * c
+        out += [Case("stream of q8_0's packed bytes", shape, n, "weights", stream("q8_0", r, c), node=("stream", "q8_0", (r, c), 1), weights=("q8_0", r, c)),
+                Case("seed-style q8_0 (hand-written)", shape, n, "weights", seed(r, c), node=("seed", "q8_0", (r, c), 1), weights=("q8_0", r, c)),
+                Case("qmatvec q8_0", shape, n, "weights", qmatvec("q8_0", r, c), node=("qmatvec", "q8_0", (r, c), 1), weights=("q8_0", r, c))]
+    r, c = BIG
+    shape, n = f"{r}x{c}", r * c
+    out += [Case("stream of q4_0's packed bytes", shape, n, "weights", stream("q4_0", r, c), node=("stream", "q4_0", BIG, 1), weights=("q4_0", r, c)),
+            Case("qmatvec q4_0", shape, n, "weights", qmatvec("q4_0", r, c), node=("qmatvec", "q4_0", BIG, 1), weights=("q4_0", r, c))]
+    for threads in (1, 2):
+        t = f"{threads} thread{'s' if threads > 1 else ''}"
+        out += [Case(f"qmatvec q8_0 pool, {t}", shape, n, "weights", qmatvec("q8_0", r, c, threads),
+                     node=("qmatvec pool", "q8_0", BIG, threads), weights=("q8_0", r, c)),
+                Case(f"stream pool, {t}", shape, n, "weights", stream_pool("q8_0", r, c, threads),
+                     node=("stream", "q8_0", BIG, threads), weights=("q8_0", r, c))]
+    return out
+
+
 CASES: list[Case] = [
-    Case("stream of q8_0's packed bytes", "4096x4096", 4096 * 4096, "weights", stream("q8_0", 4096, 4096)),
-    Case("qmatvec q8_0", "4096x4096", 4096 * 4096, "weights", qmatvec("q8_0", 4096, 4096)),
-    Case("qmatvec q8_0", "256x4096", 256 * 4096, "weights", qmatvec("q8_0", 256, 4096)),
-    Case("qmatvec q8_0", "8192x8192", 8192 * 8192, "weights", qmatvec("q8_0", 8192, 8192)),
-    Case("qmatvec q4_0", "8192x8192", 8192 * 8192, "weights", qmatvec("q4_0", 8192, 8192)),
-    Case("qmatvec q8_0 pool, 1 thread", "4096x4096", 4096 * 4096, "weights", qmatvec("q8_0", 4096, 4096, 1)),
-    Case("qmatvec q8_0 pool, 2 threads", "4096x4096", 4096 * 4096, "weights", qmatvec("q8_0", 4096, 4096, 2)),
+    *_matvec_cases(),
     Case("empty pool job, 2 threads", "", 1, "jobs", empty_job(2)),
     Case("exp_f32", "2^20", EXP_N, "elements", exp_f32),
     Case("np.exp", "2^20", EXP_N, "elements", numpy_exp, numpy=True),
@@ -197,13 +276,32 @@ CASES: list[Case] = [
          numpy_softmax, numpy=True),
 ]
 
+# issue 12's goals, each on wasmtime and in Node: qmatvec q8_0 against the seed-style kernel, and
+# against the streaming read of its bytes (relaxed SIMD)
+PEER_GOAL = {"simd128": 1.15, "relaxed-simd": 1.2}
+ROOFLINE_GOAL = {"4096x4096": 0.60, "8192x8192": 0.80}
+
+
+def _matvec_ratios() -> list[Ratio]:
+    out = []
+    for engine in ("", NODE):
+        for r, c in MATVEC_SHAPES:
+            shape = f"{r}x{c}"
+            for t in TARGET_NAMES:
+                out.append(Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}", t + engine,
+                                 at_least=PEER_GOAL[t] if (r, c) != BIG else None))
+                out.append(Ratio(f"qmatvec q8_0 {shape}", f"stream of q8_0's packed bytes {shape}", t + engine,
+                                 at_least=ROOFLINE_GOAL.get(shape) if t == "relaxed-simd" else None))
+    return out
+
+
 RATIOS: list[Ratio] = [
-    Ratio("qmatvec q8_0 4096x4096", "stream of q8_0's packed bytes 4096x4096", "simd128"),
-    Ratio("qmatvec q8_0 4096x4096", "stream of q8_0's packed bytes 4096x4096", "relaxed-simd", at_least=0.70),
+    *_matvec_ratios(),
     Ratio("qmatvec q8_0 4096x4096", "qmatvec q8_0 4096x4096", "relaxed-simd", "simd128"),
     Ratio("qmatvec q8_0 256x4096", "qmatvec q8_0 256x4096", "relaxed-simd", "simd128", at_least=1.4),
     Ratio("qmatvec q4_0 8192x8192", "qmatvec q8_0 8192x8192", at_least=1.6),
-    Ratio("qmatvec q8_0 pool, 2 threads 4096x4096", "qmatvec q8_0 pool, 1 thread 4096x4096", at_least=1.8),
+    Ratio("qmatvec q8_0 pool, 2 threads 8192x8192", "qmatvec q8_0 pool, 1 thread 8192x8192", at_least=1.8),
+    Ratio("stream pool, 2 threads 8192x8192", "stream pool, 1 thread 8192x8192"),
     Ratio("exp_f32 2^20", "np.exp 2^20", versus_target=NUMPY, at_least=1.0),
     Ratio("softmax_f32 64x4096", "numpy softmax by row 64x4096", versus_target=NUMPY, at_least=1.5),
 ]
@@ -250,6 +348,7 @@ class Row:
     work: float = 0.0
     unit: str = ""
     figure: bool = False
+    nbytes: int = 0  # bytes of weights one call reads (mat-vec rows): the roofline chart's x
 
 
 @dataclass
@@ -291,30 +390,43 @@ def _targets_of(case: Case, targets: tuple[str, ...]) -> tuple[str, ...]:
 def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Record] | None = None,
         repeat: int = 1, progress: Callable[[str], None] = lambda s: None,
         cases: list[Case] | None = None, ratios: list[Ratio] | None = None,
-        limits: list[Limit] | None = None) -> Report:
+        limits: list[Limit] | None = None, engines: tuple[str, ...] = ("wasmtime",)) -> Report:
     """Time every case on every target `repeat` times (the whole table per run), then the ratios
-    and limits from the same runs."""
+    and limits from the same runs. `engines`: "wasmtime" and/or "node" (the cases that name a
+    Node timing, on the targets "<target> node")."""
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if not engines or set(engines) - {"wasmtime", "node"}:
+        raise ValueError(f"engines must be wasmtime and/or node, got {engines}")
     cases = CASES if cases is None else cases
     ratios = RATIOS if ratios is None else ratios
     limits = LIMITS if limits is None else limits
     bench = Bench(source, targets, records)
+    wasm_targets = targets if "wasmtime" in engines else ()
+    node_targets = tuple(t + NODE for t in targets) if "node" in engines else ()
+    node_cases = [c for c in cases if c.node is not None]
     rows: dict[tuple[str, str], Row] = {}
     for c in cases:
-        for t in _targets_of(c, targets):
-            rows[(c.key, t)] = Row(c.key, t, Cell(), c.work, c.unit)
+        on = [*_targets_of(c, wasm_targets), *(node_targets if c.node is not None else ())]
+        for t in on:
+            nbytes = _packed_bytes(bench.kernels[t.removesuffix(NODE)], *c.weights) if c.weights else 0
+            rows[(c.key, t)] = Row(c.key, t, Cell(), c.work, c.unit, nbytes=nbytes)
     for name, unit in FIGURES.items():
         for t in (("-",) if unit == "s" else targets):
             rows[(name, t)] = Row(name, t, Cell(), unit=unit, figure=True)
     for i in range(repeat):
         for c in cases:
-            for t in _targets_of(c, targets):
+            for t in _targets_of(c, wasm_targets):
                 progress(f"run {i + 1}/{repeat}: {c.key} {t}")
                 k = None if c.numpy else bench.kernels[t]
                 rows[(c.key, t)].value.samples.append(c.time(k))
                 if k is not None:
                     k.reset()
+        for t in node_targets:
+            progress(f"run {i + 1}/{repeat}: the mat-vec cases in {t}")
+            times = node_timings(bench.built[t.removesuffix(NODE)], [c.node for c in node_cases])[1]
+            for c in node_cases:
+                rows[(c.key, t)].value.samples.append(times[c.node])
         progress(f"run {i + 1}/{repeat}: build")
         t0 = time.perf_counter()
         built = compile_source(source, records=records)
@@ -322,13 +434,15 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
         for b in built:
             if (("wasm size", b.target)) in rows:
                 rows[("wasm size", b.target)].value.samples.append(float(len(b.wasm)))
-    benched = {*targets, NUMPY, "-"}
+    benched = {*wasm_targets, *node_targets, NUMPY, "-"}
     out_ratios = []
     for r in ratios:
-        for t in (targets if r.target == EVERY else (r.target,)):
+        for t in ((*wasm_targets, *node_targets) if r.target == EVERY else (r.target,)):
             vt = t if r.versus_target == SAME else r.versus_target
             if not {t, vt} <= benched:
                 continue  # a target not benched in this run
+            if t in node_targets and not {(r.row, t), (r.versus, vt)} <= rows.keys():
+                continue  # Node runs the mat-vec cases only
             a, b = _row(rows, r.row, t), _row(rows, r.versus, vt)
             cell = Cell([y / x for x, y in zip(a.value.samples, b.value.samples)])
             out_ratios.append(RatioRow(a, b, cell, r.at_least))
@@ -338,6 +452,36 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
             if t in benched:
                 out_limits.append(LimitRow(_row(rows, lim.of, t), lim.at_most))
     return Report(list(rows.values()), out_ratios, out_limits, repeat)
+
+
+def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tuple[str, dict[NodeKey, float]]:
+    """Time `keys` in Node (V8) through the JS runtime on `built` (a bench module): (engine, seconds
+    per call by key). A q8_0 shape times the seed-style peer too, checked against qmatvec first; a
+    "qmatvec pool" key runs its shape on the pool's one and two threads."""
+    node = shutil.which("node")
+    if node is None:
+        raise KernelgenError("--engine node needs Node.js (node) on PATH")
+    shapes = list(dict.fromkeys((q, shape) for _, q, shape, _ in keys))
+    pooled = {(q, shape) for kernel, q, shape, _ in keys if kernel == "qmatvec pool"}
+    with tempfile.TemporaryDirectory(prefix="kernelgen-bench-") as tmp:
+        out = Path(tmp, built.target)
+        out.mkdir()
+        (out / "kernels.wasm").write_bytes(built.wasm)
+        (out / "kernels.json").write_text(json.dumps(built.manifest), encoding="utf-8")
+        Path(tmp, "seed.wasm").write_bytes(peer_wasm())
+        config = {"out": tmp, "target": built.target, "seed": str(Path(tmp, "seed.wasm")), "minMs": min_ms,
+                  "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes]}
+        proc = subprocess.run([node, "--experimental-wasm-relaxed-simd", "--no-liftoff", str(NODE_BENCH),
+                               json.dumps(config)], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise KernelgenError(f"node bench failed: {proc.stderr.strip()[-2000:]}")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    times = {(r["kernel"], r["quant"], tuple(int(v) for v in r["shape"].split("x")), r["threads"]): r["seconds"]
+             for r in data["rows"]}
+    missing = [k for k in keys if k not in times]
+    if missing:
+        raise KernelgenError(f"node bench did not time {missing}")
+    return data["engine"], times
 
 
 def _row(rows: dict[tuple[str, str], Row], key: str, target: str) -> Row:
@@ -415,3 +559,50 @@ def as_json(report: Report) -> dict:
         "limits": [{"of": lim.row.key, "target": lim.row.target, "median": lim.row.value.median,
                     "at_most": lim.at_most, "met": lim.met} for lim in report.limits],
     }
+
+
+def plot(report: Report, path: Path) -> None:
+    """The roofline chart of the mat-vec rows, one panel per target (and engine): each kernel a point
+    at (ops per byte of weights, G ops/s), 2 ops per weight, under the ceilings measured in the same
+    run: each streaming read as a line of slope bytes/s, and the panel's best mat-vec rate as the
+    compute ceiling. Medians over the runs. Needs matplotlib (`pip install 'kernelgen[plot]'`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [r for r in report.rows if r.nbytes and r.value.samples]
+    if not points:
+        raise ValueError("no mat-vec rows to plot")
+    panels = list(dict.fromkeys(r.target for r in points))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.5), squeeze=False, sharey=True)
+    intensity = {id(r): 2 * r.work / r.nbytes for r in points}
+    lo, hi = min(intensity.values()) / 1.6, max(intensity.values()) * 1.6
+    for ax, target in zip(axes[0], panels):
+        mine = [r for r in points if r.target == target]
+        for r in mine:
+            if r.key.startswith("stream"):
+                gbs = r.nbytes / r.value.median / 1e9
+                ax.plot([lo, hi], [gbs * lo, gbs * hi], ":", linewidth=1,
+                        label=f"{r.key.replace('stream of ', 'stream ')}: {gbs:.0f} GB/s")
+        kernels = [r for r in mine if not r.key.startswith("stream")]
+        best = max(2 * r.work / r.value.median / 1e9 for r in kernels)
+        ax.axhline(best, linestyle="--", linewidth=1, color="grey", label=f"compute: best mat-vec, {best:.0f} G ops/s")
+        for r in kernels:
+            x, y = intensity[id(r)], 2 * r.work / r.value.median / 1e9
+            peer = r.key.startswith("seed")
+            ax.plot([x], [y], "s" if peer else "o", color="tab:grey" if peer else "tab:red", markersize=5)
+            short = r.key.replace("qmatvec ", "").replace("seed-style q8_0 (hand-written)", "seed").replace(" pool,", "")
+            ax.annotate(short, (x, y), textcoords="offset points", xytext=(4, 0), fontsize=6, va="center")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_title(target, fontsize=10)
+        ax.set_xlabel("ops per byte of weights (2 per weight)")
+        ax.legend(fontsize=6, loc="upper left")
+    axes[0][0].set_ylabel("G ops/s")
+    fig.suptitle("kernelgen mat-vec roofline (kernelgen bench; squares: the seed-style hand-written kernel)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -16,7 +16,9 @@ from typing import Any
 from ..compiler import ast as A
 from ..compiler.check import Checked
 
-STREAM_SOURCE = """
+STREAM_CHUNK = 1 << 16  # bytes per item of the threaded streaming read
+
+STREAM_SOURCE = f"\nconst STREAM_CHUNK: i32 = {STREAM_CHUNK};\n" + """
 # The roofline: read nbytes (a multiple of 64) as fast as wasm can, XOR-folding so nothing is skipped.
 export kernel bench_stream(p: ptr, nbytes: i32) -> i32 {
     var acc[4]: i32x4 = i32x4.splat(0);
@@ -34,6 +36,11 @@ export kernel bench_stream_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {
         x = x ^ bench_stream(p, nbytes);
     }
     return x;
+}
+
+# The roofline on the thread pool: items are STREAM_CHUNK-byte chunks of the buffer at p.
+job kernel bench_stream_job(begin: i32, end: i32, p: ptr) {
+    let x = bench_stream(p + begin * STREAM_CHUNK, (end - begin) * STREAM_CHUNK);
 }
 """
 

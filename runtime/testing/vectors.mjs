@@ -11,7 +11,7 @@
 
 import { packPlanes } from '../kernelgen.mjs';
 
-const ARRAYS = { float32: Float32Array, float64: Float64Array, int8: Int8Array, uint8: Uint8Array, int32: Int32Array };
+const ARRAYS = { float32: Float32Array, float64: Float64Array, int8: Int8Array, uint8: Uint8Array, int16: Int16Array, int32: Int32Array };
 
 /** `read(file)` -> ArrayBuffer of a file of the vectors directory. */
 export async function loadArray(read, { file, dtype }) {

@@ -1,0 +1,139 @@
+// `kernelgen bench --engine node`: the mat-vec rows run in V8 through the JS runtime, as a browser
+// runs them. Started by kernelgen/tuning/bench.py as
+//   node --experimental-wasm-relaxed-simd --no-liftoff node_bench.mjs CONFIG_JSON
+// with CONFIG_JSON {out, target, seed, cases: [{quant, shape: [rows, cols], twoThreads}], minMs}:
+// `out` a build directory holding the bench module (the library plus bench_stream_job), `seed` the
+// seed-style peer's wasm. Prints one JSON object: {engine, rows: [{kernel, quant, shape, threads, seconds}]},
+// kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream.
+//
+// Every time is per call of the runtime's API (Kernels.bench: activations copied in, y copied out,
+// as a model runs it), except the peer's, which is called directly on its own memory.
+
+import { readFile } from 'node:fs/promises';
+import { loadKernels, packPlanes } from '../../runtime/kernelgen.mjs';
+
+const STREAM_CHUNK = 1 << 16; // bench_stream_job's item, bytes (kernelgen/tuning/timing.py)
+const config = JSON.parse(process.argv[2]);
+const minMs = config.minMs ?? 300;
+
+/** A seeded generator (xorshift32): the same inputs every run. */
+function generator(seed) {
+  let s = seed >>> 0 || 1;
+  return () => {
+    s ^= s << 13; s >>>= 0;
+    s ^= s >>> 17;
+    s ^= s << 5; s >>>= 0;
+    return s;
+  };
+}
+
+/** Stored blocks of `quant` with random codes and every f16 scale field 0.01 (as bench.py makes them). */
+function blocksOf(spec, rows, cols, rand) {
+  const nblocks = rows * (cols / spec.block);
+  const bytes = new Uint8Array(nblocks * spec.stored_bytes);
+  for (let i = 0; i < bytes.length; i += 4) {
+    const r = rand();
+    bytes[i] = r; bytes[i + 1] = r >>> 8; bytes[i + 2] = r >>> 16; bytes[i + 3] = r >>> 24;
+  }
+  const f16 = spec.fields.filter((f) => f.type === 'f16');
+  for (let b = 0; b < nblocks; b++) {
+    for (const f of f16) {
+      const at = b * spec.stored_bytes + f.offset;
+      bytes[at] = 0x1f; bytes[at + 1] = 0x21; // 0.01 in f16, little-endian
+    }
+  }
+  return bytes;
+}
+
+function normals(n, rand) {
+  const x = new Float32Array(n);
+  for (let i = 0; i < n; i++) {
+    const u = (rand() + 1) / 4294967297, v = rand() / 4294967296;
+    x[i] = Math.sqrt(-2 * Math.log(u)) * Math.cos(2 * Math.PI * v);
+  }
+  return x;
+}
+
+/** The seed-style peer on its own shared memory, fed the same q8_0 planes the runtime packed. */
+async function seedPeer(wasmBytes, spec, blocks, rows, cols, x) {
+  const planes = packPlanes(spec, blocks, rows * (cols / 32));
+  const q = new Int8Array(planes.q.buffer, planes.q.byteOffset, planes.q.length);
+  const bytes = q.length + planes.scale.byteLength + cols * 3 + (cols / 32) * 4 + rows * 4 + 1024;
+  const pages = Math.ceil(bytes / 65536) + 1;
+  const memory = new WebAssembly.Memory({ initial: pages, maximum: 32768, shared: true });
+  const { instance } = await WebAssembly.instantiate(wasmBytes, { env: { memory } });
+  let top = 64;
+  const put = (arr) => {
+    const at = top;
+    new Uint8Array(memory.buffer, at, arr.byteLength).set(new Uint8Array(arr.buffer, arr.byteOffset, arr.byteLength));
+    top = Math.ceil((at + arr.byteLength) / 64) * 64;
+    return at;
+  };
+  const alloc = (n) => { const at = top; top = Math.ceil((at + n) / 64) * 64; return at; };
+  // int8 activations as simd128's quantize_act makes them: d = amax / 127, q = round(x / d)
+  const aq = new Int8Array(cols), ad = new Float32Array(cols / 32);
+  for (let b = 0; b < cols / 32; b++) {
+    let amax = 0;
+    for (let i = 0; i < 32; i++) amax = Math.max(amax, Math.abs(x[b * 32 + i]));
+    const d = Math.fround(amax / 127);
+    ad[b] = d;
+    for (let i = 0; i < 32; i++) aq[b * 32 + i] = d ? Math.max(-127, Math.min(127, Math.round(x[b * 32 + i] / d))) : 0;
+  }
+  const args = [put(q), put(planes.scale), put(aq), put(ad), alloc(2 * cols), alloc(4 * rows), rows, cols];
+  const y = () => new Float32Array(memory.buffer, args[5], rows).slice();
+  return { call: () => instance.exports.seed_qmatvec(...args), y };
+}
+
+/** Milliseconds per call of fn: a warm-up, then calls for about minMs. */
+function timeIt(fn) {
+  const loop = (ms) => {
+    const start = performance.now();
+    let n = 0, now = start;
+    while (n === 0 || now - start < ms) { fn(); n++; now = performance.now(); }
+    return (now - start) / n;
+  };
+  loop(minMs / 4);
+  return loop(minMs);
+}
+
+const k = await loadKernels({ dir: config.out, target: config.target, threads: 2 });
+const seedWasm = await readFile(config.seed);
+const rows = [];
+const row = (kernel, quant, [r, c], threads, seconds) => rows.push({ kernel, quant, shape: `${r}x${c}`, threads, seconds });
+for (const { quant, shape, twoThreads } of config.cases) {
+  const spec = k.manifest.quants[quant];
+  const [r, c] = shape;
+  const rand = generator(r * 31 + c);
+  const blocks = blocksOf(spec, r, c, rand);
+  const x = normals(c, rand);
+  const w = await k.pack(quant, blocks, r, c);
+  const act = await k.quantizeAct(x);
+  await k.setThreads(1);
+  row('qmatvec', quant, shape, 1, (await k.bench('qmatvec', [w, act], { minMs })).msPerCall / 1e3);
+  const nbytes = Object.values(spec.planes).reduce((s, p) => s + p.bytes_per_block, 0) * r * (c / 32);
+  if (nbytes < STREAM_CHUNK) throw new RangeError(`${quant} ${r}x${c}: the streaming read needs at least ${STREAM_CHUNK} bytes of planes`);
+  const chunks = Math.floor(nbytes / STREAM_CHUNK);
+  const scale = nbytes / (chunks * STREAM_CHUNK); // the planes lie one after another from planes.q
+  const stream = async () => (await k.bench('runJob', ['bench_stream_job', chunks, 1, [Object.values(w.planes)[0]]], { minMs })).msPerCall / 1e3 * scale;
+  row('stream', quant, shape, 1, await stream());
+  if (quant === 'q8_0') {
+    const peer = await seedPeer(seedWasm, spec, blocks, r, c, x);
+    peer.call();
+    const want = await k.qmatvec(w, act);
+    const got = peer.y();
+    let err = 0, mag = 0;
+    for (let i = 0; i < r; i++) { err = Math.max(err, Math.abs(got[i] - want[i])); mag = Math.max(mag, Math.abs(want[i])); }
+    if (!(err <= 0.03 * mag)) throw new Error(`seed-style peer differs from qmatvec at ${r}x${c}: ${err} of ${mag}`);
+    row('seed', quant, shape, 1, timeIt(peer.call) / 1e3);
+  }
+  if (twoThreads) { // the pool's job on one thread, then on two
+    for (const threads of [1, 2]) {
+      await k.setThreads(threads);
+      row('qmatvec pool', quant, shape, threads, (await k.bench('qmatvec', [w, act, { threads: true, chunk: 16 }], { minMs })).msPerCall / 1e3);
+      row('stream', quant, shape, threads, await stream());
+    }
+  }
+  await k.reset();
+}
+console.log(JSON.stringify({ engine: `node ${process.versions.node} (V8 ${process.versions.v8})`, target: k.info.target, rows }));
+await k.terminate();

@@ -1,0 +1,63 @@
+"""Pinned bits: qmatvec and qdot outputs of the library as they were before the mat-vec work of
+issue 12 (activation layouts, row groups, packed layouts), as sha256 digests of the f32 results.
+
+The summation order per row is part of the contract (DESIGN: results bit-identical across
+variants, layouts, threads and hosts); these digests catch any change of it, on both targets,
+whatever wasmtime's relaxed_simd_deterministic says and whatever `rows` variant is built.
+The inputs are arithmetic (no random generator whose stream could change between numpy versions).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+ROWS, NB = 13, 17  # 13 rows: groups of 2 and 4 leave remainders; 17 blocks: 4-block steps leave one
+
+# (target, quant) -> sha256 of qmatvec's y (13 f32) followed by qdot of row 0 (one f32).
+PINNED = {
+    ("simd128", "q8_0"): "e9e37f1747050903",
+    ("simd128", "q4_0"): "4b230c3fc4776d6e",
+    ("simd128", "q4_1"): "45fcbeb95991aa83",
+    ("simd128", "q4_onnx"): "b3c410be004f9f8e",
+    ("relaxed-simd", "q8_0"): "43c2b00d417b94a1",
+    ("relaxed-simd", "q4_0"): "6ed4c86ccb729027",
+    ("relaxed-simd", "q4_1"): "f384d74d4f68bf89",
+    ("relaxed-simd", "q4_onnx"): "4faf47a2470c56ae",
+}
+
+
+def _stream(n: int, salt: int) -> np.ndarray:
+    """n well-mixed bytes from a multiplicative hash of the index."""
+    i = np.arange(n, dtype=np.uint64) + np.uint64(salt)
+    return ((i * np.uint64(2654435761) + np.uint64(12345)) >> np.uint64(11)).astype(np.uint8)
+
+
+def _blocks(k, quant: str) -> np.ndarray:
+    q = k.quants[quant]
+    blocks = _stream(ROWS * NB * q.stored_bytes, len(quant)).reshape(ROWS, -1).view(q.dtype).copy()
+    for name in q.dtype.names:
+        kind = q.dtype[name].base
+        if kind.kind == "f":  # scales and minima: finite, mixed signs and magnitudes
+            vals = (np.arange(blocks.size) % 23 - 11) * 0.0037 + 0.001
+            blocks[name] = vals.reshape(blocks.shape).astype(kind)
+        elif name == "z":  # zero points: 4-bit, as the format stores them
+            blocks[name] = blocks[name] % 16
+    return blocks
+
+
+def _digest(k, quant: str) -> str:
+    x = (np.sin(np.arange(NB * 32) * 0.37) * 3.0 + np.cos(np.arange(NB * 32) * 0.011)).astype(np.float32)
+    act = k.quantize_act(x)
+    w = k.pack(quant, _blocks(k, quant))
+    y = k.qmatvec(w, act)
+    d = k.qdot(k.pack(quant, _blocks(k, quant)[:1]), act)
+    return hashlib.sha256(y.tobytes() + np.float32(d).tobytes()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q4_onnx"])
+def test_qmatvec_bits_are_pinned(mode, kgen, quant, rows):
+    k = kgen(tune={"qmatvec": {"rows": rows}})
+    assert _digest(k, quant) == PINNED[(mode.target, quant)]
