@@ -18,7 +18,8 @@ const TARGETS = ['relaxed-simd', 'simd128'];
 
 /** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
 export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'dotF32', 'matvecF32', 'exp', 'softmax',
-  'rope', 'ropeTable', 'silu', 'swiglu', 'setThreads', 'runJob', 'reset', 'bench'];
+  'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'meanPool', 'l2Normalize',
+  'setThreads', 'runJob', 'reset', 'bench'];
 
 function f32Array(what, x) {
   if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
@@ -351,6 +352,98 @@ export class Driver {
   /** silu(x) * g. */
   swiglu(x, g, opts) {
     return this.#map('swiglu_f32', 'swiglu_job', [f32Array('swiglu x', x), f32Array('swiglu g', g)], opts);
+  }
+
+  // ---- encoder layers (BERT) -------------------------------------------------------------------
+
+  erf(x) {
+    return this.#map('erf_f32', null, [f32Array('erf x', x)]);
+  }
+
+  /** Rows of n values, n a positive multiple of LANES: x holds whole rows -> the row count. */
+  #rows(what, x, n) {
+    f32Array(what, x);
+    if (!Number.isInteger(n) || n < 1 || n % LANES || x.length % n) {
+      throw new RangeError(`${what}: rows of a positive multiple of ${LANES} values, whole rows; got ${x.length} values, n=${n}`);
+    }
+    return x.length / n;
+  }
+
+  /** A row vector of n values in memory (zeros for null: the kernels always add a bias). */
+  #putRow(what, v, n) {
+    if (v === null || v === undefined) return this.#put(new Float32Array(n));
+    f32Array(what, v);
+    if (v.length !== n) throw new RangeError(`${what}: expected ${n} values (the row length), got ${v.length}`);
+    return this.#put(v);
+  }
+
+  /** gelu(x + bias) in BERT's erf form, per row of bias.length values (bias null: n = x.length). */
+  gelu(x, bias, opts) {
+    const n = bias?.length ?? x.length;
+    const rows = this.#rows('gelu x', x, n);
+    return this.#scoped(() => {
+      const pb = this.#putRow('gelu bias', bias, n);
+      const px = this.#put(x);
+      this.#run('gelu_f32', null, [px, pb, px, rows, n], 'gelu_job', [px, pb, px, n], rows, opts);
+      return this.#get(px, Float32Array, x.length);
+    });
+  }
+
+  /** x + bias per row of bias.length values. */
+  addBias(x, bias) {
+    const rows = this.#rows('addBias x', x, f32Array('addBias bias', bias).length);
+    return this.#scoped(() => {
+      const pb = this.#put(bias);
+      const px = this.#put(x);
+      this.#exports[this.exportName('add_bias_f32')](px, pb, px, rows, bias.length);
+      return this.#get(px, Float32Array, x.length);
+    });
+  }
+
+  /** LayerNorm of each row (gamma.length values) of x + residual + bias (either may be null). */
+  layerNorm(x, gamma, beta, residual, bias, eps, opts) {
+    const n = f32Array('layerNorm gamma', gamma).length;
+    const rows = this.#rows('layerNorm x', x, n);
+    if (residual !== null && residual !== undefined && f32Array('layerNorm residual', residual).length !== x.length) {
+      throw new RangeError(`layerNorm: residual has ${residual.length} values, x ${x.length}`);
+    }
+    if (typeof eps !== 'number' || !(eps >= 0)) throw new RangeError(`layerNorm: eps must be a number >= 0, got ${eps}`);
+    return this.#scoped(() => {
+      const args = [this.#put(x), this.#put(residual ?? new Float32Array(x.length)), this.#putRow('layerNorm bias', bias, n),
+        this.#putRow('layerNorm gamma', gamma, n), this.#putRow('layerNorm beta', beta, n)];
+      args.push(args[0]);
+      this.#run('layernorm_f32', null, [...args, rows, n, eps], 'layernorm_job', [...args, n, eps], rows, opts);
+      return this.#get(args[0], Float32Array, x.length);
+    });
+  }
+
+  /** Mean of each sequence's token vectors under its mask: x[seqs * t * n], mask[seqs * t] (0 for
+   * padding) -> Float32Array(seqs * n). */
+  meanPool(x, mask, seqs) {
+    f32Array('meanPool x', x);
+    f32Array('meanPool mask', mask);
+    if (!Number.isInteger(seqs) || seqs < 1 || mask.length % seqs || mask.length === 0) {
+      throw new RangeError(`meanPool: mask must hold seqs * t values; got ${mask.length} for seqs=${seqs}`);
+    }
+    const n = x.length / mask.length;
+    this.#rows('meanPool x', x, n);
+    return this.#scoped(() => {
+      const px = this.#put(x);
+      const pm = this.#put(mask);
+      const py = this.#alloc(4 * seqs * n);
+      this.#exports[this.exportName('mean_pool_f32')](px, pm, py, seqs, mask.length / seqs, n);
+      return this.#get(py, Float32Array, seqs * n);
+    });
+  }
+
+  /** Each row of n values at unit length (a zero row stays zero). */
+  l2Normalize(x, n) {
+    const rows = this.#rows('l2Normalize x', x, n);
+    return this.#scoped(() => {
+      const px = this.#put(x);
+      this.#exports[this.exportName('l2_normalize_f32')](px, px, rows, n);
+      return this.#get(px, Float32Array, x.length);
+    });
   }
 
   /** Softmax over the first t of every `stride` values (stride a multiple of 4, the padding after

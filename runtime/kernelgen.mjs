@@ -167,6 +167,26 @@ export class Kernels {
   /** silu(x) * g -> Float32Array. */
   swiglu(x, g, opts) { return this.#invoke('swiglu', [x, g, opts]); }
 
+  /** erf(x) -> Float32Array. */
+  erf(x) { return this.#invoke('erf', [x]); }
+
+  /** BERT's erf GELU of x + bias per row of bias.length values (bias null: one row) -> Float32Array. */
+  gelu(x, bias, opts) { return this.#invoke('gelu', [x, bias, opts]); }
+
+  /** x + bias per row of bias.length values -> Float32Array. */
+  addBias(x, bias) { return this.#invoke('addBias', [x, bias]); }
+
+  /** LayerNorm of each row (gamma.length values) of x + residual + bias (null for none) -> Float32Array. */
+  layerNorm(x, gamma, beta, residual, bias, eps, opts) {
+    return this.#invoke('layerNorm', [x, gamma, beta, residual, bias, eps, opts]);
+  }
+
+  /** Mean over the tokens whose mask is nonzero: x[seqs * t * n], mask[seqs * t] -> Float32Array(seqs * n). */
+  meanPool(x, mask, seqs) { return this.#invoke('meanPool', [x, mask, seqs]); }
+
+  /** Each row of n values at unit length -> Float32Array. */
+  l2Normalize(x, n) { return this.#invoke('l2Normalize', [x, n]); }
+
   /** Use k threads (1 .. info.threads) for threaded calls from now on. */
   setThreads(k) { return this.#invoke('setThreads', [k]); }
 

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """math.erf elementwise (numpy has no erf; this is faster than np.vectorize)."""
+    return np.fromiter(map(math.erf, x.ravel().tolist()), np.float64, x.size).reshape(x.shape)
 
 
 @dataclass(frozen=True)

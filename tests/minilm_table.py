@@ -1,9 +1,9 @@
 """The accuracy table of all-MiniLM-L6-v2 embeddings against the float64 reference: kernelgen Q8_0
-on each target and onnxruntime's int8 model, over the corpus and queries of examples/minilm/.
+and Q4_0 on each target and onnxruntime's int8 model, over the corpus and queries of examples/minilm/.
 
     python tests/minilm_table.py            # the whole corpus (a few minutes: see minilm.py's note)
 
-tests/test_minilm.py runs the same comparison on a subset.
+tests/test_minilm.py runs the same comparison (Q8_0) on a subset.
 """
 from __future__ import annotations
 
@@ -33,13 +33,15 @@ def reference_embeddings(sentences: list[str], queries: list[str]) -> Embeddings
     return embed_both(lambda b: ref.embed(b.ids, b.mask), sentences, queries)
 
 
-def peer_rows(ref: Embeddings, sentences: list[str], queries: list[str]) -> dict[str, Agreement]:
-    """kernelgen Q8_0 on every target and onnxruntime int8, each against the reference."""
+def peer_rows(ref: Embeddings, sentences: list[str], queries: list[str], quants: tuple[str, ...] = ("q8_0",)
+              ) -> dict[str, Agreement]:
+    """kernelgen on every target in each quant type, and onnxruntime int8, each against the reference."""
     rows = {}
-    for target in TARGETS:
-        model = minilm.load_model(target)
-        rows[f"kernelgen {target} q8_0"] = agreement(ref, embed_both(model.embed, sentences, queries))
-        model.k.reset()
+    for quant in quants:
+        for target in TARGETS:
+            model = minilm.load_model(target, quant)
+            rows[f"kernelgen {target} {quant}"] = agreement(ref, embed_both(model.embed, sentences, queries))
+            model.k.reset()
     rows["onnxruntime int8"] = agreement(ref, embed_both(onnx_embedder(inputs.onnx_path()), sentences, queries))
     return rows
 
@@ -48,7 +50,7 @@ def main() -> None:
     sentences, queries = inputs.corpus()
     t0 = time.perf_counter()
     ref = reference_embeddings(sentences, queries)
-    rows = peer_rows(ref, sentences, queries)
+    rows = peer_rows(ref, sentences, queries, tuple(minilm.QUANTIZERS))
     tokens = int(inputs.tokenize(sentences).lengths.sum() + inputs.tokenize(queries).lengths.sum())
     print(f"{len(sentences)} sentences, {len(queries)} queries, {tokens} tokens; {time.perf_counter() - t0:.0f} s")
     print(HEADER)

@@ -109,6 +109,11 @@ def write_vectors(root: Path) -> None:
     scores[3, 5] = -np.inf
     scores[7, :29] = -np.inf  # a fully masked row
     heads = rng.standard_normal((6, 64)).astype(np.float32)
+    wide = special_f32(rng, 9 * 36).reshape(9, 36)  # encoder layers: rows of a multiple of 4 values
+    bias, gamma, beta = (rng.standard_normal(36).astype(np.float32) for _ in range(3))
+    residual = rng.standard_normal((9, 36)).astype(np.float32)
+    tokens = rng.standard_normal((3, 5, 36)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], np.float32)
 
     first = kernelgen.load(ROOT / "out", "simd128")
     blocks = quant_blocks(first, rng)
@@ -116,7 +121,10 @@ def write_vectors(root: Path) -> None:
     args = {"x_act": v.array("x_act", x_act), "x_special": v.array("x_special", x_special), "x": v.array("x", x),
             "xn": v.array("xn", xn), "y": v.array("y", y), "g": v.array("g", g),
             "wf": v.array("wf", wf), "xf": v.array("xf", xf), "scores": v.array("scores", scores),
-            "heads": v.array("heads", heads), "cos3": v.array("cos3", cos[3]), "sin3": v.array("sin3", sin[3])}
+            "heads": v.array("heads", heads), "cos3": v.array("cos3", cos[3]), "sin3": v.array("sin3", sin[3]),
+            "wide": v.array("wide", wide), "bias": v.array("bias", bias), "gamma": v.array("gamma", gamma),
+            "beta": v.array("beta", beta), "residual": v.array("residual", residual), "tokens": v.array("tokens", tokens),
+            "mask": v.array("mask", mask)}
     x_acts = {K: x_act}  # an activation per row length (super-blocks need longer rows)
     for q, b in blocks.items():
         kq = k_of(first.quants[q])
@@ -148,6 +156,14 @@ def write_vectors(root: Path) -> None:
     v.case("rope_table_1e6", "ropeTable", [5, 128, 1e6, 4000])
     v.case("silu_f32", "silu", [args["x"]], {}, threaded=True)
     v.case("swiglu_f32", "swiglu", [args["x"], args["g"]], {}, threaded=True)
+    v.case("erf_f32", "erf", [args["x"]])
+    v.case("gelu_f32", "gelu", [args["wide"], args["bias"]], {}, threaded=True)
+    v.case("add_bias_f32", "addBias", [args["wide"], args["bias"]])
+    v.case("layernorm_f32", "layerNorm", [args["wide"], args["gamma"], args["beta"], args["residual"], args["bias"], 1e-5],
+           {}, threaded=True)
+    v.case("layernorm_f32_plain", "layerNorm", [args["residual"], args["gamma"], args["beta"], None, None, 1e-12], {})
+    v.case("mean_pool_f32", "meanPool", [args["tokens"], args["mask"], 3])
+    v.case("l2_normalize_f32", "l2Normalize", [args["residual"], 36])
 
     # Relaxed SIMD as the engine natively lowers it (the default), as V8 does; the kernels' 7-bit
     # contract makes it equal to the deterministic lowering (tests/test_kernels.py checks that).
@@ -175,6 +191,13 @@ def write_vectors(root: Path) -> None:
             v.expect(target, name, {"cos": c, "sin": s})
         v.expect(target, "silu_f32", {"out": k.silu_f32(x)})
         v.expect(target, "swiglu_f32", {"out": k.swiglu_f32(x, g)})
+        v.expect(target, "erf_f32", {"out": k.erf_f32(x)})
+        v.expect(target, "gelu_f32", {"out": k.gelu_f32(wide, bias).ravel()})
+        v.expect(target, "add_bias_f32", {"out": k.add_bias_f32(wide, bias).ravel()})
+        v.expect(target, "layernorm_f32", {"out": k.layernorm_f32(wide, gamma, beta, 1e-5, residual, bias).ravel()})
+        v.expect(target, "layernorm_f32_plain", {"out": k.layernorm_f32(residual, gamma, beta, 1e-12).ravel()})
+        v.expect(target, "mean_pool_f32", {"out": k.mean_pool_f32(tokens, mask).ravel()})
+        v.expect(target, "l2_normalize_f32", {"out": k.l2_normalize_f32(residual).ravel()})
         k.reset()
     v.save()
 

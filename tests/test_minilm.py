@@ -167,3 +167,5 @@ def test_kernelgen_embeddings_threaded_equal_one_thread(corpus) -> None:
         assert single.tobytes() == threaded.tobytes()
     finally:
         model.k.reset()
+    with pytest.raises(ValueError, match="quant must be one of"):
+        minilm.load_model("simd128", "q4_k")  # 256-value super-blocks do not divide 384-wide rows

@@ -1,6 +1,6 @@
-"""all-MiniLM-L6-v2 sentence embeddings computed by kernelgen's kernels, linear layers in Q8_0.
+"""all-MiniLM-L6-v2 sentence embeddings computed by kernelgen's kernels, linear layers in Q8_0 (or Q4_0).
 
-    python examples/minilm/minilm.py [--target relaxed-simd] [--threads 2] "a sentence" "another one"
+    python examples/minilm/minilm.py [--target relaxed-simd] [--quant q8_0] [--threads 2] "a sentence" "another"
 
 The host (this file) only moves data: it gathers embedding rows, lays out buffers and calls
 kernels. Every arithmetic step runs in wasm:
@@ -18,7 +18,8 @@ quantized mat-vec per token (correct, slow: the weights are streamed once per to
 as mat-vecs over keys laid out block-diagonally (row (h, j) holds key j's head-h slice in head h's
 columns, zeros elsewhere), so one call gives one query's scores for all heads at 12x the FLOPs of a
 per-head product. Only the real tokens of each sentence are computed; the padding exists only in
-the pooling step, where the mask keeps it out.
+the pooling step, where the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model:
+their super-blocks are 256 values and most of its rows are 384.
 """
 from __future__ import annotations
 
@@ -55,15 +56,20 @@ class EncoderLayer:
     ln2: tuple[np.ndarray, np.ndarray]
 
 
+# The linear layers' quant types: the reference quantizer that makes each one's stored blocks.
+QUANTIZERS = {"q8_0": reference.quantize_q8_0, "q4_0": reference.quantize_q4_0}
+
+
 class MiniLM:
     """The model on one kernelgen module; `embed(batch, pool)` gives unit-length f32[batch, 384]."""
 
-    QUANT = "q8_0"
-
-    def __init__(self, kernels: Kernels, safetensors_file: Path, config: dict) -> None:
+    def __init__(self, kernels: Kernels, safetensors_file: Path, config: dict, quant: str = "q8_0") -> None:
         from safetensors.numpy import load_file
 
+        if quant not in QUANTIZERS:
+            raise ValueError(f"quant must be one of {', '.join(QUANTIZERS)}, got {quant!r}")
         self.k = kernels
+        self.quant = quant
         w = load_file(str(safetensors_file))
         self.heads: int = config["num_attention_heads"]
         self.hidden: int = config["hidden_size"]
@@ -89,7 +95,7 @@ class MiniLM:
                 (g("output.LayerNorm.weight"), g("output.LayerNorm.bias"))))
 
     def _linear(self, w: np.ndarray, b: np.ndarray) -> Linear:
-        return Linear(self.k.pack(self.QUANT, reference.quantize_q8_0(w)), np.ascontiguousarray(b, np.float32))
+        return Linear(self.k.pack(self.quant, QUANTIZERS[self.quant](w)), np.ascontiguousarray(b, np.float32))
 
     def _project(self, layer: Linear, x: np.ndarray, pool: Pool | None) -> np.ndarray:
         """x[tokens, in] -> W x_t per token, f32[tokens, out] (the bias is added by the next kernel)."""
@@ -136,19 +142,20 @@ class MiniLM:
         return k.l2_normalize_f32(k.mean_pool_f32(padded, batch.mask))
 
 
-def load_model(target: str = "relaxed-simd", out_dir: Path | None = None) -> MiniLM:
+def load_model(target: str = "relaxed-simd", quant: str = "q8_0", out_dir: Path | None = None) -> MiniLM:
     """The model on the committed build of `target` (out/ beside examples/ unless given)."""
     out = out_dir or Path(__file__).resolve().parents[2] / "out"
-    return MiniLM(kernelgen.load(out, target), inputs.safetensors_path(), inputs.config())
+    return MiniLM(kernelgen.load(out, target), inputs.safetensors_path(), inputs.config(), quant)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sentences", nargs="+")
     ap.add_argument("--target", default="relaxed-simd", choices=("simd128", "relaxed-simd"))
+    ap.add_argument("--quant", default="q8_0", choices=tuple(QUANTIZERS))
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    model = load_model(args.target)
+    model = load_model(args.target, args.quant)
     batch = inputs.tokenize(args.sentences)
     if args.threads > 1:
         with model.k.pool(args.threads) as pool:

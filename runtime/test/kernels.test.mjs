@@ -88,6 +88,8 @@ for (const [target, unusable] of TARGETS) {
         swiglu: (o) => k.swiglu(x, g, o),
         'rope halves': (o) => k.rope(heads, cos, sin, o),
         'rope pairs': (o) => k.rope(heads, cos, sin, { ...o, interleaved: true }),
+        gelu: (o) => k.gelu(xf.subarray(0, 68), xf.subarray(0, 4), o),
+        layerNorm: (o) => k.layerNorm(xf.subarray(0, 68), xf.subarray(0, 4), xf.subarray(4, 8), null, null, 1e-5, o),
       };
       for (const [quant, spec] of Object.entries(k.manifest.quants)) {
         const w = await k.pack(quant, randomBlocks(spec, 23 * kdim / spec.block, rand), 23, kdim);
@@ -146,6 +148,13 @@ for (const [target, unusable] of TARGETS) {
       await assert.rejects(k.qmatvec(w, { q: new Float32Array(64), d: new Float32Array(2) }), TypeError);
       await assert.rejects(k.softmax(x, 5, 6), RangeError);
       await assert.rejects(k.rope(x, new Float32Array(3), new Float32Array(3)), RangeError);
+      await assert.rejects(k.gelu(new Float32Array(12), new Float32Array(6)), RangeError); // rows not a multiple of 4
+      await assert.rejects(k.gelu(new Float64Array(8), null), TypeError);
+      await assert.rejects(k.layerNorm(new Float32Array(8), new Float32Array(4), new Float32Array(3), null, null, 1e-5),
+        /expected 4 values/);
+      await assert.rejects(k.layerNorm(new Float32Array(8), new Float32Array(4), new Float32Array(4), null, null, -1), RangeError);
+      await assert.rejects(k.meanPool(new Float32Array(24), new Float32Array(6), 4), RangeError);
+      await assert.rejects(k.l2Normalize(new Float32Array(10), 5), RangeError);
       await assert.rejects(k.setThreads(THREADS + 1), RangeError);
       await assert.rejects(k.runJob('no_such_job', 1, 1, []), /no job/);
     });
