@@ -139,6 +139,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     store = args.store or STORE
     if store.exists() and not store.is_file():
         raise KernelgenError(f"--store {store}: not a file")
+    try:  # before any timing: the results must have somewhere to go
+        store.parent.mkdir(parents=True, exist_ok=True)
+        with store.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise KernelgenError(f"--store {store}: cannot write it ({e.strerror})") from None
     recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed,
                 out=sys.stderr, remeasure=args.remeasure)
     if not recs:

@@ -462,7 +462,8 @@ def test_instantiation_without_end_is_a_located_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["out file", "out device", "out under a file", "out empty", "out not ours",
-                                  "shape too large", "store directory", "budget nan", "budget inf"])
+                                  "shape too large", "store directory", "store under a file", "budget nan",
+                                  "budget inf"])
 def test_cli_refuses_bad_options_with_exit_2(tmp_path: Path, capsys, case: str) -> None:
     (tmp_path / "file").write_text("x")
     (tmp_path / "mine").mkdir()
@@ -475,6 +476,8 @@ def test_cli_refuses_bad_options_with_exit_2(tmp_path: Path, capsys, case: str) 
         "out not ours": (["build", "--out", str(tmp_path / "mine")], "holds files that are not kernelgen's (notes.txt)"),
         "shape too large": (["tune", "--kernel", "dot_f32", "--shape", "100000x100000"], "at most 268435456"),
         "store directory": (["tune", "--kernel", "dot_f32", "--store", str(tmp_path)], "not a file"),
+        "store under a file": (["tune", "--kernel", "dot_f32", "--store", str(tmp_path / "file" / "s.jsonl")],
+                               "cannot write it"),
         "budget nan": (["tune", "--budget", "nan"], "need a finite number of seconds >= 0"),
         "budget inf": (["tune", "--budget", "inf"], "need a finite number of seconds >= 0"),
     }[case]
