@@ -412,10 +412,6 @@ def _nibbles(u: np.ndarray) -> np.ndarray:
 
 ENCODINGS = {
     "nib": Encoding((FieldInfo("q4", "u8", 16, 0),), Call("nib", "q4"), _nibbles),
-    "nib_bit": Encoding((FieldInfo("q4", "u8", 16, 0), FieldInfo("q1", "u8", 4, 16)),
-                        Op("|", Call("nib", "q4"), Op("<<", Call("bit", "q1"), Int(4))),
-                        lambda u: np.concatenate([_nibbles(u), np.packbits((u >> 4) & 1, axis=-1, bitorder="little")],
-                                                 axis=-1)),
     "byte": Encoding((FieldInfo("q8", "i8", 32, 0),), Index("q8", Elem()), lambda u: u.astype(np.int8).view(np.uint8)),
 }
 
@@ -439,8 +435,8 @@ class QuantFormat:
     def kernel(self) -> QuantFormat:
         """The block kernels read. A flat type's stored value fields are already that (plane q
         holds them as stored). A super-block is re-encoded per sub-block of KERNEL_BLOCK values
-        (the activation block) from its unpacked integers, in the narrowest of ENCODINGS their
-        range fits; `Q.block`, `Q.bytes` and `Q.unpack` in kernels are this block's."""
+        (the activation block) from its unpacked integers, in nibbles when their range fits 4 bits,
+        else in bytes (ENCODINGS); `Q.block`, `Q.bytes` and `Q.unpack` in kernels are this block's."""
         if self.sub is None:
             return self
         kind, zero = self.encoding
@@ -472,7 +468,8 @@ class QuantFormat:
         """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
         lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
         width = (hi - lo).bit_length()
-        kind = "nib" if width <= 4 else "nib_bit" if width == 5 else "byte"
+        # (5-bit values take bytes: a bit plane's unpack costs 4-6x the nibbles' time, measured)
+        kind = "nib" if width <= 4 else "byte"
         return kind, (lo if kind != "byte" else 0)
 
     # ---- layout

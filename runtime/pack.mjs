@@ -112,14 +112,6 @@ const ENCODERS = {
   nib: (u, dst) => {
     for (let j = 0; j < 16; j++) dst[j] = (u[j] & 15) | ((u[j + 16] & 15) << 4);
   },
-  nib_bit: (u, dst) => {
-    ENCODERS.nib(u, dst);
-    for (let j = 0; j < 4; j++) {
-      let mask = 0;
-      for (let b = 0; b < 8; b++) mask |= ((u[8 * j + b] >> 4) & 1) << b;
-      dst[16 + j] = mask;
-    }
-  },
   byte: (u, dst) => {
     for (let j = 0; j < u.length; j++) dst[j] = u[j] & 255;
   },

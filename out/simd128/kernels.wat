@@ -4146,7 +4146,7 @@
         (local.set $p_0 (v128.const i32x4 0 0 0 0))
         (local.set $p_1 (v128.const i32x4 0 0 0 0))
         ;; kernels.dsl:299: var wq: ptr = w.q + blk * Q.bytes;
-        (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 20))))
+        (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:300: var ap: ptr = a;
         (local.set $ap (local.get $ab))
         ;; kernels.dsl:301: for i in 0..2 {
@@ -4158,23 +4158,7 @@
             (local.set $acc
               (i32x4.add
                 (i32x4.dot_i16x8_s
-                  (i16x8.extend_low_i8x16_s
-                    (local.tee $t
-                      (v128.or
-                        (v128.and
-                          (v128.load (local.get $wq))
-                          (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
-                        (i8x16.shl
-                          (v128.and
-                            (i8x16.eq
-                              (v128.and
-                                (i8x16.swizzle
-                                  (v128.load16_splat offset=16 (local.get $wq))
-                                  (v128.const i8x16 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1))
-                                (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                              (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                            (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
-                          (i32.const 4)))))
+                  (i16x8.extend_low_i8x16_s (local.tee $t (v128.load (local.get $wq))))
                   (v128.load (local.get $ap)))
                 (i32x4.dot_i16x8_s
                   (i16x8.extend_high_i8x16_s (local.get $t))
@@ -4185,50 +4169,20 @@
                 (local.get $acc)
                 (i32x4.add
                   (i32x4.dot_i16x8_s
-                    (i16x8.extend_low_i8x16_s
-                      (local.tee $t
-                        (v128.or
-                          (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
-                          (i8x16.shl
-                            (v128.and
-                              (i8x16.eq
-                                (v128.and
-                                  (i8x16.swizzle
-                                    (v128.load16_splat offset=18 (local.get $wq))
-                                    (v128.const i8x16 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1))
-                                  (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                                (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                              (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
-                            (i32.const 4)))))
+                    (i16x8.extend_low_i8x16_s (local.tee $t (v128.load offset=16 (local.get $wq))))
                     (v128.load offset=32 (local.get $ap)))
                   (i32x4.dot_i16x8_s
                     (i16x8.extend_high_i8x16_s (local.get $t))
                     (v128.load offset=48 (local.get $ap))))))
             (local.set $ret_1 (local.get $acc))
             ;; kernels.dsl:302: let x = lanepairs(qraw[Q](wq, ap), qraw[Q](wq + Q.bytes, ap + Q.block * ACT_BYTES));
-            (local.set $wq_1 (i32.add (local.get $wq) (i32.const 20)))
+            (local.set $wq_1 (i32.add (local.get $wq) (i32.const 32)))
             (local.set $a (i32.add (local.get $ap) (i32.const 64)))
             ;; kernels.dsl:255: var acc: i32x4 = idot(i32x4.splat(0), Q.unpack(wq, 0), a, 0);
             (local.set $acc
               (i32x4.add
                 (i32x4.dot_i16x8_s
-                  (i16x8.extend_low_i8x16_s
-                    (local.tee $t
-                      (v128.or
-                        (v128.and
-                          (v128.load (local.get $wq_1))
-                          (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
-                        (i8x16.shl
-                          (v128.and
-                            (i8x16.eq
-                              (v128.and
-                                (i8x16.swizzle
-                                  (v128.load16_splat offset=16 (local.get $wq_1))
-                                  (v128.const i8x16 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1))
-                                (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                              (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                            (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
-                          (i32.const 4)))))
+                  (i16x8.extend_low_i8x16_s (local.tee $t (v128.load (local.get $wq_1))))
                   (v128.load (local.get $a)))
                 (i32x4.dot_i16x8_s
                   (i16x8.extend_high_i8x16_s (local.get $t))
@@ -4240,20 +4194,7 @@
                 (i32x4.add
                   (i32x4.dot_i16x8_s
                     (i16x8.extend_low_i8x16_s
-                      (local.tee $t
-                        (v128.or
-                          (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))
-                          (i8x16.shl
-                            (v128.and
-                              (i8x16.eq
-                                (v128.and
-                                  (i8x16.swizzle
-                                    (v128.load16_splat offset=18 (local.get $wq_1))
-                                    (v128.const i8x16 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1))
-                                  (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                                (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                              (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
-                            (i32.const 4)))))
+                      (local.tee $t (v128.load offset=16 (local.get $wq_1))))
                     (v128.load offset=32 (local.get $a)))
                   (i32x4.dot_i16x8_s
                     (i16x8.extend_high_i8x16_s (local.get $t))
@@ -4274,7 +4215,7 @@
             ;; kernels.dsl:304: p[1] = x;
             (local.set $p_1 (local.get $x))
             ;; kernels.dsl:305: wq = wq + 2 * Q.bytes;
-            (local.set $wq (i32.add (local.get $wq) (i32.const 40)))
+            (local.set $wq (i32.add (local.get $wq) (i32.const 64)))
             ;; kernels.dsl:306: ap = ap + 2 * Q.block * ACT_BYTES;
             (local.set $ap (i32.add (local.get $ap) (i32.const 128)))
             (local.set $i (i32.add (local.get $i) (i32.const 1)))
@@ -4322,28 +4263,12 @@
         (local.set $da (f32.load (i32.add (local.get $ad) (i32.mul (local.get $b) (i32.const 4)))))
         ;; kernels.dsl:346: var r: f32x4 = madd(f32x4.convert(qblock[Q](w, blk, a)), f32x4.splat(f32.load(w.scale +...
         ;; kernels.dsl:270: var acc: i32x4 = qraw[Q](w.q + blk * Q.bytes, a);
-        (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 20))))
+        (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:255: var acc: i32x4 = idot(i32x4.splat(0), Q.unpack(wq, 0), a, 0);
         (local.set $acc
           (i32x4.add
             (i32x4.dot_i16x8_s
-              (i16x8.extend_low_i8x16_s
-                (local.tee $t
-                  (v128.or
-                    (v128.and
-                      (v128.load (local.get $wq))
-                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
-                    (i8x16.shl
-                      (v128.and
-                        (i8x16.eq
-                          (v128.and
-                            (i8x16.swizzle
-                              (v128.load16_splat offset=16 (local.get $wq))
-                              (v128.const i8x16 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1))
-                            (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                          (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                        (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
-                      (i32.const 4)))))
+              (i16x8.extend_low_i8x16_s (local.tee $t (v128.load (local.get $wq))))
               (v128.load (local.get $a)))
             (i32x4.dot_i16x8_s
               (i16x8.extend_high_i8x16_s (local.get $t))
@@ -4354,21 +4279,7 @@
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
-                (i16x8.extend_low_i8x16_s
-                  (local.tee $t
-                    (v128.or
-                      (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
-                      (i8x16.shl
-                        (v128.and
-                          (i8x16.eq
-                            (v128.and
-                              (i8x16.swizzle
-                                (v128.load16_splat offset=18 (local.get $wq))
-                                (v128.const i8x16 0 0 0 0 0 0 0 0 1 1 1 1 1 1 1 1))
-                              (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                            (v128.const i8x16 1 2 4 8 16 32 64 128 1 2 4 8 16 32 64 128))
-                          (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
-                        (i32.const 4)))))
+                (i16x8.extend_low_i8x16_s (local.tee $t (v128.load offset=16 (local.get $wq))))
                 (v128.load offset=32 (local.get $a)))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $t))
