@@ -104,6 +104,21 @@ quant q5_k {
     dequant d * sc * q - dmin * mn;
 }
 
+# Q6_K: 16 sub-blocks of 16 6-bit values, each with an int8 scale under the f16 d. Per half of 128
+# values, ql holds the low 4 bits (64 bytes: low nibbles, then high) and qh the top 2 (32 bytes,
+# four 2-bit fields); values are offset by 32.
+quant q6_k {
+    block 256;
+    sub 16;
+    field ql: u8[128];
+    field qh: u8[64];
+    field scales: i8[16];
+    field d: f16;
+    unpack (((ql[i / 128 * 64 + i % 64] >> (i % 128 / 64 * 4)) & 15)
+            | (((qh[i / 128 * 32 + i % 32] >> (i % 128 / 32 * 2)) & 3) << 4)) - 32;
+    dequant d * scales[s] * q;
+}
+
 # ONNX 4-bit, as blocked DequantizeLinear stores it (block 32 along K): an f32 scale, a UINT4 zero
 # point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
 # kernelgen.formats.onnx_uint4_blocks gathers these blocks from the ONNX tensors.
@@ -234,11 +249,17 @@ job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
 # of 32 (quantize_act), so these kernels take quant types whose block is 32.
 
 # One block's integer dot w . a in i32 lanes whose sum is the dot (activations still offset):
-# wq points at the block's packed codes, a at its activations.
+# wq points at the block's packed codes, a at its activations. Types with sub-blocks of 16 (Q6_K)
+# multiply each half's dot by its integer scale, two i32 stored after the codes (Q.sub_scales_at).
 inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
     var acc: i32x4 = idot(i32x4.splat(0), Q.unpack(wq, 0), a, 0);
-    unroll j in 1..Q.block / 16 {
-        acc = idot(acc, Q.unpack(wq, j), a, j * 16);
+    static if Q.has_sub_scales {
+        acc = acc * i32x4.splat(i32.load(wq + Q.sub_scales_at))
+            + idot(i32x4.splat(0), Q.unpack(wq, 1), a, 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + 4));
+    } else {
+        unroll j in 1..Q.block / 16 {
+            acc = idot(acc, Q.unpack(wq, j), a, j * 16);
+        }
     }
     return acc;
 }

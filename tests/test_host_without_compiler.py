@@ -66,8 +66,10 @@ SCRIPT = textwrap.dedent('''
                     elif f.count is None:
                         blocks[f.name] = rng.integers(0, 16, blocks.shape)  # small zero points
                 w = k.pack(name, blocks)
-                ref, mag = reference.qmatvec(qf.scale_ref(blocks), qf.unpack_ref(blocks).reshape(rows, -1), act.q, act.d,
-                                             zero, 32, qf.offset_ref(blocks) if qf.offset is not None else None)
+                per = qf.block // qf.subs  # values per scale (a Q6_K sub-block: 16)
+                ref, mag = reference.qmatvec(qf.scale_ref(blocks), qf.unpack_ref(blocks).reshape(rows, -1), act.q,
+                                             np.repeat(act.d, 32 // per), zero, per,
+                                             qf.offset_ref(blocks) if qf.offset is not None else None)
                 y = k.qmatvec(w, act)
                 close(y, ref, mag, f"{target} qmatvec {name}", 1e-5)
                 same(k.qmatvec(w, act, pool=pool), y, f"qmatvec {name}")
