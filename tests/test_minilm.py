@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,21 @@ def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
                 f"{target}, {threads} threads: max |diff| {np.abs(got - expected).max()}"
     proc = subprocess.run([NODE, str(script), str(model_file), str(ids_file)], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_bench_script_runs_every_engine() -> None:
+    """A tiny run of examples/minilm/bench.py (the benchmark itself is not run in the suite): every
+    engine gives a figure, and each one's first embedding is the model's (cosine to onnxruntime)."""
+    need_parts()
+    need(NODE, "node is not installed")
+    need((ROOT / "node_modules" / "onnxruntime-web").is_dir(), "node_modules/onnxruntime-web is missing (npm ci)")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm" / "bench.py"), "--sentences", "2",
+                           "--batches", "1,2", "--threads", "1", "--repeat", "1"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    # rows of the main table: engine, threads, sentences/s at b=1 and b=2, cosine (the ratios have no cosine)
+    rows = re.findall(r"^(.+?\((?:Node|Python)\)) +1 +([\d.]+) +([\d.]+) +([\d.]+)$", proc.stdout, re.MULTILINE)
+    assert len(rows) == 4, proc.stdout  # kernelgen on both targets, onnxruntime-web, onnxruntime
+    for name, *figures, cos in rows:
+        assert min(map(float, figures)) > 0, f"{name}: {figures}"
+        assert float(cos) >= 0.99, f"{name}: first embedding's cosine to onnxruntime {cos}\n{proc.stdout}"
+    assert "linear" in proc.stdout and "attention" in proc.stdout
