@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,15 +24,11 @@ from kernelgen.host.api import Kernels, padded_rows
 
 from helpers import random_blocks
 
-from helpers import need
+from helpers import NODE, NODE_FLAGS, need
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE = shutil.which("node")
 CHROMIUM = Path("/usr/bin/chromium")
 TARGETS = ("simd128", "relaxed-simd")
-# Node 20 runs relaxed SIMD only behind a flag, and its baseline compiler (Liftoff) gets
-# i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
-NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 THREADS = 3
 ROWS, K = 37, 320  # 10 blocks a row: two four-block steps and two blocks left over
 TOKENS = 5  # prefill tokens: a token tail below every tile
