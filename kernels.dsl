@@ -420,16 +420,25 @@ job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
 # wq points at the block's packed codes, a at its activations. Types with sub-blocks of 16 (Q6_K)
 # multiply each half's dot by its integer scale, two i32 stored after the codes (Q.sub_scales_at).
 inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
-    var acc: i32x4 = idot(i32x4.splat(0), Q.unpack(wq, 0), a, 0);
-    static if Q.has_sub_scales {
-        acc = acc * i32x4.splat(i32.load(wq + Q.sub_scales_at))
-            + idot(i32x4.splat(0), Q.unpack(wq, 1), a, 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + 4));
-    } else {
-        unroll j in 1..Q.block / 16 {
-            acc = idot(acc, Q.unpack(wq, j), a, j * 16);
-        }
+    var acc: i32x4 = i32x4.splat(0);
+    unroll h in 0..Q.block / 16 {
+        acc = qhalf[Q](acc, Q.unpack(wq, h), wq, a, h);
     }
     return acc;
+}
+
+# acc plus half h (16 values) of one block's integer dot: wv the half's unpacked codes, wq the
+# block's packed codes, a its activations. For types with sub-block scales (Q.has_sub_scales) each
+# half's dot is multiplied by its integer scale, stored after the codes (Q.sub_scales_at). The one
+# place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
+inline kernel qhalf[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
+    var r: i32x4 = acc;
+    static if Q.has_sub_scales {
+        r = r + idot(i32x4.splat(0), wv, a, h * 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
+    } else {
+        r = idot(r, wv, a, h * 16);
+    }
+    return r;
 }
 
 # One block's exact integer dot. On relaxed SIMD the activations carry +ACT_ZERO;
@@ -600,7 +609,8 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
                             unroll t in 0..M {
                                 let at = arow[t] + (blk + 2 * p + j) * Q.block * ACT_BYTES;
                                 unroll r in 0..N {
-                                    raw[(t * N + r) * 2 + j] = idot(raw[(t * N + r) * 2 + j], wv[r], at, h * 16);
+                                    let i = (t * N + r) * 2 + j;
+                                    raw[i] = qhalf[Q](raw[i], wv[r], wrow[r] + (blk + 2 * p + j) * Q.bytes, at, h);
                                 }
                             }
                         }

@@ -167,15 +167,16 @@ def test_qmatmul_integer_parts_are_exact(target, quant):
             b = blocks_for(k, quant, n, kk, rng, extreme=True)
             a = activation_rows(k, m, kk, rng)
             y = k.qmatmul(k.pack(quant, b), Act(a, np.ones((m, kk // 32), np.float32)))
-            w = q.unpack_ref(b).reshape(n, -1, 32).astype(np.int64)
-            av = (a.astype(np.int64) - zero).reshape(m, -1, 32)
-            scale = q.scale_ref(b).reshape(n, -1)
+            scale = q.scale_ref(b).reshape(n, -1)  # per block of 32, or per sub-block of 16 (Q6_K)
+            g = kk // scale.shape[1]
+            w = q.unpack_ref(b).reshape(n, -1, g).astype(np.int64)
+            av = (a.astype(np.int64) - zero).reshape(m, -1, g)
             assert (scale == np.round(scale)).all()
             want = np.einsum("msi,nsi,ns->mn", av, w, scale.astype(np.int64))
             if q.offset is not None:
                 off = q.offset_ref(b).reshape(n, -1)  # integer minima, [n, blocks of 32]
                 assert (off == np.round(off)).all()
-                want = want + av.sum(axis=2) @ off.astype(np.int64).T
+                want = want + av.reshape(m, off.shape[1], -1).sum(axis=2) @ off.astype(np.int64).T
             assert np.abs(want).max() < 2 ** 24
             assert (y == want).all(), f"{quant} {tile} {m}x{n}x{kk}: {np.argwhere(y != want)[:4].tolist()}"
         k.reset()
@@ -193,19 +194,22 @@ def test_qmatmul_matches_the_float64_reference(target):
             b = blocks_for(k, quant, n, kk, rng, extreme=False)
             _, act = token_acts(k, m, kk, rng)
             y = k.qmatmul(k.pack(quant, b), act)
-            scale = q.scale_ref(b).reshape(n, -1)  # per block of 32 (super-blocks: per sub-block)
+            scale = q.scale_ref(b).reshape(n, -1)  # per block of 32, or per sub-block of 16 (Q6_K)
+            g = kk // scale.shape[1]
             offset = q.offset_ref(b).reshape(n, -1) if q.offset is not None else None
+            w_int = q.unpack_ref(b).reshape(n, -1).astype(np.int64)
+            w_deq = q.dequantize_ref(b).reshape(n, -1).astype(np.float64)
             for t in range(m):
-                ref, _ = reference.qmatvec(scale, q.unpack_ref(b).reshape(n, -1), act.q[t], act.d[t], zero, 32, offset)
+                a_int = act.q[t].astype(np.int64) - zero
+                d_a = np.repeat(act.d[t].astype(np.float64), 32)
+                ref = w_deq @ (a_int * d_a)
                 # Every block's term is rounded on its own, and a leftover block's (qstep1) is split
                 # over four lanes first: bound by the sum over blocks of |scale d_a| sum |w_i a_i|.
-                w_int = q.unpack_ref(b).reshape(n, -1).astype(np.int64)
-                a_int = act.q[t].astype(np.int64) - zero
-                abs_dots = (np.abs(w_int) * np.abs(a_int)).reshape(n, -1, 32).sum(axis=2)
-                mag = np.abs(scale.astype(np.float64) * act.d[t] * abs_dots).sum(axis=1)
+                abs_dots = (np.abs(w_int) * np.abs(a_int) * d_a).reshape(n, -1, g).sum(axis=2)
+                mag = (np.abs(scale.astype(np.float64)) * abs_dots).sum(axis=1)
                 if offset is not None:
-                    asum = np.abs(a_int).reshape(-1, 32).sum(axis=1)
-                    mag = mag + np.abs(offset.astype(np.float64) * act.d[t] * asum).sum(axis=1)
+                    asum = (np.abs(a_int) * d_a).reshape(-1, 32).sum(axis=1)
+                    mag = mag + np.abs(offset.astype(np.float64) * asum).sum(axis=1)
                 assert_q_close(y[t], ref, mag, f"{target} {quant} {m}x{n}x{kk} token {t}")
         k.reset()
 
