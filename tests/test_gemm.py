@@ -16,7 +16,6 @@ import pytest
 
 from conftest import DSL_PATH, TARGETS
 from helpers import act_dtype, assert_bitwise_equal, assert_q_close, consts, random_blocks, rng_for
-from kernelgen import reference
 from kernelgen.compiler.build import Built, compile_source, from_built
 from kernelgen.compiler.check import check, variants
 from kernelgen.compiler.parse import parse
