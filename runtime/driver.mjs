@@ -146,8 +146,10 @@ export class Driver {
     if (end > size) {
       const need = Math.ceil((end - size) / PAGE_BYTES);
       if (size / PAGE_BYTES + need > maxPages) {
-        throw new RangeError(`out of memory: ${nbytes} more bytes need ${size / PAGE_BYTES + need} pages, the module `
-          + `allows ${maxPages}; ${addr - heapBase} bytes are in use (reset() frees packed weights)`);
+        const limit = maxPages * PAGE_BYTES;
+        throw new RangeError(`out of memory: ${nbytes} bytes asked, and ${limit - this.#top} of the module's ${limit} `
+          + `bytes are free (${this.#top - heapBase} in use); reset() frees packed weights, or rebuild with a larger `
+          + `maximum (kernelgen build --max-memory; this build allows ${maxPages} pages of 64 KiB)`);
       }
       this.#memory.grow(need);
     }

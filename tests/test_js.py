@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import kernelgen
+from kernelgen import cli
 from kernelgen.host.api import Kernels, padded_rows
 
 from helpers import random_blocks
@@ -233,3 +234,28 @@ def test_chromium_runs_the_demo_and_matches_wasmtime(vectors: Path) -> None:
     run_node_tests("runtime/test/browser.test.mjs", {"KERNELGEN_VECTORS": str(vectors), "KERNELGEN_SCREENSHOT": str(shot)},
                    timeout=180)
     assert shot.stat().st_size > 0, "the browser test saved no screenshot"
+
+
+def test_node_honours_the_built_memory_maximum(tmp_path: Path) -> None:
+    """A build with --max-memory 1MiB: the JS runtime's memory stops there, with the error that says
+    what was asked, what is free and what to do."""
+    need(NODE, "node is not installed")
+    out = tmp_path / "out"
+    assert cli.main(["build", "--target", "simd128", "--no-store", "--out", str(out), "--max-memory", "1MiB",
+                     "--dsl", str(ROOT / "kernels.dsl")]) == 0
+    script = f"""
+import {{ loadKernels }} from {json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri())};
+const k = await loadKernels({{ dir: {json.dumps(str(out))}, target: 'simd128', threads: 1 }});
+const blocks = new Uint8Array(64 * 32 * 34);  // zero Q8_0 blocks: 64 rows of 1024
+let n = 0;
+try {{ for (;;) {{ await k.pack('q8_0', blocks, 64, 1024); n++; }} }}
+catch (e) {{ console.log(JSON.stringify({{ n, name: e.name, message: e.message }})); }}
+await k.terminate();
+"""
+    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["name"] == "RangeError" and 10 <= got["n"] < 13, got  # 80 KiB each in 1 MiB
+    assert re.fullmatch(r"out of memory: \d+ bytes asked, and \d+ of the module's 1048576 bytes are free \(\d+ in use\); "
+                        r"reset\(\) frees packed weights, or rebuild with a larger maximum \(kernelgen build "
+                        r"--max-memory; this build allows 16 pages of 64 KiB\)", got["message"]), got["message"]

@@ -38,7 +38,6 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
             raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which this build does not "
                              f"support (supported: {', '.join(supported)})")
     out: dict[str, Packed | np.ndarray] = {}
-    mark = kernels.module.mark()
     try:
         for t in reader.tensors:
             if t.tensor_type.name in GGUF_FLOATS:
@@ -47,7 +46,9 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
             # the reader's byte shape ends in a row's bytes (ggml's first dimension is the row)
             out[t.name] = kernels.pack(t.tensor_type.name.lower(), np.asarray(t.data).reshape(-1, t.data.shape[-1]))
     except BaseException:
-        kernels.module.release(mark)
+        for v in out.values():
+            if not isinstance(v, np.ndarray):  # a Packed
+                v.free()
         raise
     return out
 
