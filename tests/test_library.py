@@ -887,15 +887,22 @@ def onnx_weights(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
     return w
 
 
+def uint4(a: np.ndarray) -> np.ndarray:
+    """Values 0..15 as onnx.numpy_helper.to_array returns a UINT4 tensor."""
+    import ml_dtypes  # onnx's own dependency, in the test extra
+
+    return a.astype(ml_dtypes.uint4)
+
+
 @pytest.mark.parametrize("n", (1, 7, 10), ids=lambda n: f"n{n}")
 def test_onnx_uint4_round_trip_and_blocks(quants, n):
     k = 96
     rng = rng_for("onnx", n)
     w = onnx_weights(rng, k, n)
-    packed, scale, zp = reference.quantize_onnx_uint4(w)
-    assert packed.dtype == np.uint8 and packed.size == -(-k * n // 2)
+    values, scale, zp = reference.quantize_onnx_uint4(w)
+    assert values.shape == (k, n) and values.max() <= 15 and zp.shape == scale.shape
     assert scale.shape == (k // 32, n) and scale.dtype == np.float32 and (scale >= 0).all()
-    deq = reference.dequantize_onnx_uint4(packed, scale, zp, k, n)
+    deq = reference.dequantize_onnx_uint4(values, scale, zp)
     assert deq.shape == (k, n)
     # asymmetric UINT4 over [min(lo, 0), max(hi, 0)]: every value within half a step
     step = np.repeat(scale, 32, axis=0).astype(np.float64)
@@ -905,23 +912,10 @@ def test_onnx_uint4_round_trip_and_blocks(quants, n):
     assert (deq[w == 0] == 0).all()
     # blocks for q4_onnx, one row per output column, dequantize exactly as DequantizeLinear
     q = quants["q4_onnx"]
-    blocks = formats.onnx_uint4_blocks(q, packed, scale, zp, k, n)
+    blocks = formats.dequantize_linear_blocks(q, uint4(values), scale, uint4(zp), axis=0, block_size=32)
     assert blocks.dtype == q.dtype and blocks.shape == (n, k // 32)
     assert (blocks["z"] <= 15).all()
     np.testing.assert_array_equal(q.dequantize_ref(blocks), deq.T)
-
-
-def test_onnx_uint4_blocks_rejects_bad_shapes(quants):
-    q = quants["q4_onnx"]
-    packed, scale, zp = reference.quantize_onnx_uint4(np.ones((64, 4), np.float32))
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed, scale, zp, 63, 4)      # k not a multiple of 32
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed, scale[:1], zp, 64, 4)  # scale shape
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed[:-1], scale, zp, 64, 4)  # values too short
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed, scale, zp[:1], 64, 4)   # zero points too short
 
 
 # ---- 4-bit quant types: kernels ----------------------------------------------------------------
@@ -935,8 +929,8 @@ def q4_blocks(quant: str, q: Any, rng: np.random.Generator, rows: int, k: int, k
             return reference.quantize_q4_0(x)
         if quant == "q4_1":
             return reference.quantize_q4_1(x)
-        packed, scale, zp = reference.quantize_onnx_uint4(np.ascontiguousarray(x.T))
-        return formats.onnx_uint4_blocks(q, packed, scale, zp, k, rows)
+        values, scale, zp = reference.quantize_onnx_uint4(np.ascontiguousarray(x.T))
+        return formats.dequantize_linear_blocks(q, uint4(values), scale, uint4(zp), axis=0, block_size=32)
     b = rng.integers(0, 256, (rows, k // 32 * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
     if quant == "q4_onnx":
         b["d"] = rng.uniform(-0.05, 0.05, b.shape).astype(np.float32)
