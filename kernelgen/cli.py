@@ -11,7 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import __version__
+from . import __version__, library
 from .compiler.build import TARGET_NAMES, build
 from .compiler.layout import HEAP_BASE, LIMIT_PAGES, MAX_PAGES, PAGE_SIZE
 from .compiler.check import check, resolve_tune
@@ -20,6 +20,7 @@ from .errors import DslError, KernelgenError
 from .compiler.parse import parse
 from .tuning.store import STORE, StoreWarning, load_store
 
+DEFAULT_DSL = Path("kernels.dsl")
 EXIT_USER = 2
 EXIT_INTERNAL = 70
 
@@ -87,6 +88,9 @@ def _tune(values: list[str]) -> dict[str, dict[str, int]]:
 
 
 def _read(dsl: Path) -> str:
+    if dsl == DEFAULT_DSL and not dsl.is_file():
+        raise KernelgenError(f"no {dsl} in the current directory: pass --dsl FILE (the library that ships with"
+                             f" kernelgen is {library.dsl()}; kernelgen.load() loads its build without building)")
     try:
         return dsl.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -241,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsl", type=Path, default=Path("kernels.dsl"), help="kernel source (default kernels.dsl)")
+    common.add_argument("--dsl", type=Path, default=DEFAULT_DSL, help="kernel source (default ./kernels.dsl)")
     stored = argparse.ArgumentParser(add_help=False)
     stored.add_argument("--store", type=Path, help=f"tuning store (default {STORE} when it exists)")
     stored.add_argument("--no-store", action="store_true", help="ignore the tuning store: declared defaults")

@@ -1,7 +1,7 @@
 """The Python API: load a built target, put numpy data in its memory, run kernels, get numpy back.
 
     import kernelgen
-    k = kernelgen.load("out", "relaxed-simd")           # or kernelgen.compile_kernels(source, target)
+    k = kernelgen.load(target="relaxed-simd")           # the packaged build; or load(out_dir, target)
     w = k.pack("q8_0", blocks)                           # GGUF Q8_0 blocks, (rows, k // 32 * 34) uint8
     a = k.quantize_act(x)                                # f32[k] -> quantized activations
     y = k.qmatvec(w, a)                                  # f32[rows]
@@ -28,6 +28,7 @@ import numpy as np
 from . import module as host
 from .manifest import check_manifest
 from .module import I32_MAX, as_int, as_real
+from .. import library
 from ..errors import KernelgenError
 from ..names import parse_variant
 from ..quantformat import QuantFormat
@@ -498,9 +499,10 @@ def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
     return out
 
 
-def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
-    """Load out_dir/<target>/kernels.wasm with its manifest."""
-    d = Path(out_dir) / target
+def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
+    """Load out_dir/<target>/kernels.wasm with its manifest; with no out_dir, the library's build that
+    ships with kernelgen (kernelgen/library.py)."""
+    d = Path(library.out() if out_dir is None else out_dir) / target
     try:
         manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
         wasm = (d / "kernels.wasm").read_bytes()
