@@ -104,6 +104,21 @@ quant q5_k {
     dequant d * sc * q - dmin * mn;
 }
 
+# Q6_K: 16 sub-blocks of 16 6-bit values, each with an int8 scale under the f16 d. Per half of 128
+# values, ql holds the low 4 bits (64 bytes: low nibbles, then high) and qh the top 2 (32 bytes,
+# four 2-bit fields); values are offset by 32.
+quant q6_k {
+    block 256;
+    sub 16;
+    field ql: u8[128];
+    field qh: u8[64];
+    field scales: i8[16];
+    field d: f16;
+    unpack (((ql[i / 128 * 64 + i % 64] >> (i % 128 / 64 * 4)) & 15)
+            | (((qh[i / 128 * 32 + i % 32] >> (i % 128 / 32 * 2)) & 3) << 4)) - 32;
+    dequant d * scales[s] * q;
+}
+
 # ONNX 4-bit (MatMulNBits, or blocked DequantizeLinear; block 32 along K): an f32 scale, a UINT4
 # zero point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
 # kernelgen.host.formats gathers these blocks from either node's tensors.
@@ -173,6 +188,174 @@ job kernel matvec_f32_job(begin: i32, end: i32, w: ptr, x: ptr, y: ptr, k: i32) 
     fmatvec_rows[matvec_f32.unroll](w, x, y, begin, end, k);
 }
 
+# ---- f32 matrix products (attention: scores = Q K^T, out = P V) --------------------------------
+#
+# Both forms tile M rows of A (tokens) by N columns of y, their accumulators side by side in
+# registers; each tile's loads of B are shared by its tokens and its loads of A by its columns.
+# The tails go one output (or one vector of four) at a time with the same order, so no result
+# depends on the tiling or on how rows are split over threads.
+
+# y[t, r] = A[t, :] . B[r, :] for tokens t0 .. t0 + M - 1 and rows r0 .. r0 + N - 1 of B. Order of
+# each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, one madd each),
+# hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
+kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32, n: i32, k: i32) {
+    var acc[M * N]: f32x4 = f32x4.splat(0.0);
+    var bv[N]: f32x4 = f32x4.splat(0.0);
+    let body = k - k % 4;
+    for i in 0..body step 4 {
+        unroll r in 0..N {
+            bv[r] = f32x4.load(b + ((r0 + r) * k + i) * 4);
+        }
+        unroll t in 0..M {
+            let av = f32x4.load(a + ((t0 + t) * k + i) * 4);
+            unroll r in 0..N {
+                acc[t * N + r] = madd(av, bv[r], acc[t * N + r]);
+            }
+        }
+    }
+    unroll j in 0..M * N {
+        let at = a + (t0 + j / N) * k * 4;
+        let br = b + (r0 + j % N) * k * 4;
+        var s: f32 = hsum(acc[j]);
+        for i in body..k {
+            s = s + f32.load(at + i * 4) * f32.load(br + i * 4);
+        }
+        f32.store(y + ((t0 + j / N) * n + r0 + j % N) * 4, s);
+    }
+}
+
+# Tokens t0 .. t1 - 1 of y = A B^T: tiles of MR tokens x NR rows of B, the rest one dot at a time.
+kernel ftiles_nt[MR: i32, NR: i32](a: ptr, b: ptr, y: ptr, t0: i32, t1: i32, n: i32, k: i32) {
+    let tfull = t1 - (t1 - t0) % MR;
+    let rfull = n - n % NR;
+    for t in t0..tfull step MR {
+        for r in 0..rfull step NR {
+            ftile_nt[MR, NR](a, b, y, t, r, n, k);
+        }
+        for tt in t..t + MR {
+            for r in rfull..n {
+                ftile_nt[1, 1](a, b, y, tt, r, n, k);
+            }
+        }
+    }
+    for t in tfull..t1 {
+        for r in 0..n {
+            ftile_nt[1, 1](a, b, y, t, r, n, k);
+        }
+    }
+}
+
+# y = A B^T (attention scores: Q K^T), both operands row-major with k the shared inner dimension.
+# Each output is one dot in ftile_nt's order, where a product passes through at most k / 4 + 6
+# roundings (its own, its lane's adds, hsum's two, the tail's three), each of at most 2^-24 of a
+# partial sum of |a_i b_i|: |error| <= (k / 4 + 6) * 2^-24 * sum |a_i b_i| (to first order).
+#   a: f32[m, k], row-major
+#   b: f32[n, k], row-major
+#   y: f32[m, n], written
+#   m: rows of a
+#   n: rows of b
+#   k: row length of both, any value >= 0
+export kernel matmul_f32_nt(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
+    tune tokens: i32 in {1, 2, 4} = 4;
+    tune rows: i32 in {1, 2, 4} = 2;
+    restrict tokens * rows + rows < 16;  # accumulators and B's vectors in 16 registers, one for A's
+    ftiles_nt[tokens, rows](a, b, y, 0, m, n, k);
+}
+
+# matmul_f32_nt on the thread pool, with its tune values: items are rows of a (and of y).
+#   a: f32[m, k]
+#   b: f32[n, k]
+#   y: f32[m, n], written
+#   n: rows of b
+#   k: row length
+job kernel matmul_f32_nt_job(begin: i32, end: i32, a: ptr, b: ptr, y: ptr, n: i32, k: i32) {
+    ftiles_nt[matmul_f32_nt.tokens, matmul_f32_nt.rows](a, b, y, begin, end, n, k);
+}
+
+# y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
+# columns per token. Order of each output: the k products in order of i, one madd each.
+kernel ftile_nn[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, c0: i32, n: i32, k: i32) {
+    var acc[M * N]: f32x4 = f32x4.splat(0.0);
+    var bv[N]: f32x4 = f32x4.splat(0.0);
+    for i in 0..k {
+        unroll c in 0..N {
+            bv[c] = f32x4.load(b + (i * n + c0) * 4, c * 16);
+        }
+        unroll t in 0..M {
+            let av = f32x4.splat(f32.load(a + ((t0 + t) * k + i) * 4));
+            unroll c in 0..N {
+                acc[t * N + c] = madd(av, bv[c], acc[t * N + c]);
+            }
+        }
+    }
+    unroll j in 0..M * N {
+        f32x4.store(y + ((t0 + j / N) * n + c0) * 4, (j % N) * 16, acc[j]);
+    }
+}
+
+# y[t, c] for one token and one column in ftile_nn's order (the n % 4 columns past the vectors).
+kernel fcol_nn(a: ptr, b: ptr, y: ptr, t: i32, c: i32, n: i32, k: i32) {
+    var s: f32 = 0.0;
+    for i in 0..k {
+        s = s + f32.load(a + (t * k + i) * 4) * f32.load(b + (i * n + c) * 4);
+    }
+    f32.store(y + (t * n + c) * 4, s);
+}
+
+# Tokens t0 .. t1 - 1 of y = A B: tiles of MR tokens x NR vectors of columns, the rest one vector
+# (or, past the last whole vector, one column) at a time.
+kernel ftiles_nn[MR: i32, NR: i32](a: ptr, b: ptr, y: ptr, t0: i32, t1: i32, n: i32, k: i32) {
+    let tfull = t1 - (t1 - t0) % MR;
+    let nv = n / 4;
+    let vfull = nv - nv % NR;
+    for t in t0..tfull step MR {
+        for v in 0..vfull step NR {
+            ftile_nn[MR, NR](a, b, y, t, v * 4, n, k);
+        }
+        for tt in t..t + MR {
+            for v in vfull..nv {
+                ftile_nn[1, 1](a, b, y, tt, v * 4, n, k);
+            }
+        }
+    }
+    for t in tfull..t1 {
+        for v in 0..nv {
+            ftile_nn[1, 1](a, b, y, t, v * 4, n, k);
+        }
+    }
+    for t in t0..t1 {
+        for c in nv * 4..n {
+            fcol_nn(a, b, y, t, c, n, k);
+        }
+    }
+}
+
+# y = A B (attention output: P V), both row-major, k the inner dimension (A's columns, B's rows).
+# Each output sums its k products in order (a product's own rounding and up to k - 1 adds):
+# |error| <= (k + 1) * 2^-24 * sum |a_i b_i| (to first order).
+#   a: f32[m, k], row-major
+#   b: f32[k, n], row-major
+#   y: f32[m, n], written
+#   m: rows of a
+#   n: columns of b
+#   k: columns of a, rows of b
+export kernel matmul_f32_nn(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
+    tune tokens: i32 in {1, 2, 4, 8} = 4;
+    tune cols: i32 in {1, 2, 4} = 2;
+    restrict tokens * cols + cols < 16;  # accumulators and B's vectors in 16 registers, one for A's
+    ftiles_nn[tokens, cols](a, b, y, 0, m, n, k);
+}
+
+# matmul_f32_nn on the thread pool, with its tune values: items are rows of a (and of y).
+#   a: f32[m, k]
+#   b: f32[k, n]
+#   y: f32[m, n], written
+#   n: columns of b
+#   k: columns of a
+job kernel matmul_f32_nn_job(begin: i32, end: i32, a: ptr, b: ptr, y: ptr, n: i32, k: i32) {
+    ftiles_nn[matmul_f32_nn.tokens, matmul_f32_nn.cols](a, b, y, begin, end, n, k);
+}
+
 # ---- activations -------------------------------------------------------------------------------
 
 # Blocks b0 .. b1 - 1 of quantize_act.
@@ -234,11 +417,17 @@ job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
 # of 32 (quantize_act), so these kernels take quant types whose block is 32.
 
 # One block's integer dot w . a in i32 lanes whose sum is the dot (activations still offset):
-# wq points at the block's packed codes, a at its activations.
+# wq points at the block's packed codes, a at its activations. Types with sub-blocks of 16 (Q6_K)
+# multiply each half's dot by its integer scale, two i32 stored after the codes (Q.sub_scales_at).
 inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
     var acc: i32x4 = idot(i32x4.splat(0), Q.unpack(wq, 0), a, 0);
-    unroll j in 1..Q.block / 16 {
-        acc = idot(acc, Q.unpack(wq, j), a, j * 16);
+    static if Q.has_sub_scales {
+        acc = acc * i32x4.splat(i32.load(wq + Q.sub_scales_at))
+            + idot(i32x4.splat(0), Q.unpack(wq, 1), a, 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + 4));
+    } else {
+        unroll j in 1..Q.block / 16 {
+            acc = idot(acc, Q.unpack(wq, j), a, j * 16);
+        }
     }
     return acc;
 }
@@ -268,6 +457,16 @@ inline kernel lanesums4(a: i32x4, b: i32x4, c: i32x4, d: i32x4) -> i32x4 {
     return lanequads(lanepairs(a, b), lanepairs(c, d));
 }
 
+# Blocks blk .. blk + 3's raw dots (lane i: block blk + i, activations still offset) -> their
+# exact dots: on relaxed SIMD minus ACT_ZERO * sum(w) of each block.
+inline kernel qexact4[Q: quant](w: packed Q, blk: i32, raw: i32x4) -> i32x4 {
+    var d: i32x4 = raw;
+    static if ACT_ZERO != 0 {
+        d = d - i32x4.load(w.sum + blk * 4) * ACT_ZERO;
+    }
+    return d;
+}
+
 # The exact dots of blocks blk .. blk + 3 of one row, lane i for block blk + i: their scales then
 # apply as one vector, a quarter of the per-block scalar work of qblock. Two blocks per pass of a
 # run-time loop: an engine computes each pass's dots before the loop's back edge, so only two
@@ -284,11 +483,7 @@ inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
         wq = wq + 2 * Q.bytes;
         ap = ap + 2 * Q.block * ACT_BYTES;
     }
-    var d: i32x4 = lanequads(p[0], p[1]);
-    static if ACT_ZERO != 0 {
-        d = d - i32x4.load(w.sum + blk * 4) * ACT_ZERO;
-    }
-    return d;
+    return qexact4[Q](w, blk, lanequads(p[0], p[1]));
 }
 
 # One activation block's sum (lanes sum to it), for quant types with an offset term (S * q + M).
@@ -311,13 +506,20 @@ inline kernel ascaled4[Q: quant](a: ptr, da4: f32x4) -> f32x4 {
     return s;
 }
 
-# acc plus blocks blk .. blk + 3 of a row: sum of scale * d_a * dot (+ offset * d_a * sum(a)).
-inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, as4: f32x4, acc: f32x4) -> f32x4 {
-    var r: f32x4 = madd(f32x4.convert(qdots4[Q](w, blk, a)), f32x4.load(w.scale + blk * 4) * da4, acc);
+# acc plus blocks blk .. blk + 3 of a row given their exact dots (lane i: block blk + i): the sum of
+# scale * d_a * dot (+ offset * d_a * sum(a)). The float operations of every quantized dot, in the
+# order that qmatvec and qmatmul share.
+inline kernel qscale4[Q: quant](w: packed Q, blk: i32, dots: i32x4, da4: f32x4, as4: f32x4, acc: f32x4) -> f32x4 {
+    var r: f32x4 = madd(f32x4.convert(dots), f32x4.load(w.scale + blk * 4) * da4, acc);
     static if Q.has_offset {
         r = madd(as4, f32x4.load(w.offset + blk * 4), r);
     }
     return r;
+}
+
+# acc plus blocks blk .. blk + 3 of a row.
+inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, as4: f32x4, acc: f32x4) -> f32x4 {
+    return qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, as4, acc);
 }
 
 # acc plus the single block blk of a row (the blocks left over past a multiple of four).
@@ -359,54 +561,113 @@ export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
     return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
 }
 
-# Rows r0 .. r0 + N - 1 of y = W a, their accumulators side by side in registers, sharing each
-# activation group's loads; A accumulators per row take turns over the four-block steps (more
-# independent work in flight). Summation order per row is qrowsum's, so results do not depend on N.
-kernel qrows[Q: quant, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, nb: i32) {
-    static if N == 1 {
-        f32.store(y + r0 * 4, qrowsum[Q, A](w, aq, ad, r0, nb));
+# The M x N dots of tokens t0 .. t0 + M - 1 with rows r0 .. r0 + N - 1 of W, their accumulators
+# side by side in registers (M * N * A of them). Each four-block step is a small integer GEMM:
+# every weight vector is unpacked once for the M tokens, every activation vector serves the N rows
+# (one address: the engine loads it once), the raw dots of two blocks at a time folded by
+# lanepairs, then lanequads; the exact dots (qexact4) then go through qscale4, the float
+# operations of qstep4. Integer sums are exact in any order, and the float order is qrowsum's (A
+# accumulators taking turns over the four-block steps, qstep1 for the leftover blocks), so no
+# result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
+#   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
+#   y[t, r] at y + (t * n + r) * 4
+kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, t0: i32, r0: i32, nb: i32, n: i32) {
+    static if M * N == 1 {
+        f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, ad + t0 * nb * 4, r0, nb));
     } else {
-        var acc[N * A]: f32x4 = f32x4.splat(0.0);
+        var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
+        var wrow[N]: ptr = 0;
+        unroll r in 0..N {
+            wrow[r] = w.q + (r0 + r) * nb * Q.bytes;
+        }
+        var arow[M]: ptr = 0;
+        unroll t in 0..M {
+            arow[t] = aq + (t0 + t) * nb * Q.block * ACT_BYTES;
+        }
         let nbs = nb - nb % (4 * A);
         for b in 0..nbs step 4 * A {
             unroll s in 0..A {
-                let ab = aq + (b + 4 * s) * Q.block * ACT_BYTES;
-                let da4 = f32x4.load(ad + (b + 4 * s) * 4);
-                let as4 = ascaled4[Q](ab, da4);
-                unroll r in 0..N {
-                    acc[r * A + s] = qstep4[Q](w, (r0 + r) * nb + b + 4 * s, ab, da4, as4, acc[r * A + s]);
+                let blk = b + 4 * s;
+                var d[M * N]: i32x4 = i32x4.splat(0);
+                unroll p in 0..2 {
+                    var raw[M * N * 2]: i32x4 = i32x4.splat(0);
+                    unroll j in 0..2 {
+                        unroll h in 0..Q.block / 16 {
+                            var wv[N]: i8x16 = i8x16.splat(0);
+                            unroll r in 0..N {
+                                wv[r] = Q.unpack(wrow[r] + (blk + 2 * p + j) * Q.bytes, h);
+                            }
+                            unroll t in 0..M {
+                                let at = arow[t] + (blk + 2 * p + j) * Q.block * ACT_BYTES;
+                                unroll r in 0..N {
+                                    raw[(t * N + r) * 2 + j] = idot(raw[(t * N + r) * 2 + j], wv[r], at, h * 16);
+                                }
+                            }
+                        }
+                    }
+                    unroll i in 0..M * N {
+                        static if p == 0 {
+                            d[i] = lanepairs(raw[2 * i], raw[2 * i + 1]);
+                        } else {
+                            d[i] = lanequads(d[i], lanepairs(raw[2 * i], raw[2 * i + 1]));
+                        }
+                    }
+                }
+                unroll t in 0..M {
+                    let da4 = f32x4.load(ad + ((t0 + t) * nb + blk) * 4);
+                    let as4 = ascaled4[Q](arow[t] + blk * Q.block * ACT_BYTES, da4);
+                    unroll r in 0..N {
+                        let rb = (r0 + r) * nb + blk;
+                        let i = (t * N + r) * A + s;
+                        acc[i] = qscale4[Q](w, rb, qexact4[Q](w, rb, d[t * N + r]), da4, as4, acc[i]);
+                    }
                 }
             }
         }
         for b in nbs..nb {
-            let ab = aq + b * Q.block * ACT_BYTES;
-            let da = f32.load(ad + b * 4);
-            unroll r in 0..N {
-                acc[r * A] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[r * A]);
+            unroll t in 0..M {
+                let ab = aq + ((t0 + t) * nb + b) * Q.block * ACT_BYTES;
+                let da = f32.load(ad + ((t0 + t) * nb + b) * 4);
+                unroll r in 0..N {
+                    let i = (t * N + r) * A;
+                    acc[i] = qstep1[Q](w, (r0 + r) * nb + b, ab, da, acc[i]);
+                }
             }
         }
-        unroll r in 0..N {
+        unroll i in 0..M * N {
             unroll s in 1..A {
-                acc[r * A] = acc[r * A] + acc[r * A + s];
+                acc[i * A] = acc[i * A] + acc[i * A + s];
             }
-            f32.store(y + (r0 + r) * 4, hsum(acc[r * A]));
+            f32.store(y + ((t0 + i / N) * n + r0 + i % N) * 4, hsum(acc[i * A]));
         }
     }
 }
 
-# Rows r0 .. r1 - 1 of y = W a, R rows per pass and the remainder one at a time. Each row's sum
-# runs in the same order whatever R is, so results do not depend on how rows are grouped.
-kernel qmatvec_rows[Q: quant, R: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, r0: i32, r1: i32, nb: i32) {
-    let full = r1 - (r1 - r0) % R;
-    for r in r0..full step R {
-        qrows[Q, R, A](w, aq, ad, y, r, nb);
+# Rows r0 .. r1 - 1 of W against tokens 0 .. m - 1: tiles of MR tokens x NR rows, the dots left
+# over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
+# stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
+# tiling (see qtile), and only the full tile and the single dot are instantiated.
+kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, r0: i32, r1: i32, nb: i32, n: i32) {
+    let rfull = r1 - (r1 - r0) % NR;
+    let tfull = m - m % MR;
+    for r in r0..rfull step NR {
+        for t in 0..tfull step MR {
+            qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
+        }
+        for t in tfull..m {
+            for rr in r..r + NR {
+                qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
+            }
+        }
     }
-    for r in full..r1 {
-        qrows[Q, 1, A](w, aq, ad, y, r, nb);
+    for r in rfull..r1 {
+        for t in 0..m {
+            qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
+        }
     }
 }
 
-# y = W a for a packed quantized matrix and quantized activations.
+# y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
 #   w: packed matrix, n rows of k / Q.block blocks
 #   aq: activations from quantize_act, k of ACT_BYTES each
 #   ad: activation scales from quantize_act, k / 32 f32
@@ -417,7 +678,7 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
     tune rows: i32 in {1, 2, 4} = 1;
     tune accs: i32 in {1, 2} = 1;
     restrict rows * accs <= 4;  # accumulators in flight: 16 vector registers on x86-64 hold no more
-    qmatvec_rows[Q, rows, accs](w, aq, ad, y, 0, n, k / Q.block);
+    qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, 0, n, k / Q.block, n);
 }
 
 # qmatvec on the thread pool, with qmatvec's tune values: items are rows.
@@ -427,7 +688,36 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
 #   y: f32[n], written
 #   k: row length, a multiple of Q.block
 job kernel qmatvec_job[Q: quant](begin: i32, end: i32, w: packed Q, aq: ptr, ad: ptr, y: ptr, k: i32) {
-    qmatvec_rows[Q, qmatvec.rows, qmatvec.accs](w, aq, ad, y, begin, end, k / Q.block);
+    qtiles[Q, 1, qmatvec.rows, qmatvec.accs](w, aq, ad, y, 1, begin, end, k / Q.block, 0);  # one token: y's row stride unused
+}
+
+# Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
+# of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
+#   w: packed matrix, n rows of k / Q.block blocks
+#   aq: activations from quantize_act of an [m, k] array, m * k of ACT_BYTES each
+#   ad: activation scales, m * k / 32 f32
+#   y: f32[m, n], written
+#   m: token count
+#   n: row count
+#   k: row length, a multiple of Q.block
+export kernel qmatmul[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n: i32, k: i32) {
+    tune tokens: i32 in {1, 2, 4} = 2;
+    tune rows: i32 in {1, 2, 4} = 1;
+    restrict tokens * rows <= 4;  # a tile's integer dots and float sums (x qmatvec's accs <= 2) in registers
+    qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, 0, n, k / Q.block, n);
+}
+
+# qmatmul on the thread pool, with qmatmul's tune values: items are rows of W (each read by one
+# thread, every token passing over it there).
+#   w: packed matrix of k / Q.block blocks per row
+#   aq: activations, m * k of ACT_BYTES each
+#   ad: activation scales, m * k / 32 f32
+#   y: f32[m, n], written
+#   m: token count
+#   n: row count
+#   k: row length, a multiple of Q.block
+job kernel qmatmul_job[Q: quant](begin: i32, end: i32, w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n: i32, k: i32) {
+    qtiles[Q, qmatmul.tokens, qmatmul.rows, qmatvec.accs](w, aq, ad, y, m, begin, end, k / Q.block, n);
 }
 
 # ---- exp, softmax, SiLU ------------------------------------------------------------------------

@@ -152,6 +152,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         shapes = {k: [parse_shape(s) for s in args.shape] for k in kernels} if args.shape else {}
     except ValueError as e:
         raise KernelgenError(str(e)) from None
+    for k, given in shapes.items():
+        dims = len(SPECS[k][1][0])  # a kernel's shapes all have as many dimensions as its defaults
+        if any(len(s) != dims for s in given):
+            raise KernelgenError(f"--shape: {k} takes shapes of {dims} dimension(s) "
+                                 f"({'x'.join('NK' if dims == 2 else 'MNK' if dims == 3 else 'N')}), e.g. "
+                                 f"{'x'.join(map(str, SPECS[k][1][0]))}")
     for q in args.quant or []:
         if q not in checked.quants:
             raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
@@ -267,7 +273,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", parents=[common], help="time every variant of tunable kernels, append to the store")
     t.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     t.add_argument("--kernel", default="*", help="kernel name pattern (default: every tunable kernel)")
-    t.add_argument("--shape", action="append", default=[], help="NxK (repeatable; default: each kernel's shapes)")
+    t.add_argument("--shape", action="append", default=[], help="N, NxK, or MxNxK for matrix products (repeatable; default: each kernel's shapes)")
     t.add_argument("--quant", action="append", help="quant types for generic kernels (default: all)")
     t.add_argument("--budget", type=_budget, default=600.0, help="seconds to spend (default 600)")
     t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive",

@@ -185,6 +185,29 @@ def from_json(tree: dict) -> Node:
     return cls(**attrs, **dict(zip(cls.children, map(from_json, tree.get("args", [])))))
 
 
+class _AllNodes:
+    """Every node of a formula, the root first."""
+
+    def __getattr__(self, name: str) -> Callable[..., list[Node]]:
+        return lambda n, *children: [n] + [x for c in children for x in c]
+
+
+def nodes(n: Node) -> list[Node]:
+    return fold(n, _AllNodes())
+
+
+def _factors(n: Node) -> list[Node]:
+    """The factors of a product a * b * ...."""
+    return _factors(n.left) + _factors(n.right) if isinstance(n, Op) and n.op == "*" else [n]
+
+
+def _product(factors: list[Node]) -> Node:
+    out = factors[0]
+    for f in factors[1:]:
+        out = Op("*", out, f)
+    return out
+
+
 class _Text:
     """Source-like text of a formula, for the manifest and `kernelgen list`."""
 
@@ -310,6 +333,8 @@ class IntRange:
     def on_i(self, n: Elem) -> tuple[int, int]:
         return 0, self.block - 1
 
+    on_s = on_i  # (sub-blocks are fewer than elements)
+
     def _type(self, field: str) -> tuple[int, int]:
         t = self.fields[field]
         bits = 8 * FIELD_BYTES[t]
@@ -367,6 +392,7 @@ class FieldInfo:
 
 
 KERNEL_BLOCK = 32  # values per block in the kernels (one activation block)
+SUB_SCALES = "isc"  # the kernel block's field of integer sub-block scales (sub-blocks of 16)
 
 
 @dataclass(frozen=True)
@@ -386,10 +412,6 @@ def _nibbles(u: np.ndarray) -> np.ndarray:
 
 ENCODINGS = {
     "nib": Encoding((FieldInfo("q4", "u8", 16, 0),), Call("nib", "q4"), _nibbles),
-    "nib_bit": Encoding((FieldInfo("q4", "u8", 16, 0), FieldInfo("q1", "u8", 4, 16)),
-                        Op("|", Call("nib", "q4"), Op("<<", Call("bit", "q1"), Int(4))),
-                        lambda u: np.concatenate([_nibbles(u), np.packbits((u >> 4) & 1, axis=-1, bitorder="little")],
-                                                 axis=-1)),
     "byte": Encoding((FieldInfo("q8", "i8", 32, 0),), Index("q8", Elem()), lambda u: u.astype(np.int8).view(np.uint8)),
 }
 
@@ -413,22 +435,41 @@ class QuantFormat:
     def kernel(self) -> QuantFormat:
         """The block kernels read. A flat type's stored value fields are already that (plane q
         holds them as stored). A super-block is re-encoded per sub-block of KERNEL_BLOCK values
-        (the activation block) from its unpacked integers, in the narrowest of ENCODINGS their
-        range fits; `Q.block`, `Q.bytes` and `Q.unpack` in kernels are this block's."""
+        (the activation block) from its unpacked integers, in nibbles when their range fits 4 bits,
+        else in bytes (ENCODINGS); `Q.block`, `Q.bytes` and `Q.unpack` in kernels are this block's."""
         if self.sub is None:
             return self
         kind, zero = self.encoding
         enc = ENCODINGS[kind]
         unpack = Op("+", enc.unpack, Int(zero)) if zero else enc.unpack
-        return dataclasses.replace(self, block=KERNEL_BLOCK, fields=enc.fields, unpack=unpack,
-                                   value_fields=tuple(f.name for f in enc.fields), interleaved=(), sub=None)
+        fields = enc.fields
+        if self.sub_scales:  # the sub-blocks' integer scales follow the codes, one i32 each
+            fields += (FieldInfo(SUB_SCALES, "i32", KERNEL_BLOCK // self.sub, sum(f.nbytes for f in fields)),)
+        return dataclasses.replace(self, block=KERNEL_BLOCK, fields=fields, unpack=unpack,
+                                   value_fields=tuple(f.name for f in fields), interleaved=(), sub=None)
+
+    @property
+    def sub_scales(self) -> tuple[Node, Node] | None:
+        """Sub-blocks smaller than the kernels' block (Q6_K's 16) scale as F * I: F a formula of the
+        super-block's fields, the kernel block's f32 scale; I an integer formula of s, each
+        sub-block's multiplier of its integer dot (stored after the kernel block's codes in plane
+        q). None for other types; ValueError when the scale is not such a product."""
+        if not self.sub or self.sub >= KERNEL_BLOCK:
+            return None
+        per_sub = [f for f in _factors(self.scale) if any(x.kind == "s" for x in nodes(f))]
+        rest = [f for f in _factors(self.scale) if f not in per_sub]
+        if not per_sub or not rest:
+            raise ValueError(f"with sub-blocks of {self.sub}, write the scale as a product of factors of the super-block"
+                             " and integer factors of s (d * scales[s])")
+        return _product(rest), _product(per_sub)
 
     @property
     def encoding(self) -> tuple[str, int]:
         """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
         lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
         width = (hi - lo).bit_length()
-        kind = "nib" if width <= 4 else "nib_bit" if width == 5 else "byte"
+        # (5-bit values take bytes: a bit plane's unpack costs 4-6x the nibbles' time, measured)
+        kind = "nib" if width <= 4 else "byte"
         return kind, (lo if kind != "byte" else 0)
 
     # ---- layout
@@ -474,6 +515,8 @@ class QuantFormat:
             "block": self.block,
             **({"sub": self.sub, "kernel_block": KERNEL_BLOCK, "encoding": dict(zip(("kind", "zero"), self.encoding))}
                if self.sub else {}),
+            # the scale's factors: plane scale (per super-block) and the i32 after each kernel block's codes
+            **({"sub_scales": dict(zip(("block", "sub"), map(to_json, self.sub_scales)))} if self.sub_scales else {}),
             "stored_bytes": self.stored_bytes,
             "fields": [{"name": f.name, "type": f.type, "count": f.count, "offset": f.offset} for f in self.fields],
             "unpack": text(self.unpack),
@@ -558,10 +601,16 @@ class QuantFormat:
             bad = np.argwhere((values < -128) | (values > 127))[0]
             raise ValueError(f"{self.name}: block {tuple(bad[:-1])} unpacks to {values[tuple(bad)]} at element "
                              f"{bad[-1]}, outside int8: not a valid {self.name} block (the kernels' weights are int8)")
-        per_kernel_block = values.reshape(blocks.shape[0], -1, KERNEL_BLOCK if self.sub else self.block)
+        rows = blocks.shape[0]
+        per_kernel_block = values.reshape(rows, -1, KERNEL_BLOCK if self.sub else self.block)
         if self.sub:
             kind, zero = self.encoding
             q = ENCODINGS[kind].encode(per_kernel_block - zero)
+            if self.sub_scales:
+                mult = np.ascontiguousarray(np.broadcast_to(
+                    fold(self.sub_scales[1], NumpyEval(blocks, s=np.arange(self.subs))), blocks.shape + (self.subs,)),
+                    np.int32)
+                q = np.concatenate([q, mult.reshape(rows, -1, KERNEL_BLOCK // self.sub).view(np.uint8)], axis=-1)
         else:
             raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
             q = np.concatenate([self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
@@ -569,7 +618,13 @@ class QuantFormat:
         planes = {"q": np.ascontiguousarray(q).reshape(-1), "scale": self.scale_ref(blocks).reshape(-1)}
         if self.offset is not None:
             planes["offset"] = self.offset_ref(blocks).reshape(-1)
-        planes["sum"] = per_kernel_block.sum(axis=-1, dtype=np.int32).reshape(-1)
+        weights = per_kernel_block  # the integers the kernels' dots multiply
+        if self.sub_scales:
+            planes["scale"] = np.repeat(np.broadcast_to(fold(self.sub_scales[0], NumpyEval(blocks)),
+                                                        blocks.shape).astype(np.float32),
+                                        self.block // KERNEL_BLOCK, axis=-1).reshape(-1)
+            weights = (values.reshape(rows, -1, self.sub) * mult.reshape(rows, -1, 1)).reshape(per_kernel_block.shape)
+        planes["sum"] = weights.sum(axis=-1, dtype=np.int32).reshape(-1)
         return planes
 
     def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:

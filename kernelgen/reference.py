@@ -173,6 +173,31 @@ def quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+Q6_K = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """A simple valid Q6_K quantizer (not llama.cpp's, which searches scales): per sub-block of 16,
+    step amax / 31; d the largest step over 127 (f16); each sub-block's int8 scale the nearest
+    multiple of d; values the nearest of the stored scale, clamped to -32..31. Layout llama.cpp's."""
+    xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 16, 16))
+    steps = np.abs(xs).max(axis=-1) / np.float32(31)
+    d = (steps.max(axis=-1) / np.float32(127)).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(0, 127).astype(np.int8)
+        scale = d.astype(np.float32)[..., None] * sc
+        q = np.nan_to_num(np.rint(xs / scale[..., None])).clip(-32, 31).astype(np.int32) + 32
+    q = q.reshape(xs.shape[:-2] + (2, 4, 32))  # half of 128, quarter, element
+    out = np.zeros(xs.shape[:-2], Q6_K)
+    out["d"], out["scales"] = d, sc
+    lo = q & 15
+    out["ql"] = np.concatenate([lo[..., 0, :] | lo[..., 2, :] << 4, lo[..., 1, :] | lo[..., 3, :] << 4],
+                               axis=-1).reshape(xs.shape[:-2] + (128,))
+    hi = q >> 4
+    out["qh"] = (hi[..., 0, :] | hi[..., 1, :] << 2 | hi[..., 2, :] << 4 | hi[..., 3, :] << 6).reshape(xs.shape[:-2] + (64,))
+    return out
+
+
 def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 or Q4_1 blocks -> f32, from the GGUF definitions."""
     qs = blocks["qs"].astype(np.int32)

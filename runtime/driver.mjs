@@ -17,8 +17,8 @@ const LANES = 4; // f32 lanes per vector: the items of the elementwise jobs
 const TARGETS = ['relaxed-simd', 'simd128'];
 
 /** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
-export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'dotF32', 'matvecF32', 'exp', 'softmax',
-  'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'meanPool', 'l2Normalize',
+export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32', 'matvecF32', 'matmulF32', 'exp',
+  'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'meanPool', 'l2Normalize',
   'setThreads', 'runJob', 'free', 'reset', 'bench'];
 
 function f32Array(what, x) {
@@ -276,12 +276,16 @@ export class Driver {
 
   // ---- weights and activations ---------------------------------------------------------------
 
-  /** f32[n] (n a positive multiple of 32) -> {q, d}: q Int16Array on simd128 (int8 values, stored
-   * widened), Uint8Array holding q + ACT_ZERO on relaxed SIMD; d one f32 scale per 32 values. */
-  quantizeAct(x) {
+  /** f32[tokens * k] (k a positive multiple of 32: `tokens` rows of k values) -> {q, d}: q
+   * Int16Array on simd128 (int8 values, stored widened), Uint8Array holding q + ACT_ZERO on relaxed
+   * SIMD; d one f32 scale per 32 values. Blocks never cross rows, so the tokens are one call over
+   * all the values. */
+  quantizeAct(x, tokens = 1) {
     f32Array('quantizeAct x', x);
-    if (x.length === 0 || x.length % ACT_BLOCK) {
-      throw new RangeError(`quantizeAct: length must be a positive multiple of ${ACT_BLOCK}, got ${x.length}`);
+    positiveInt('quantizeAct tokens', tokens);
+    const k = x.length / tokens;
+    if (x.length === 0 || !Number.isInteger(k) || k % ACT_BLOCK) {
+      throw new RangeError(`quantizeAct: need ${tokens} row(s) of a positive multiple of ${ACT_BLOCK} values, got ${x.length} values`);
     }
     return this.#scoped(() => {
       const px = this.#put(x);
@@ -337,12 +341,14 @@ export class Driver {
     return names.map((n) => w.planes[n]); // the kernels take the planes in the manifest's order
   }
 
-  #actArgs(act, k, what) {
+  /** Addresses of act's values and scales: `tokens` rows of k values (1 for qdot and qmatvec). */
+  #actArgs(act, k, what, tokens = 1) {
     if (!(act?.q instanceof this.#actArray) || !(act.d instanceof Float32Array)) {
       throw new TypeError(`${what}: activations must come from quantizeAct (q a ${this.#actArray.name} on ${this.info.target})`);
     }
-    if (act.q.length !== k || act.d.length !== k / ACT_BLOCK) {
-      throw new RangeError(`${what}: activations have ${act.q.length} values and ${act.d.length} scales, the weights' rows have ${k}`);
+    if (act.q.length !== tokens * k || act.d.length !== (tokens * k) / ACT_BLOCK) {
+      throw new RangeError(`${what}: activations have ${act.q.length} values and ${act.d.length} scales, `
+        + `${tokens} token(s) of the weights' rows need ${tokens * k}`);
     }
     return [this.#put(act.q), this.#put(act.d)];
   }
@@ -367,6 +373,24 @@ export class Driver {
     });
   }
 
+  /** Y = A W^T for activations of m tokens (quantizeAct(x, m): m = act.q.length / k) ->
+   * Float32Array(m * rows), row-major: row t is qmatvec of token t, bit for bit. Threaded, the rows
+   * of W are split. */
+  qmatmul(w, act, opts) {
+    const planes = this.#packedArgs(w, 'qmatmul');
+    const m = act?.q?.length / w.k;
+    if (!Number.isInteger(m) || m < 1) {
+      throw new RangeError(`qmatmul: activations hold ${act?.q?.length} values, not whole rows of the weights' ${w.k}`);
+    }
+    return this.#scoped(() => {
+      const a = this.#actArgs(act, w.k, 'qmatmul', m);
+      const py = this.#alloc(4 * m * w.rows);
+      const args = [...planes, ...a, py, m, w.rows, w.k];
+      this.#run('qmatmul', w.quant, args, 'qmatmul_job', args, w.rows, opts);
+      return this.#get(py, Float32Array, m * w.rows);
+    });
+  }
+
   dotF32(x, y) {
     f32Array('dotF32 x', x);
     f32Array('dotF32 y', y);
@@ -388,6 +412,27 @@ export class Driver {
       const px = this.#put(x);
       this.#run('matvec_f32', null, [pw, px, py, rows, x.length], 'matvec_f32_job', [pw, px, py, x.length], rows, opts);
       return this.#get(py, Float32Array, rows);
+    });
+  }
+
+  /** a[m, k] b[k, n] (attention's P V), or with {bTransposed: true} a[m, k] b[n, k]^T (Q K^T), all
+   * row-major -> Float32Array(m * n). Threaded, the rows of a are split. */
+  matmulF32(a, b, m, n, opts = {}) {
+    f32Array('matmulF32 a', a);
+    f32Array('matmulF32 b', b);
+    positiveInt('matmulF32 m', m);
+    positiveInt('matmulF32 n', n);
+    const k = a.length / m;
+    if (!Number.isInteger(k) || b.length !== n * k) {
+      throw new RangeError(`matmulF32: a has ${a.length} values (m=${m} rows), b needs n * k = ${n} * ${k}, has ${b.length}`);
+    }
+    const kernel = opts.bTransposed ? 'matmul_f32_nt' : 'matmul_f32_nn';
+    return this.#scoped(() => {
+      const pa = this.#put(a);
+      const pb = this.#put(b);
+      const py = this.#alloc(4 * m * n);
+      this.#run(kernel, null, [pa, pb, py, m, n, k], `${kernel}_job`, [pa, pb, py, n, k], m, opts);
+      return this.#get(py, Float32Array, m * n);
     });
   }
 

@@ -127,9 +127,9 @@ export class Kernels {
     this.stopFlag = stopFlag;
   }
 
-  /** Float32Array(n), n a positive multiple of 32 -> {q, d}: q Int8Array (simd128) or Uint8Array
-   * holding q + 64 (relaxed SIMD), d one Float32 scale per 32 values. */
-  quantizeAct(x) { return this.#invoke('quantizeAct', [x]); }
+  /** Float32Array(tokens * k), k a positive multiple of 32 -> {q, d}: q Int8Array (simd128)
+   * or Uint8Array holding q + 64 (relaxed SIMD), d one Float32 scale per 32 values. */
+  quantizeAct(x, tokens = 1) { return this.#invoke('quantizeAct', [x, tokens]); }
 
   /** Stored blocks (Uint8Array: rows * k / block blocks of the type's stored bytes, e.g. GGUF
    * Q8_0) -> a Packed handle {quant, rows, k, planes, owner, generation, id} to weights kept until
@@ -142,11 +142,19 @@ export class Kernels {
   /** y = W a -> Float32Array(rows). */
   qmatvec(packed, act, opts) { return this.#invoke('qmatvec', [packed, act, opts]); }
 
+  /** Y = A W^T for activations of m tokens (quantizeAct(x, m)) -> Float32Array(m * rows), row t
+   * equal to qmatvec of token t bit for bit. */
+  qmatmul(packed, act, opts) { return this.#invoke('qmatmul', [packed, act, opts]); }
+
   /** x . y -> number. */
   dotF32(x, y) { return this.#invoke('dotF32', [x, y]); }
 
   /** y = W x, w row-major with rows of x.length -> Float32Array(w.length / x.length). */
   matvecF32(w, x, opts) { return this.#invoke('matvecF32', [w, x, opts]); }
+
+  /** a[m, k] b[k, n] (P V), or with {bTransposed: true} a[m, k] b[n, k]^T (Q K^T), row-major ->
+   * Float32Array(m * n). */
+  matmulF32(a, b, m, n, opts) { return this.#invoke('matmulF32', [a, b, m, n, opts]); }
 
   /** exp(x) -> Float32Array. */
   exp(x) { return this.#invoke('exp', [x]); }

@@ -112,14 +112,6 @@ const ENCODERS = {
   nib: (u, dst) => {
     for (let j = 0; j < 16; j++) dst[j] = (u[j] & 15) | ((u[j + 16] & 15) << 4);
   },
-  nib_bit: (u, dst) => {
-    ENCODERS.nib(u, dst);
-    for (let j = 0; j < 4; j++) {
-      let mask = 0;
-      for (let b = 0; b < 8; b++) mask |= ((u[8 * j + b] >> 4) & 1) << b;
-      dst[16 + j] = mask;
-    }
-  },
   byte: (u, dst) => {
     for (let j = 0; j < u.length; j++) dst[j] = u[j] & 255;
   },
@@ -154,6 +146,9 @@ export function packInto(spec, blocks, nblocks, planes) {
   const kernelBlock = spec.kernel_block ?? spec.block;
   const per = spec.block / kernelBlock; // kernel blocks per stored block, each with its scale (s)
   const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
+  // sub-blocks smaller than the kernel block: scale = F (per super-block) * I(s) (plane sub)
+  const split = spec.sub_scales && { f: fold(spec.sub_scales.block, consumer).at, i: fold(spec.sub_scales.sub, consumer).at };
+  const halves = split ? kernelBlock / spec.sub : 1;
   const zero = spec.encoding?.zero ?? 0;
   const interleaved = new Set(spec.interleaved);
   const valueFields = spec.value_fields.map((n) => fields[n]);
@@ -184,9 +179,22 @@ export function packInto(spec, blocks, nblocks, planes) {
       const k = b * per + s;
       const u = values.subarray(s * kernelBlock, (s + 1) * kernelBlock);
       if (encode) encode(u.map((x) => x - zero), planes.q.subarray(k * qBytes, (k + 1) * qBytes));
-      planes.scale[k] = scaleAt(view, o, s);
       if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
-      planes.sum[k] = u.reduce((acc, x) => acc + x, 0);
+      if (!split) {
+        planes.scale[k] = scaleAt(view, o, s);
+        planes.sum[k] = u.reduce((acc, x) => acc + x, 0);
+        continue;
+      }
+      planes.scale[k] = split.f(view, o, 0);
+      // the sub-blocks' integer scales follow the kernel block's codes in plane q, one i32 each
+      const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - 4 * halves, 4 * halves);
+      let sum = 0;
+      for (let h = 0; h < halves; h++) {
+        const m = split.i(view, o, s * halves + h);
+        at.setInt32(4 * h, m, true);
+        for (let e = 0; e < spec.sub; e++) sum += u[h * spec.sub + e] * m;
+      }
+      planes.sum[k] = sum;
     }
   }
 }

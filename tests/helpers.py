@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel test files (test_kernels.py, test_library.py).
+"""Helpers shared by the test files (kernels, JS runtime, MiniLM).
 
 Imported as `from helpers import ...`: tests/ has no __init__.py, so pytest's default ("prepend")
 import mode puts tests/ on sys.path for the test modules, as it does for conftest.py. pytest does not
@@ -7,6 +7,7 @@ rewrite the asserts of this module (it is not a test file), so every assert here
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
 from typing import Any, Callable, Iterable
 
@@ -18,6 +19,10 @@ from kernelgen.host.api import Act, Kernels
 from conftest import Mode
 
 ROW_TUNES = (1, 2, 4)  # qmatvec's `rows` tune domain
+NODE = shutil.which("node")
+# Node 20 runs relaxed SIMD only behind a flag, and its baseline compiler (Liftoff) gets
+# i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
+NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 
 
 def need(ok: object, reason: str) -> None:

@@ -219,7 +219,9 @@ CASES = [
     Case("codebook indexed by a byte", Q(unpack="kv[qs[i]]").replace("block 32;", "block 32;\n    table kv = {"
          + ", ".join(["1"] * 16) + "};"), 6, 12, "a table is indexed by a nibble: table[nib(field, i)]"),
     Case("pow2 in unpack", Q(unpack="pow2(qs[i])"), 5, 12, "quant q: unpack: only field[i]"),
-    Case("super-block with sub-blocks of 16", S(sub="16"), 1, 1, "quant k: sub-blocks of 32 values"),
+    Case("super-block with sub-blocks of 8", S(sub="8"), 1, 1, "quant k: sub-blocks of 16 or 32 values"),
+    Case("sub-blocks of 16 without a per-sub-block factor", S(sub="16"), 7, 13,
+         "quant k: dequant: with sub-blocks of 16, write the scale as a product"),
     Case("super-block index past its field", S(unpack="qs[i] & 15"), 6, 12, "qs[...] reads element 128 of 128 at i = 128"),
     Case("sub-block index in unpack", S(unpack="qs[s] & 15"), 6, 15, "'s' is not defined here (the index is 'i')"),
     Case("super-block values wider than int8", S(unpack="qs[i / 2] << 1"), 6, 12, "values may fall outside int8"),

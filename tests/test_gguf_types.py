@@ -19,8 +19,8 @@ from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rn
                      unit_scale_qmatvec_and_qdots)
 
 GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
-        "q4_k": G.Q4_K, "q5_k": G.Q5_K}
-NEW = ("q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k")
+        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}
+NEW = ("q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k")
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +72,12 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
         return reference.quantize_iq4_nl(x)
     if quant in ("q4_k", "q5_k"):
         return reference.quantize_k(x, 4 if quant == "q4_k" else 5)
+    if quant == "q6_k":
+        return reference.quantize_q6_k(x)
     return quantize(x, GGUF[quant]).view(q.dtype)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
 def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     q = quants[quant]
     rng = rng_for("gguf-quantized", quant)
@@ -127,9 +129,10 @@ def f64_reference(k: Kernels, quant: str, blocks: np.ndarray, act: Act) -> tuple
     a = (act.q.astype(np.float64) - zero) * np.repeat(act.d.astype(np.float64), 32)
     terms = (w * a).reshape(rows, -1, 32)
     # per block: scale * d_a * int_dot and offset * d_a * sum(a), each rounded on its own
-    wi = q.unpack_ref(blocks).reshape(rows, -1, 32).astype(np.float64)
-    ai = (act.q.astype(np.float64) - zero).reshape(-1, 32)
-    ad = act.d.astype(np.float64)
+    per = q.block // q.subs  # values per scale: 32, or a sub-block of 16
+    wi = q.unpack_ref(blocks).reshape(rows, -1, per).astype(np.float64)
+    ai = (act.q.astype(np.float64) - zero).reshape(-1, per)
+    ad = np.repeat(act.d.astype(np.float64), 32 // per)
     mag = np.abs(q.scale_ref(blocks) * ad * (wi * ai).sum(-1))
     if q.offset is not None:
         mag = mag + np.abs(q.offset_ref(blocks) * ad * ai.sum(-1))
@@ -176,6 +179,11 @@ def unit_blocks(quant: str, q, k: int) -> np.ndarray:
     """Rows whose scale is 1 (and minimum an integer): every code of the type, in patterns."""
     nb = k // q.block
     rng = rng_for("gguf-unit", quant, k)
+    if quant == "q6_k":  # d = 1, sub-block scales 1 and -2: values -32..31 times them
+        b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
+        b["d"], b["scales"] = 1.0, np.resize([1, -2], 16)
+        b["ql"][0], b["qh"][0], b["ql"][1], b["qh"][1] = 0, 0, 0xFF, 0xFF
+        return b
     if q.sub:  # K-quants: d = dmin = 1, every 6-bit scale 1, minimums 0 (sub-blocks 0-3) and 3 (4-7)
         b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
         b["d"], b["dmin"] = 1.0, 1.0
@@ -223,11 +231,12 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
         return unit_scale_qmatvec_and_qdots(m, quant, blocks, acts)
 
     outs = run(km)
-    w = q.unpack_ref(blocks).reshape(blocks.shape[0], -1).astype(np.int64)
-    off = q.offset_ref(blocks).astype(np.int64)
+    deq = q.dequantize_ref(blocks)
+    w = deq.astype(np.int64)  # integer scales and minimums: every value an integer
+    assert np.array_equal(w, deq)
     for j, a in enumerate(acts):
         av = a.astype(np.int64) - zero
-        want = (w * av).sum(axis=1) + (off * av.reshape(-1, 32).sum(axis=1)).sum(axis=1)
+        want = (w * av).sum(axis=1)
         assert np.abs(want).max() < 2 ** 24
         for got in outs[2 * j:2 * j + 2]:
             assert np.array_equal(got.astype(np.int64), want), f"{quant}: got {got} want {want}"
@@ -282,7 +291,8 @@ def gguf_tensors(rng: np.random.Generator, rows: int, k: int) -> dict[str, tuple
             "ffn_up.q4_k": (raw(reference.quantize_k(x(), 4)), G.Q4_K),
             "ffn_gate.q5_k": (raw(reference.quantize_k(x(), 5)), G.Q5_K),
             "attn_v.iq4_nl": (raw(reference.quantize_iq4_nl(x())), G.IQ4_NL),
-            "ffn_down.mxfp4": (quantize(x(), G.MXFP4), G.MXFP4)}
+            "ffn_down.mxfp4": (quantize(x(), G.MXFP4), G.MXFP4),
+            "output.q6_k": (raw(reference.quantize_q6_k(x())), G.Q6_K)}
 
 
 def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
@@ -311,12 +321,12 @@ def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
 def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_path):
     rng = rng_for("gguf-file-q6k")
     tensors = gguf_tensors(rng, 2, 256)
-    q6_k = rng.integers(0, 256, (2, 210), dtype=np.uint8)  # Q6_K: 210 bytes per 256 values
-    write_gguf(tmp_path / "q6.gguf", {**tensors, "output.q6_k": (q6_k, G.Q6_K)})
+    q3_k = rng.integers(0, 256, (2, 110), dtype=np.uint8)  # Q3_K: 110 bytes per 256 values
+    write_gguf(tmp_path / "q3.gguf", {**tensors, "output.q3_k": (q3_k, G.Q3_K)})
     top = kernels.module.in_use()
-    with pytest.raises(ValueError, match=r"tensor 'output.q6_k' has type Q6_K, which this build does not support "
-                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL, MXFP4\)"):
-        formats.load_gguf(kernels, tmp_path / "q6.gguf")
+    with pytest.raises(ValueError, match=r"tensor 'output.q3_k' has type Q3_K, which this build does not support "
+                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4\)"):
+        formats.load_gguf(kernels, tmp_path / "q3.gguf")
     assert kernels.module.in_use() == top
 
 

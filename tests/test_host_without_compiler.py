@@ -66,12 +66,19 @@ SCRIPT = textwrap.dedent('''
                     elif f.count is None:
                         blocks[f.name] = rng.integers(0, 16, blocks.shape)  # small zero points
                 w = k.pack(name, blocks)
-                ref, mag = reference.qmatvec(qf.scale_ref(blocks), qf.unpack_ref(blocks).reshape(rows, -1), act.q, act.d,
-                                             zero, 32, qf.offset_ref(blocks) if qf.offset is not None else None)
+                per = qf.block // qf.subs  # values per scale (a Q6_K sub-block: 16)
+                ref, mag = reference.qmatvec(qf.scale_ref(blocks), qf.unpack_ref(blocks).reshape(rows, -1), act.q,
+                                             np.repeat(act.d, 32 // per), zero, per,
+                                             qf.offset_ref(blocks) if qf.offset is not None else None)
                 y = k.qmatvec(w, act)
                 close(y, ref, mag, f"{target} qmatvec {name}", 1e-5)
                 same(k.qmatvec(w, act, pool=pool), y, f"qmatvec {name}")
                 close(k.qdot(k.pack(name, blocks[:1]), act), ref[0], mag[0], f"{target} qdot {name}", 1e-5)
+                acts = k.quantize_act(rng.standard_normal((3, kdim)).astype(np.float32))  # prefill: 3 tokens
+                ym = k.qmatmul(w, acts)
+                for t in range(3):
+                    same(ym[t], k.qmatvec(w, type(act)(acts.q[t], acts.d[t])), f"qmatmul {name} token {t}")
+                same(k.qmatmul(w, acts, pool=pool), ym, f"qmatmul {name}")
             # f32 linear algebra
             wm = rng.standard_normal((5, 37)).astype(np.float32)
             v = rng.standard_normal(37).astype(np.float32)
@@ -80,6 +87,12 @@ SCRIPT = textwrap.dedent('''
             y = k.matvec_f32(wm, v)
             close(y, wm.astype(np.float64) @ v, prod.sum(axis=1), f"{target} matvec_f32", 1e-6)
             same(k.matvec_f32(wm, v, pool=pool), y, "matvec_f32")
+            qa, kb = rng.standard_normal((5, 37)).astype(np.float32), rng.standard_normal((6, 37)).astype(np.float32)
+            for what, bm, bt in (("Q K^T", kb, kb.T), ("P V", kb.T.copy(), kb.T)):
+                got = k.matmul_f32(qa, bm, b_transposed=bm is kb)
+                close(got, qa.astype(np.float64) @ bt, np.abs(qa.astype(np.float64)) @ np.abs(bt),
+                      f"{target} matmul_f32 {what}", 1e-5)
+                same(k.matmul_f32(qa, bm, bm is kb, pool=pool), got, f"matmul_f32 {what}")
             # elementwise f32
             e = rng.uniform(-20, 20, 37).astype(np.float32)
             g = rng.standard_normal(37).astype(np.float32)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,17 +25,14 @@ from kernelgen.host.api import Kernels, padded_rows
 
 from helpers import random_blocks
 
-from helpers import need
+from helpers import NODE, NODE_FLAGS, need
 
 ROOT = Path(__file__).resolve().parents[1]
-NODE = shutil.which("node")
 CHROMIUM = Path("/usr/bin/chromium")
 TARGETS = ("simd128", "relaxed-simd")
-# Node 20 runs relaxed SIMD only behind a flag, and its baseline compiler (Liftoff) gets
-# i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
-NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 THREADS = 3
 ROWS, K = 37, 320  # 10 blocks a row: two four-block steps and two blocks left over
+TOKENS = 5  # prefill tokens: a token tail below every tile
 N = 1003  # elementwise length: a partial last vector
 
 
@@ -115,6 +111,7 @@ def write_vectors(root: Path) -> None:
     residual = rng.standard_normal((9, 36)).astype(np.float32)
     tokens = rng.standard_normal((3, 5, 36)).astype(np.float32)
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], np.float32)
+    qm, kt, vt = (rng.standard_normal(s).astype(np.float32) for s in ((TOKENS, 67), (11, 67), (67, 11)))
 
     first = kernelgen.load(ROOT / "out", "simd128")
     blocks = quant_blocks(first, rng)
@@ -125,13 +122,19 @@ def write_vectors(root: Path) -> None:
             "heads": v.array("heads", heads), "cos3": v.array("cos3", cos[3]), "sin3": v.array("sin3", sin[3]),
             "wide": v.array("wide", wide), "bias": v.array("bias", bias), "gamma": v.array("gamma", gamma),
             "beta": v.array("beta", beta), "residual": v.array("residual", residual), "tokens": v.array("tokens", tokens),
-            "mask": v.array("mask", mask)}
+            "mask": v.array("mask", mask),
+            "qm": v.array("qm", qm), "kt": v.array("kt", kt), "vt": v.array("vt", vt)}
     x_acts = {K: x_act}  # an activation per row length (super-blocks need longer rows)
+    x_tokens = {}  # prefill: TOKENS rows per row length
     for q, b in blocks.items():
         kq = k_of(first.quants[q])
         if kq not in x_acts:
             x_acts[kq] = rng.standard_normal(kq).astype(np.float32)
             v.array(f"x_act_{kq}", x_acts[kq])
+        if kq not in x_tokens:
+            x_tokens[kq] = rng.standard_normal((TOKENS, kq)).astype(np.float32)
+            x_tokens[kq][1, 64:96] = 0.0  # a token with an all-zero block
+            v.array(f"x_tokens_{kq}", x_tokens[kq])
         v.array(f"blocks_{q}", b)
         v.array(f"row_{q}", b[:1])
         v.index["packed"][f"w_{q}"] = {"quant": q, "blocks": f"blocks_{q}", "rows": ROWS, "k": kq}
@@ -147,8 +150,13 @@ def write_vectors(root: Path) -> None:
         v.case(f"pack_{q}", "packPlanes", [q, {"array": f"blocks_{q}"}, ROWS * k_of(first.quants[q]) // first.quants[q].block])
         v.case(f"qdot_{q}", "qdot", [{"packed": f"row_{q}"}, {"act": act_name(q)}])
         v.case(f"qmatvec_{q}", "qmatvec", [{"packed": f"w_{q}"}, {"act": act_name(q)}], {}, threaded=True)
+        v.case(f"qmatmul_{q}", "qmatmul", [{"packed": f"w_{q}"}, {"act": f"x_tokens_{k_of(first.quants[q])}",
+                                                                  "tokens": TOKENS}], {}, threaded=True)
+    v.case("quantize_act_tokens", "quantizeAct", [{"array": f"x_tokens_{K}"}, TOKENS])
     v.case("dot_f32", "dotF32", [args["xn"], args["y"]])
     v.case("matvec_f32", "matvecF32", [args["wf"], args["xf"]], {}, threaded=True)
+    v.case("matmul_f32_nt", "matmulF32", [args["qm"], args["kt"], TOKENS, 11], {"bTransposed": True}, threaded=True)
+    v.case("matmul_f32_nn", "matmulF32", [args["qm"], args["vt"], TOKENS, 11], {}, threaded=True)
     v.case("exp_f32", "exp", [args["x"]])
     v.case("softmax_f32", "softmax", [args["scores"], 29, scores.shape[1]], {}, threaded=True)
     v.case("rope_halves", "rope", [args["heads"], args["cos3"], args["sin3"]], {"interleaved": False}, threaded=True)
@@ -176,13 +184,18 @@ def write_vectors(root: Path) -> None:
         special = k.quantize_act(x_special)
         v.expect(target, "quantize_act_special", {"q": special.q, "d": special.d})
         acts = {kq: k.quantize_act(xa) for kq, xa in x_acts.items()}
+        prefill = {kq: k.quantize_act(xt) for kq, xt in x_tokens.items()}
         for q, b in blocks.items():
             act_q = acts[k_of(k.quants[q])]
             v.expect(target, f"pack_{q}", k.quants[q].pack(b))
             v.expect(target, f"qdot_{q}", {"value": k.qdot(k.pack(q, b[:1]), act_q)})
             v.expect(target, f"qmatvec_{q}", {"out": k.qmatvec(k.pack(q, b), act_q)})
+            v.expect(target, f"qmatmul_{q}", {"out": k.qmatmul(k.pack(q, b), prefill[k_of(k.quants[q])])})
+        v.expect(target, "quantize_act_tokens", {"q": prefill[K].q, "d": prefill[K].d})
         v.expect(target, "dot_f32", {"value": k.dot_f32(xn, y)})
         v.expect(target, "matvec_f32", {"out": k.matvec_f32(wf, xf)})
+        v.expect(target, "matmul_f32_nt", {"out": k.matmul_f32(qm, kt, b_transposed=True)})
+        v.expect(target, "matmul_f32_nn", {"out": k.matmul_f32(qm, vt)})
         v.expect(target, "exp_f32", {"out": k.exp_f32(x)})
         v.expect(target, "softmax_f32", {"out": k.softmax_f32(scores, 29)})
         v.expect(target, "rope_halves", {"out": k.rope(heads, cos[3], sin[3])})

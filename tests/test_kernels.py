@@ -376,7 +376,11 @@ def test_quantize_act_wrong_inputs(kernels):
     with pytest.raises(ValueError):
         kernels.quantize_act(np.zeros(0, np.float32))
     with pytest.raises(ValueError):
-        kernels.quantize_act(np.zeros((2, 32), np.float32))
+        kernels.quantize_act(np.zeros((2, 2, 32), np.float32))
+    with pytest.raises(ValueError):
+        kernels.quantize_act(np.zeros((2, 33), np.float32))
+    with pytest.raises(ValueError):
+        kernels.quantize_act(np.zeros((0, 32), np.float32))
     assert kernels.quantize_act(np.ones(32, np.float32)).d[0] > 0
 
 

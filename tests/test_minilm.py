@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import need
+from helpers import NODE, NODE_FLAGS, need
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "minilm"))
@@ -169,3 +172,57 @@ def test_kernelgen_embeddings_threaded_equal_one_thread(corpus) -> None:
         model.k.reset()
     with pytest.raises(ValueError, match="quant must be one of"):
         minilm.load_model("simd128", "q4_k")  # 256-value super-blocks do not divide 384-wide rows
+
+
+# ---- the JS model (examples/minilm/minilm.mjs) on kernelgen's JS runtime --------------------------
+
+def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
+    """Node runs the exported model (export.py -> minilm.mjs) to the same bits as wasmtime under
+    Python, on both targets, on one thread and through a two-thread pool; a batch of unequal
+    lengths (the padding exists only in pooling) and token ids passed from the host."""
+    need_parts()
+    need(NODE, "node is not installed")
+    import export
+    import minilm
+
+    model_file = tmp_path / "minilm-q8_0.safetensors"
+    export.export(model_file, "q8_0")
+    batch = inputs.tokenize(["Wow.", corpus[0][3], max(corpus[0], key=len)])
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps([row[:n].tolist() for row, n in zip(batch.ids, batch.lengths)]))
+    script = ROOT / "examples" / "minilm" / "embed.mjs"
+    for target in ("simd128", "relaxed-simd"):
+        model = minilm.load_model(target)
+        try:
+            expected = model.embed(batch)
+        finally:
+            model.k.reset()
+        np.testing.assert_allclose(np.linalg.norm(expected, axis=1), 1, rtol=1e-5)
+        for threads in (1, 2):
+            out = tmp_path / f"{target}-{threads}.bin"
+            proc = subprocess.run([NODE, *NODE_FLAGS, str(script), str(model_file), str(ids_file), str(out),
+                                   "--target", target, "--threads", str(threads)], capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stderr
+            got = np.fromfile(out, np.float32).reshape(expected.shape)
+            assert got.tobytes() == expected.tobytes(), \
+                f"{target}, {threads} threads: max |diff| {np.abs(got - expected).max()}"
+    proc = subprocess.run([NODE, str(script), str(model_file), str(ids_file)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_bench_script_runs_every_engine() -> None:
+    """A tiny run of examples/minilm/bench.py (the benchmark itself is not run in the suite): every
+    engine gives a figure, and each one's first embedding is the model's (cosine to onnxruntime)."""
+    need_parts()
+    need(NODE, "node is not installed")
+    need((ROOT / "node_modules" / "onnxruntime-web").is_dir(), "node_modules/onnxruntime-web is missing (npm ci)")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm" / "bench.py"), "--sentences", "2",
+                           "--batches", "1,2", "--threads", "1", "--repeat", "1"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    # rows of the main table: engine, threads, sentences/s at b=1 and b=2, cosine (the ratios have no cosine)
+    rows = re.findall(r"^(.+?\((?:Node|Python)\)) +1 +([\d.]+) +([\d.]+) +([\d.]+)$", proc.stdout, re.MULTILINE)
+    assert len(rows) == 4, proc.stdout  # kernelgen on both targets, onnxruntime-web, onnxruntime
+    for name, *figures, cos in rows:
+        assert min(map(float, figures)) > 0, f"{name}: {figures}"
+        assert float(cos) >= 0.99, f"{name}: first embedding's cosine to onnxruntime {cos}\n{proc.stdout}"
+    assert "linear" in proc.stdout and "attention" in proc.stdout

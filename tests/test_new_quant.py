@@ -27,7 +27,8 @@ LIBRARY = (ROOT / "kernels.dsl").read_text(encoding="utf-8")
 
 def doc_declaration(library: str = LIBRARY) -> tuple[str, str]:
     """(type name, declaration text) of the doc's example, renamed if `library` declares its name."""
-    blocks = re.findall(r"```\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    step = DOC.read_text(encoding="utf-8").split("## 1.")[1].split("## 2.")[0]
+    blocks = re.findall(r"```\n(.*?)```", step, re.S)
     (decl,) = [b for b in blocks if re.search(r"^quant \w+ \{", b, re.M)]
     name = re.search(r"^quant (\w+) \{", decl, re.M).group(1)
     declared = {q.name for q in parse(library).quants}

@@ -383,8 +383,8 @@ def test_kernel_hash_changes_with_what_the_kernel_calls() -> None:
     quant = edit(SOURCE, "    unpack nib(qs, i);", "    unpack nib(qs, i) + 0;")  # q4_1
     for k in ("qmatvec", "qdot"):  # generic kernels are built for every quant type
         assert _hash(quant, k) != _hash(SOURCE, k), k
-    internal = edit(SOURCE, "    let full = r1 - (r1 - r0) % R;", "    let full = r1 - (r1 - r0) % R;  # R rows a pass")
-    assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qmatvec_rows (internal)
+    internal = edit(SOURCE, "    let rfull = r1 - (r1 - r0) % NR;", "    let rfull = r1 - (r1 - r0) % NR;  # NR rows a pass")
+    assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qtiles (internal)
     assert _hash(internal, "dot_f32") == _hash(SOURCE, "dot_f32")
     deep = edit(SOURCE, "    return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);",
                 "    return i32x4.shuffle(ab, cd, 2, 3, 6, 7) + i32x4.shuffle(ab, cd, 0, 1, 4, 5);")
@@ -418,7 +418,8 @@ def test_build_uses_the_stores_best_for_the_tune_host(checked) -> None:
     (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A)
     t = b.manifest["tune"]
     assert t["values"]["dot_f32"] == {"unroll": 4} and t["values"]["qmatvec"] == {"rows": 2, "accs": 2}
-    assert t["source"] == {"dot_f32": "store", "matvec_f32": "default", "qmatvec": "store"}
+    assert t["source"] == {"dot_f32": "store", "matvec_f32": "default", "qmatvec": "store", "qmatmul": "default",
+                           "matmul_f32_nt": "default", "matmul_f32_nn": "default"}
     assert t["host"] == HOST_A
     exports = b.manifest["exports"]
     assert "dot_f32__unroll4" in exports and "dot_f32__unroll2" not in exports
@@ -436,7 +437,7 @@ def test_build_falls_back_to_defaults_for_another_host_or_target(checked) -> Non
         (b,) = compile_source(SOURCE, str(DSL_PATH), targets=(target,), records=records, tune_host=host)
         t = b.manifest["tune"]
         assert t["values"]["dot_f32"] == {"unroll": 2}
-        assert t["source"] == {"dot_f32": "default", "matvec_f32": "default", "qmatvec": "default"}
+        assert set(t["source"].values()) == {"default"} and "qmatvec" in t["source"]
         assert t["host"] is None
         assert "dot_f32__unroll2" in b.manifest["exports"]
     (plain,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",))
@@ -635,7 +636,8 @@ def test_tune_records_a_wrong_variant_as_failed_and_never_picks_it(tmp_path: Pat
 @pytest.mark.parametrize("argv, message", [
     (("--kernel", "nomatch"), "matches no tunable kernel"),
     (("--kernel", "dot_f32", "--shape", "0x5"), "dimensions must be positive"),
-    (("--kernel", "dot_f32", "--shape", "big"), "write N or NxK"),
+    (("--kernel", "dot_f32", "--shape", "big"), "write N, NxK or MxNxK"),
+    (("--kernel", "qmatmul", "--shape", "64x64"), "qmatmul takes shapes of 3 dimension(s) (MxNxK)"),
     (("--kernel", "qmatvec", "--quant", "nope"), "--quant nope"),
 ])
 def test_cli_tune_bad_options_exit_2(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:

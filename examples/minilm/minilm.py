@@ -2,6 +2,9 @@
 
     python examples/minilm/minilm.py [--target relaxed-simd] [--quant q8_0] [--threads 2] "a sentence" "another"
 
+The same model runs in JS on kernelgen's runtime (minilm.mjs, call for call the same kernels, so the
+same bits), from the tensors `prepare` makes here, written by export.py.
+
 The host (this file) only moves data: it gathers embedding rows, lays out buffers and calls
 kernels. Every arithmetic step runs in wasm:
 
@@ -60,42 +63,57 @@ class EncoderLayer:
 QUANTIZERS = {"q8_0": reference.quantize_q8_0, "q4_0": reference.quantize_q4_0}
 
 
+def prepare(safetensors_file: Path, config: dict, quant: str = "q8_0") -> dict[str, np.ndarray]:
+    """The model's tensors as kernelgen runs them, by name: f32 embedding tables, LayerNorm
+    parameters and biases; each linear layer's weights as stored `quant` blocks (structured,
+    rows x blocks), queries pre-scaled by 1 / sqrt(head size) (scores are q . k / sqrt(d)).
+    The Python model packs these, and export.py writes them for the JS model (minilm.mjs)."""
+    from safetensors.numpy import load_file
+
+    if quant not in QUANTIZERS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTIZERS)}, got {quant!r}")
+    w = load_file(str(safetensors_file))
+    scale = np.float32(1 / math.sqrt(config["hidden_size"] // config["num_attention_heads"]))
+    f32 = lambda a: np.ascontiguousarray(a, np.float32)  # noqa: E731
+    t = {"word": f32(w["embeddings.word_embeddings.weight"]), "pos": f32(w["embeddings.position_embeddings.weight"]),
+         "type0": f32(w["embeddings.token_type_embeddings.weight"][0]),
+         "ln0.gamma": f32(w["embeddings.LayerNorm.weight"]), "ln0.beta": f32(w["embeddings.LayerNorm.bias"])}
+    for i in range(config["num_hidden_layers"]):
+        g = lambda name: w[f"encoder.layer.{i}.{name}"]  # noqa: E731
+        a = "attention.self."
+        linears = {
+            "qkv": (np.concatenate([g(a + "query.weight") * scale, g(a + "key.weight"), g(a + "value.weight")]),
+                    np.concatenate([g(a + "query.bias") * scale, g(a + "key.bias"), g(a + "value.bias")])),
+            "out": (g("attention.output.dense.weight"), g("attention.output.dense.bias")),
+            "ffn1": (g("intermediate.dense.weight"), g("intermediate.dense.bias")),
+            "ffn2": (g("output.dense.weight"), g("output.dense.bias"))}
+        for name, (weight, bias) in linears.items():
+            t[f"{i}.{name}.w"] = QUANTIZERS[quant](weight)
+            t[f"{i}.{name}.b"] = f32(bias)
+        for name, prefix in (("ln1", "attention.output.LayerNorm."), ("ln2", "output.LayerNorm.")):
+            t[f"{i}.{name}.gamma"] = f32(g(prefix + "weight"))
+            t[f"{i}.{name}.beta"] = f32(g(prefix + "bias"))
+    return t
+
+
 class MiniLM:
     """The model on one kernelgen module; `embed(batch, pool)` gives unit-length f32[batch, 384]."""
 
     def __init__(self, kernels: Kernels, safetensors_file: Path, config: dict, quant: str = "q8_0") -> None:
-        from safetensors.numpy import load_file
-
-        if quant not in QUANTIZERS:
-            raise ValueError(f"quant must be one of {', '.join(QUANTIZERS)}, got {quant!r}")
+        t = prepare(safetensors_file, config, quant)
         self.k = kernels
         self.quant = quant
-        w = load_file(str(safetensors_file))
         self.heads: int = config["num_attention_heads"]
         self.hidden: int = config["hidden_size"]
         self.head_size = self.hidden // self.heads
         self.eps: float = config["layer_norm_eps"]
-        self.word = w["embeddings.word_embeddings.weight"]
-        self.pos = w["embeddings.position_embeddings.weight"]
-        self.type0 = np.ascontiguousarray(w["embeddings.token_type_embeddings.weight"][0])
-        self.ln0 = (w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
-        # Attention scores are q . k / sqrt(d): the scale is folded into the query weights and bias.
-        scale = np.float32(1 / math.sqrt(self.head_size))
-        self.layers = []
-        for i in range(config["num_hidden_layers"]):
-            g = lambda name: w[f"encoder.layer.{i}.{name}"]  # noqa: E731
-            a = "attention.self."
-            self.layers.append(EncoderLayer(
-                self._linear(np.concatenate([g(a + "query.weight") * scale, g(a + "key.weight"), g(a + "value.weight")]),
-                             np.concatenate([g(a + "query.bias") * scale, g(a + "key.bias"), g(a + "value.bias")])),
-                self._linear(g("attention.output.dense.weight"), g("attention.output.dense.bias")),
-                (g("attention.output.LayerNorm.weight"), g("attention.output.LayerNorm.bias")),
-                self._linear(g("intermediate.dense.weight"), g("intermediate.dense.bias")),
-                self._linear(g("output.dense.weight"), g("output.dense.bias")),
-                (g("output.LayerNorm.weight"), g("output.LayerNorm.bias"))))
-
-    def _linear(self, w: np.ndarray, b: np.ndarray) -> Linear:
-        return Linear(self.k.pack(self.quant, QUANTIZERS[self.quant](w)), np.ascontiguousarray(b, np.float32))
+        self.word, self.pos, self.type0 = t["word"], t["pos"], t["type0"]
+        self.ln0 = (t["ln0.gamma"], t["ln0.beta"])
+        linear = lambda i, name: Linear(self.k.pack(quant, t[f"{i}.{name}.w"]), t[f"{i}.{name}.b"])  # noqa: E731
+        norm = lambda i, name: (t[f"{i}.{name}.gamma"], t[f"{i}.{name}.beta"])  # noqa: E731
+        self.layers = [EncoderLayer(linear(i, "qkv"), linear(i, "out"), norm(i, "ln1"), linear(i, "ffn1"),
+                                    linear(i, "ffn2"), norm(i, "ln2"))
+                       for i in range(config["num_hidden_layers"])]
 
     def _project(self, layer: Linear, x: np.ndarray, pool: Pool | None) -> np.ndarray:
         """x[tokens, in] -> W x_t per token, f32[tokens, out] (the bias is added by the next kernel)."""

@@ -19,7 +19,7 @@ from .check import Checked, KernelInfo
 from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, wrap
-from ..quantformat import QuantFormat
+from ..quantformat import SUB_SCALES, QuantFormat
 from .quant import unpack_lanes
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
 
@@ -615,7 +615,9 @@ class Lowerer:
         if isinstance(e.base, A.Name):
             b = self._lookup(e.base.id)
             if isinstance(b, QuantFormat):
-                props = {"block": b.kernel.block, "bytes": b.kernel.bytes, "has_offset": int(b.offset is not None)}
+                props = {"block": b.kernel.block, "bytes": b.kernel.bytes, "has_offset": int(b.offset is not None),
+                         "has_sub_scales": int(b.sub_scales is not None),
+                         "sub_scales_at": b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0}
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(); not {e.name!r}")
                 return Val(None, "i32", props[e.name])

@@ -16,7 +16,7 @@ from ..errors import DslError
 import numpy as np
 
 from ..quantformat import (CALLS, FIELD_BYTES, KERNEL_BLOCK, Call, Elem, Field, FieldInfo, Float, Index, Int, Lookup, Neg,
-                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, fold)
+                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, fold, nodes)
 from .wat import I, Instr
 
 LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
@@ -231,8 +231,8 @@ class _CheckSuper:
         f = self.fields.get(n.field)
         if f is None or f.count is None or f.type[0] == "f":
             raise self.err(n, f"{n.field!r} is not an integer array field")
-        if any(x.kind not in ("int", "op", self.var) for x in _nodes(n.at)) or any(
-                x.op == "<" for x in _nodes(n.at) if isinstance(x, Op)):
+        if any(x.kind not in ("int", "op", self.var) for x in nodes(n.at)) or any(
+                x.op == "<" for x in nodes(n.at) if isinstance(x, Op)):
             raise self.err(n, f"index {n.field} with a formula of {self.var!r} and integers (+ - * / %)")
         at = np.broadcast_to(fold(n.at, NumpyEval(np.zeros(0), **self.at)), self.at[self.var].shape)
         if at.min() < 0 or at.max() >= f.count:
@@ -250,15 +250,7 @@ class _CheckSuper:
             raise self.err(n, f"operator {n.op} is not integer arithmetic")
 
 
-class _AllNodes:
-    """Every node of a formula, the root first."""
 
-    def __getattr__(self, name: str) -> Callable[..., list[Node]]:
-        return lambda n, *children: [n] + [x for c in children for x in c]
-
-
-def _nodes(n: Node) -> list[Node]:
-    return fold(n, _AllNodes())
 
 
 def check_quant(q: A.Quant) -> QuantFormat:
@@ -298,9 +290,9 @@ def check_quant(q: A.Quant) -> QuantFormat:
         if let.name in lets or let.name in byname or let.name in tables or let.name in ("i", "s", "q"):
             raise DslError(let.span, f"quant {q.name}: let {let.name}: the name is taken")
         lets[let.name] = _formula(let.value, err_in(f"let {let.name}"), _SCALAR_ALLOWED, tables, lets)
-    if q.sub is not None and (q.sub != KERNEL_BLOCK or q.block % q.sub or q.block == q.sub):
-        raise DslError(q.span, f"quant {q.name}: sub-blocks of {KERNEL_BLOCK} values (the kernels' block) in a larger"
-                               f" block are supported, got sub {q.sub} in block {q.block}")
+    if q.sub is not None and (q.sub not in (16, KERNEL_BLOCK) or q.block % KERNEL_BLOCK or q.block == q.sub):
+        raise DslError(q.span, f"quant {q.name}: sub-blocks of 16 or {KERNEL_BLOCK} values in a larger block (a multiple"
+                               f" of {KERNEL_BLOCK}, the kernels' block) are supported, got sub {q.sub} in block {q.block}")
     unpack = _formula(q.unpack, err_in("unpack"), _UNPACK_ALLOWED, tables, lets)
     checker = _CheckUnpack(q, byname) if q.sub is None else _CheckSuper(q, byname, "unpack", "i", q.block)
     if fold(unpack, checker) == "i":
@@ -323,6 +315,20 @@ def check_quant(q: A.Quant) -> QuantFormat:
             lo, hi = fold(unpack, IntRange(q.block, {f.name: f.type for f in fields}))
         except ValueError as e:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack: cannot bound its values ({e})") from None
+        try:
+            split = qf.sub_scales
+        except ValueError as e:
+            raise DslError(q.dequant.span, f"quant {q.name}: dequant: {e}") from None
+        if split and off is not None:
+            raise DslError(q.dequant.span, f"quant {q.name}: dequant: sub-blocks of {q.sub} take no offset (+ M)")
+        if split:
+            try:
+                ilo, ihi = fold(split[1], IntRange(q.block, {f.name: f.type for f in fields}))
+            except (ValueError, AttributeError):
+                ilo, ihi = -1 << 40, 1 << 40
+            if ilo < -128 or ihi > 127:
+                raise DslError(q.dequant.span, f"quant {q.name}: dequant: the factors of s must be integers in int8"
+                                               " (they multiply integer dots)")
         if lo < -128 or hi > 127:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack: values may fall outside int8 ({lo}..{hi}): the"
                                           " kernels' weights are int8")

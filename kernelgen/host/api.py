@@ -77,14 +77,21 @@ class Packed:
 @dataclass(frozen=True)
 class Act:
     """Activations quantized by the module's own quantize_act: q (int8 values stored as int16 on
-    simd128, uint8 holding q + 64 on relaxed SIMD) and one f32 scale per 32 values."""
+    simd128, uint8 holding q + 64 on relaxed SIMD) and one f32 scale per 32 values; q[k], d[k / 32]
+    for one token, q[m, k], d[m, k / 32] for m tokens."""
 
     q: np.ndarray
     d: np.ndarray
 
     @property
     def n(self) -> int:
-        return self.q.size
+        """Values per token."""
+        return self.q.shape[-1]
+
+    @property
+    def tokens(self) -> int | None:
+        """Token count of an [m, k] array, None for one token's vector."""
+        return self.q.shape[0] if self.q.ndim == 2 else None
 
 
 def _f32(name: str, x: Any, ndim: int) -> np.ndarray:
@@ -220,29 +227,42 @@ class Kernels:
         return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs, self, self.module.generation)
 
     def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
-        """f32[n] (n a multiple of 32) -> activations in this target's form (see ACT_ZERO/ACT_MAX)."""
-        x = _f32("quantize_act x", x, 1)
-        if x.size == 0 or x.size % 32:
-            raise ValueError(f"quantize_act: length must be a positive multiple of 32, got {x.size}")
+        """f32[k] (one token) or f32[m, k] (m tokens, for qmatmul), k a multiple of 32 -> activations
+        in this target's form (see ACT_ZERO/ACT_MAX). Blocks never cross rows, so m tokens are one
+        call over m * k values."""
+        if isinstance(x, np.ndarray) and x.ndim == 2:
+            x = _f32("quantize_act x", x, 2)
+        else:
+            x = _f32("quantize_act x", x, 1)
+        k = x.shape[-1]
+        if x.size == 0 or k % 32:
+            raise ValueError(f"quantize_act: rows must be a positive multiple of 32 long, got shape {x.shape}")
         with self.module.scope():
             px = self.module.put(x)
             pq = self.module.alloc(x.size * self._act_dtype.itemsize)
             pd = self.module.alloc(x.size // 32 * 4)
             self._run("quantize_act", None, [px, x.size, pq, pd], "quantize_act_job", [px, pq, pd], x.size // 32,
                       pool, chunk)
-            return Act(self.module.get(pq, self._act_dtype, x.size), self.module.get(pd, np.float32, x.size // 32))
+            return Act(self.module.get(pq, self._act_dtype, x.size).reshape(x.shape),
+                       self.module.get(pd, np.float32, x.size // 32).reshape(*x.shape[:-1], k // 32))
 
     # ---- kernels
-    def _act_args(self, act: Act, k: int, what: str) -> list[int]:
+    def _act_args(self, act: Act, k: int, what: str, tokens: bool = False) -> list[int]:
+        """Addresses of act's values and scales, checked: one token's f32[k] quantized, or with
+        `tokens` an [m, k] array's."""
         if not isinstance(act, Act):
             raise TypeError(f"{what}: activations must come from quantize_act, got {type(act).__name__}")
+        if act.q.ndim != (2 if tokens else 1):
+            want = "of an [m, k] array (quantize_act of m tokens)" if tokens else "of one token (quantize_act of f32[k])"
+            raise ValueError(f"{what}: expected activations {want}, got values of shape {act.q.shape}")
         if act.n != k:
-            raise ValueError(f"{what}: activations have {act.n} values, the weights' rows have {k}")
+            raise ValueError(f"{what}: activations have {act.n} values per token, the weights' rows have {k}")
         if act.q.dtype != self._act_dtype:
             raise TypeError(f"{what}: activation values must be {np.dtype(self._act_dtype)} on {self.target}, "
                             f"got {act.q.dtype}")
-        if act.d.dtype != np.float32 or act.d.shape != (k // 32,):
-            raise ValueError(f"{what}: activation scales must be float32[{k // 32}], got {act.d.dtype}{list(act.d.shape)}")
+        want_d = (*act.q.shape[:-1], k // 32)
+        if act.d.dtype != np.float32 or act.d.shape != want_d:
+            raise ValueError(f"{what}: activation scales must be float32{list(want_d)}, got {act.d.dtype}{list(act.d.shape)}")
         return [self.module.put(act.q), self.module.put(act.d)]
 
     def _check_packed(self, w: Any, what: str) -> Packed:
@@ -275,6 +295,36 @@ class Kernels:
             self._run("qmatvec", w.quant, [*w.args, *a, py, w.rows, w.k], "qmatvec_job", [*w.args, *a, py, w.k],
                       w.rows, pool, chunk)
             return self.module.get(py, np.float32, w.rows)
+
+    def qmatmul(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+        """Y = A W^T, f32[m, rows], for activations of m tokens (quantize_act of an [m, k] array).
+        Row t is qmatvec(w, token t) bit for bit. On `pool` the rows of W are split, `chunk` per claim."""
+        w = self._check_packed(w, "qmatmul")
+        with self.module.scope():
+            a = self._act_args(act, w.k, "qmatmul", tokens=True)
+            tokens = act.tokens
+            py = self.module.alloc(4 * tokens * w.rows)
+            self._run("qmatmul", w.quant, [*w.args, *a, py, tokens, w.rows, w.k], "qmatmul_job",
+                      [*w.args, *a, py, tokens, w.rows, w.k], w.rows, pool, chunk)
+            return self.module.get(py, np.float32, tokens * w.rows).reshape(tokens, w.rows)
+
+    def matmul_f32(self, a: np.ndarray, b: np.ndarray, b_transposed: bool = False, pool: Pool | None = None,
+                   chunk: int | None = None) -> np.ndarray:
+        """a[m, k] times b[k, n] (out = P V), or with `b_transposed` times b[n, k]^T (scores = Q K^T);
+        f32[m, n]. Error bounds: see matmul_f32_nt / matmul_f32_nn in kernels.dsl. On `pool` the
+        rows of a are split, `chunk` per claim."""
+        a, b = _f32("matmul_f32 a", a, 2), _f32("matmul_f32 b", b, 2)
+        k = a.shape[1]
+        n, kb = (b.shape if b_transposed else b.shape[::-1])
+        if kb != k:
+            form = "b[n, k] (b_transposed)" if b_transposed else "b[k, n]"
+            raise ValueError(f"matmul_f32: a is {a.shape}, expected {form} with k = {k}, got b {b.shape}")
+        kernel = "matmul_f32_nt" if b_transposed else "matmul_f32_nn"
+        with self.module.scope():
+            pa, pb, py = self.module.put(a), self.module.put(b), self.module.alloc(4 * a.shape[0] * n)
+            self._run(kernel, None, [pa, pb, py, a.shape[0], n, k], f"{kernel}_job", [pa, pb, py, n, k],
+                      a.shape[0], pool, chunk)
+            return self.module.get(py, np.float32, a.shape[0] * n).reshape(a.shape[0], n)
 
     def dot_f32(self, x: np.ndarray, y: np.ndarray) -> float:
         x, y = _f32("dot_f32 x", x, 1), _f32("dot_f32 y", y, 1)

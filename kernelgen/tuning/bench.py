@@ -5,8 +5,9 @@ The bench is three small tables of data, read by one loop:
 - `CASES`: the rows. Each case is timed on each benched target (or once, for a numpy baseline)
   by one protocol, `timing.measure`: repetitions inside wasm (or a Python loop for numpy) grown
   until a batch lasts 20 ms, a warm-up batch, the median of 5 batches.
-- `RATIOS`: how many times faster one printed row is than another printed row, with the goal the
-  project set for it, if any.
+- `RATIOS`: how many times faster one printed row is than another printed row (their rates, work
+  per second: rows of one shape compare by time, a matrix product against mat-vec or a roofline
+  by what each does per second), with the goal the project set for it, if any.
 - `LIMITS`: goals on one row's value (seconds per call) or on a figure of the build (seconds to
   build, wasm bytes).
 
@@ -41,7 +42,8 @@ from ..names import variant_name
 from .store import Record
 from .peer import SeedPeer
 from .peer import wasm as peer_wasm
-from .timing import POOL_REPEAT, STREAM_CHUNK, STREAM_SOURCE, measure, measure_python, repeat_name, repeat_source
+from .timing import (COMPUTE_SOURCE, POOL_REPEAT, ROOF_ITERS, ROOF_OPS, STREAM_CHUNK, STREAM_SOURCE, measure,
+                     measure_python, repeat_name, repeat_source)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
@@ -60,10 +62,12 @@ class Bench:
 
 
 def bench_built(source: str, targets: tuple[str, ...], records: list[Record] | None) -> list[Built]:
-    """The library plus the bench's wrappers: repeat loops, the streaming read and its pool job."""
+    """The library plus the bench's wrappers: repeat loops, the streaming read and its pool job, the
+    compute rooflines."""
     checked = check(parse(source))
-    extra = STREAM_SOURCE + POOL_REPEAT + "".join(
-        repeat_source(checked, k) for k in ("qmatvec", "exp_f32", "softmax_f32"))
+    extra = STREAM_SOURCE + COMPUTE_SOURCE + POOL_REPEAT + "".join(
+        repeat_source(checked, k) for k in ("qmatvec", "qmatmul", "matmul_f32_nt", "matmul_f32_nn",
+                                            "exp_f32", "softmax_f32"))
     return compile_source(source + extra, targets=targets, records=records)
 
 
@@ -188,6 +192,63 @@ def seed(rows: int, cols: int) -> Callable[[Kernels], float]:
     return run
 
 
+def _job(k: Kernels, threads: int, job: str, count: int, args: list) -> float:
+    """Seconds per run of `job` over `count` items on `threads` threads, through the pool's
+    par_for, the job's tuned chunk (or the API's default)."""
+    chunk = (k.manifest["jobs"][job].get("tuned") or {}).get("chunk") or max(1, -(-count // (threads * 4)))
+    with Pool(k, threads) as pool:
+        pool.run(job, count, chunk, args)  # publishes the arguments
+        index = pool.job_index(job)
+        return measure(lambda reps: k.call("bench_par_for", reps, index, count, chunk)).seconds
+
+
+def roofline(op: str) -> Callable[[Kernels], float]:
+    """The register-only loop of `op` ("idot" or "madd"): seconds per ROOF_ITERS x ROOF_OPS ops."""
+    seed = 1 if op == "idot" else 1.0
+    return lambda k: measure(lambda reps: k.call(f"bench_{op}_roof", reps * ROOF_ITERS, seed)).seconds
+
+
+def qmatmul(quant: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[Kernels], float]:
+    """Y[m, n] = A[m, kk] W[n, kk]^T: the exported kernel, or (`threads` > 0) its job."""
+    def run(k: Kernels) -> float:
+        rng = np.random.default_rng(4)
+        w = k.pack(quant, _blocks(k, quant, n, kk, rng))
+        act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
+        aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * m * n)
+        if threads:
+            return _job(k, threads, k.job_name("qmatmul_job", quant), n, [*w.args, aq, ad, y, m, n, kk])
+        fn = variant_name(repeat_name("qmatmul"), quant, {})
+        return measure(lambda reps: k.call(fn, reps, *w.args, aq, ad, y, m, n, kk)).seconds
+    return run
+
+
+def _f32_operands(form: str, m: int, n: int, kk: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((m, kk)).astype(np.float32)
+    return a, rng.standard_normal((n, kk) if form == "nt" else (kk, n)).astype(np.float32)
+
+
+def matmul_f32(form: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[Kernels], float]:
+    """y[m, n] = a b^T (form "nt", scores) or a b ("nn", P V)."""
+    def run(k: Kernels) -> float:
+        a, b = _f32_operands(form, m, n, kk)
+        pa, pb, py = k.module.put(a), k.module.put(b), k.module.alloc(4 * m * n)
+        if threads:
+            return _job(k, threads, k.job_name(f"matmul_f32_{form}_job"), m, [pa, pb, py, n, kk])
+        return measure(lambda reps: k.call(repeat_name(f"matmul_f32_{form}"), reps, pa, pb, py, m, n, kk)).seconds
+    return run
+
+
+def numpy_matmul(form: str, m: int, n: int, kk: int) -> Callable[[None], float]:
+    """numpy's float32 matmul (its BLAS, on every core it uses) on the same shape."""
+    def run(_: None) -> float:
+        a, b = _f32_operands(form, m, n, kk)
+        bt = b.T if form == "nt" else b
+        y = np.empty((m, n), np.float32)
+        return measure_python(lambda: np.matmul(a, bt, out=y)).seconds
+    return run
+
+
 def empty_job(threads: int) -> Callable[[Kernels], float]:
     """par_for over no items: the pool's dispatch cost."""
     def run(k: Kernels) -> float:
@@ -266,9 +327,38 @@ def _matvec_cases() -> list[Case]:
     return out
 
 
+# Prefill and attention shapes, m x n x k: qmatmul's m tokens, n rows of W, row length k (Y = A W^T),
+# and attention at T = 128 tokens with head size 32 and 64: scores Q K^T (form "nt") is
+# 128 x 128 x head, out P V ("nn") is 128 x head x 128.
+# The work of a matrix product is its multiply-adds (MACs); a roofline call does ROOF_ITERS x
+# ROOF_OPS vector operations of 16 (integer dot) or 4 (f32 madd) MACs each.
+PREFILL = ((64, 4096, 4096), (64, 1536, 384))
+T = 128
+ATTENTION = {(form, head): (T, T, head) if form == "nt" else (T, head, T) for form in ("nt", "nn") for head in (32, 64)}
+
+
+def _mnk(m: int, n: int, kk: int) -> str:
+    return f"{m}x{n}x{kk}"
+
+
+PREFILL_CASES: list[Case] = [
+    Case("integer dot roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 16, "MACs", roofline("idot")),
+    Case("f32 madd roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 4, "MACs", roofline("madd")),
+    *(Case(f"qmatmul {q}{label}", _mnk(m, n, kk), m * n * kk, "MACs", qmatmul(q, m, n, kk, threads))
+      for q in ("q8_0", "q4_0") for m, n, kk in PREFILL
+      for label, threads in (("", 0), (" pool, 1 thread", 1), (" pool, 2 threads", 2))),
+    *(Case("numpy f32 matmul A W^T", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul("nt", m, n, kk), numpy=True)
+      for m, n, kk in PREFILL),
+    *(Case(f"matmul_f32_{form}{label}", _mnk(m, n, kk), m * n * kk, "MACs", matmul_f32(form, m, n, kk, threads))
+      for (form, _), (m, n, kk) in ATTENTION.items() for label, threads in (("", 0), (" pool, 2 threads", 2))),
+    *(Case(f"numpy f32 matmul {form}", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul(form, m, n, kk), numpy=True)
+      for (form, _), (m, n, kk) in ATTENTION.items()),
+]
+
 CASES: list[Case] = [
     *_matvec_cases(),
     Case("empty pool job, 2 threads", "", 1, "jobs", empty_job(2)),
+    *PREFILL_CASES,
     Case("exp_f32", "2^20", EXP_N, "elements", exp_f32),
     Case("np.exp", "2^20", EXP_N, "elements", numpy_exp, numpy=True),
     Case("softmax_f32", f"{SOFTMAX_ROWS}x{SOFTMAX_COLS}", SOFTMAX_ROWS * SOFTMAX_COLS, "elements", softmax_f32),
@@ -295,6 +385,25 @@ def _matvec_ratios() -> list[Ratio]:
     return out
 
 
+_BIG = _mnk(*PREFILL[0])
+PREFILL_RATIOS: list[Ratio] = [
+    Ratio(f"qmatmul q8_0 {_BIG}", "integer dot roofline (registers)", "simd128"),
+    Ratio(f"qmatmul q8_0 {_BIG}", "integer dot roofline (registers)", "relaxed-simd", at_least=0.60),
+    Ratio(f"qmatmul q8_0 {_BIG}", "qmatvec q8_0 4096x4096", "simd128"),
+    Ratio(f"qmatmul q8_0 {_BIG}", "qmatvec q8_0 4096x4096", "relaxed-simd", at_least=4.0),
+    Ratio(f"qmatmul q8_0 {_BIG}", f"qmatmul q8_0 {_BIG}", "relaxed-simd", "simd128", at_least=1.5),
+    Ratio(f"qmatmul q4_0 {_BIG}", f"qmatmul q8_0 {_BIG}"),
+    *(Ratio(f"qmatmul {q} pool, 2 threads {_mnk(*s)}", f"qmatmul {q} pool, 1 thread {_mnk(*s)}",
+            at_least=1.8 if (q, s) == ("q8_0", PREFILL[0]) else None) for q in ("q8_0", "q4_0") for s in PREFILL),
+    *(Ratio(f"qmatmul q8_0 {_mnk(*s)}", f"numpy f32 matmul A W^T {_mnk(*s)}", versus_target=NUMPY) for s in PREFILL),
+    *(Ratio(f"matmul_f32_{form} {_mnk(*s)}", "f32 madd roofline (registers)", at_least=0.50 if head == 64 else None)
+      for (form, head), s in ATTENTION.items()),
+    *(Ratio(f"matmul_f32_{form} pool, 2 threads {_mnk(*s)}", f"matmul_f32_{form} {_mnk(*s)}")
+      for (form, _), s in ATTENTION.items()),
+    *(Ratio(f"matmul_f32_{form} {_mnk(*s)}", f"numpy f32 matmul {form} {_mnk(*s)}", versus_target=NUMPY)
+      for (form, _), s in ATTENTION.items()),
+]
+
 RATIOS: list[Ratio] = [
     *_matvec_ratios(),
     Ratio("qmatvec q8_0 4096x4096", "qmatvec q8_0 4096x4096", "relaxed-simd", "simd128"),
@@ -302,6 +411,7 @@ RATIOS: list[Ratio] = [
     Ratio("qmatvec q4_0 8192x8192", "qmatvec q8_0 8192x8192", at_least=1.6),
     Ratio("qmatvec q8_0 pool, 2 threads 8192x8192", "qmatvec q8_0 pool, 1 thread 8192x8192", at_least=1.8),
     Ratio("stream pool, 2 threads 8192x8192", "stream pool, 1 thread 8192x8192"),
+    *PREFILL_RATIOS,
     Ratio("exp_f32 2^20", "np.exp 2^20", versus_target=NUMPY, at_least=1.0),
     Ratio("softmax_f32 64x4096", "numpy softmax by row 64x4096", versus_target=NUMPY, at_least=1.5),
 ]
@@ -353,7 +463,7 @@ class Row:
 
 @dataclass
 class RatioRow:
-    """A ratio per run: versus's seconds over row's (row / versus speed)."""
+    """A ratio per run: row's rate (work per second) over versus's."""
 
     row: Row
     versus: Row
@@ -444,7 +554,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
             if t in node_targets and not {(r.row, t), (r.versus, vt)} <= rows.keys():
                 continue  # Node runs the mat-vec cases only
             a, b = _row(rows, r.row, t), _row(rows, r.versus, vt)
-            cell = Cell([y / x for x, y in zip(a.value.samples, b.value.samples)])
+            cell = Cell([(a.work / x) / (b.work / y) for x, y in zip(a.value.samples, b.value.samples)])
             out_ratios.append(RatioRow(a, b, cell, r.at_least))
     out_limits = []
     for lim in limits:

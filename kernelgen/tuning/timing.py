@@ -45,6 +45,53 @@ job kernel bench_stream_job(begin: i32, end: i32, p: ptr) {
 """
 
 
+# The compute rooflines the matrix products are measured against: the target's integer dot and the
+# f32 multiply-add in registers only, twelve independent accumulators (more than latency x
+# throughput on current cores). The dots' operands are a 3 x 4 tile that changes every iteration,
+# as loaded vectors would (constant operands would let the engine hoist the widening or the
+# multiplies out of the loop); the multiply-adds are acc * x + y, nothing to hoist, with seed 1.0
+# every value stays 1.0. One call: `iters` iterations of 12 operations.
+COMPUTE_SOURCE = """
+export kernel bench_idot_roof(iters: i32, seed: i32) -> i32 {
+    var acc[12]: i32x4 = i32x4.splat(seed);
+    var w[3]: i8x16 = i8x16.splat(seed);
+    var a[4]: i8x16 = i8x16.splat(seed + 1);
+    for i in 0..iters {
+        unroll u in 0..12 {
+            acc[u] = idot(acc[u], w[u % 3], a[u / 3]);
+        }
+        unroll j in 0..3 {
+            w[j] = w[j] + i8x16.splat(1);
+        }
+        unroll j in 0..4 {
+            a[j] = a[j] + i8x16.splat(1);
+        }
+    }
+    unroll u in 1..12 {
+        acc[0] = acc[0] ^ acc[u];
+    }
+    return extract(acc[0], 0);
+}
+
+export kernel bench_madd_roof(iters: i32, seed: f32) -> f32 {
+    var acc[12]: f32x4 = f32x4.splat(seed);
+    var x[3]: f32x4 = f32x4.splat(seed);
+    var y[4]: f32x4 = f32x4.splat(seed - 1.0);
+    for i in 0..iters {
+        unroll u in 0..12 {
+            acc[u] = madd(acc[u], x[u % 3], y[u / 3]);
+        }
+    }
+    unroll u in 1..12 {
+        acc[0] = acc[0] + acc[u];
+    }
+    return hsum(acc[0]);
+}
+"""
+ROOF_ITERS = 1000  # iterations per timed call of a roofline loop
+ROOF_OPS = 12  # operations per iteration
+
+
 MAX_REPS = 1 << 24
 
 # The pool's par_for called reps times: a threaded job timed inside wasm.

@@ -21,7 +21,7 @@ import numpy as np
 import wasmtime
 
 from .. import reference
-from ..host.api import Kernels
+from ..host.api import Act, Kernels, Packed
 from ..compiler.build import compile_source, from_built
 from ..compiler.check import Checked, check, variants
 from ..names import variant_name
@@ -43,8 +43,8 @@ class Case:
     work: float  # weights (mat-vec) or elements per call
 
 
-def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
-    n, kk = shape
+def _weights(k: Kernels, quant: str, n: int, kk: int, rng: np.random.Generator) -> tuple[np.ndarray, Packed]:
+    """n random rows of `quant` blocks (small scales and zero points), and them packed."""
     q = k.quants[quant]
     raw = rng.integers(0, 256, (n, kk // q.block * q.stored_bytes), dtype=np.uint8)
     blocks = raw.view(q.dtype).copy()
@@ -53,22 +53,68 @@ def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random
             blocks[f.name] = rng.uniform(-0.05, 0.05, blocks.shape).astype(blocks[f.name].dtype)
         elif f.count is None and f.name in q.value_fields:  # a per-block offset such as a zero point:
             blocks[f.name] = rng.integers(0, 16, blocks.shape)  # small, so values stay in int8
-    w = k.pack(quant, blocks)
-    act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
-    aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * n)
-    # The reference on a sample of rows keeps verification fast for big shapes.
+    return blocks, k.pack(quant, blocks)
+
+
+def _qcheck(k: Kernels, quant: str, blocks: np.ndarray, act: Act, y: int, m: int, n: int) -> Callable[[object], str | None]:
+    """A check of y[m, n] = A W^T on a sample of rows and tokens against reference.qmatvec (the
+    sample keeps verification fast for big shapes)."""
+    q = k.quants[quant]
     rows = np.unique(np.linspace(0, n - 1, min(n, 64)).astype(int))
+    tokens = np.unique(np.linspace(0, m - 1, min(m, 4)).astype(int))
     sub = blocks[rows]
-    ref, mag = reference.qmatvec(q.scale_ref(sub), q.unpack_ref(sub).reshape(len(rows), -1), act.q, act.d,
-                                 k.manifest["constants"]["ACT_ZERO"], q.block,
-                                 q.offset_ref(sub) if q.offset is not None else None)
+    q_act, d_act = act.q.reshape(m, -1), act.d.reshape(m, -1)
+    refs = [reference.qmatvec(q.scale_ref(sub), q.unpack_ref(sub).reshape(len(rows), -1), q_act[t], d_act[t],
+                              k.manifest["constants"]["ACT_ZERO"], q.block,
+                              q.offset_ref(sub) if q.offset is not None else None) for t in tokens]
 
     def verify(_: object) -> str | None:
-        got = k.module.get(y, np.float32, n)[rows]
-        bad = np.abs(got - ref) > 1e-5 * mag + 1e-30
-        return f"rows {rows[bad][:4].tolist()} differ from numpy" if bad.any() else None
+        got = k.module.get(y, np.float32, m * n).reshape(m, n)
+        for t, (ref, mag) in zip(tokens, refs):
+            bad = np.abs(got[t, rows] - ref) > 1e-5 * mag + 1e-30
+            if bad.any():
+                return f"token {t}, rows {rows[bad][:4].tolist()} differ from numpy"
+        return None
 
-    return Case([*w.args, aq, ad, y, n, kk], verify, float(n * kk))
+    return verify
+
+
+def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+    n, kk = shape
+    blocks, w = _weights(k, quant, n, kk, rng)
+    act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
+    aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * n)
+    return Case([*w.args, aq, ad, y, n, kk], _qcheck(k, quant, blocks, act, y, 1, n), float(n * kk))
+
+
+def _case_qmatmul(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+    """Shape m x n x k: m tokens, n rows of W of length k."""
+    m, n, kk = shape
+    blocks, w = _weights(k, quant, n, kk, rng)
+    act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
+    aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * m * n)
+    return Case([*w.args, aq, ad, y, m, n, kk], _qcheck(k, quant, blocks, act, y, m, n), float(m * n * kk))
+
+
+def _case_matmul_f32(form: str) -> Callable:
+    """Shape m x n x k: y[m, n] = a[m, k] b[n, k]^T (form nt) or a[m, k] b[k, n] (nn), checked
+    within the bound kernels.dsl states."""
+    def make(k: Kernels, quant: str | None, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+        m, n, kk = shape
+        a = rng.standard_normal((m, kk)).astype(np.float32)
+        b = rng.standard_normal((n, kk) if form == "nt" else (kk, n)).astype(np.float32)
+        bt = (b.T if form == "nt" else b).astype(np.float64)
+        ref, mag = a.astype(np.float64) @ bt, np.abs(a.astype(np.float64)) @ np.abs(bt)
+        bound = (kk / 4 + 6 if form == "nt" else kk + 1) * 2.0 ** -24
+        pa, pb, y = k.module.put(a), k.module.put(b), k.module.alloc(4 * m * n)
+
+        def verify(_: object) -> str | None:
+            bad = np.abs(k.module.get(y, np.float32, m * n).reshape(m, n) - ref) > bound * mag
+            return f"{bad.sum()} outputs outside the stated bound" if bad.any() else None
+
+        return Case([pa, pb, y, m, n, kk], verify, float(m * n * kk))
+
+    return make
 
 
 def _case_f32(kernel: str) -> Callable:
@@ -92,17 +138,32 @@ def _case_f32(kernel: str) -> Callable:
     return make
 
 
-# kernel -> (case maker, default shapes); shapes are "N" or "NxK".
+# Prefill shapes m x n x k: batches of 4, 16 and 64 tokens, rows and row lengths from 384 to 4096.
+PREFILL_SHAPES = [(4, 1536, 384), (16, 1024, 4096), (64, 4096, 4096)]
+# Attention at T = 128, head size 32 and 64: scores (nt) 128 x 128 x head, out (nn) 128 x head x 128.
+ATTENTION_SHAPES = {"nt": [(128, 128, 32), (128, 128, 64)], "nn": [(128, 32, 128), (128, 64, 128)]}
+
+# kernel -> (case maker, default shapes); shapes are "N", "NxK" or (matrix products) "MxNxK".
 SPECS: dict[str, tuple[Callable, list[tuple[int, ...]]]] = {
     "qmatvec": (_case_qmatvec, [(4096, 4096), (256, 4096)]),
+    "qmatmul": (_case_qmatmul, PREFILL_SHAPES),
+    "matmul_f32_nt": (_case_matmul_f32("nt"), ATTENTION_SHAPES["nt"]),
+    "matmul_f32_nn": (_case_matmul_f32("nn"), ATTENTION_SHAPES["nn"]),
     "dot_f32": (_case_f32("dot_f32"), [(4096,)]),
     "matvec_f32": (_case_f32("matvec_f32"), [(1024, 1024)]),
     "qmatvec_job": (_case_qmatvec, [(4096, 4096)]),
+    "qmatmul_job": (_case_qmatmul, [(64, 4096, 4096)]),
+    "matmul_f32_nt_job": (_case_matmul_f32("nt"), ATTENTION_SHAPES["nt"][1:]),
+    "matmul_f32_nn_job": (_case_matmul_f32("nn"), ATTENTION_SHAPES["nn"][1:]),
 }
 # Pool jobs are tuned at run time: threads taking part and items per claim. Each job reuses its
-# kernel's case; its arguments are the kernel's without the item count (at COUNT_ARG from the end).
-JOBS = frozenset({"qmatvec_job"})
-COUNT_ARG = -2
+# kernel's case: job -> the item count and the job's arguments, from the kernel's arguments.
+JOBS: dict[str, Callable[[list], tuple[int, list]]] = {
+    "qmatvec_job": lambda a: (a[-2], a[:-2] + a[-1:]),  # rows; (..., y, n, k) -> (..., y, k)
+    "qmatmul_job": lambda a: (a[-2], a),  # rows of W; the job takes every argument (n is y's stride)
+    "matmul_f32_nt_job": lambda a: (a[-3], a[:-3] + a[-2:]),  # rows of a; (a, b, y, m, n, k) -> (a, b, y, n, k)
+    "matmul_f32_nn_job": lambda a: (a[-3], a[:-3] + a[-2:]),
+}
 CHUNKS = (8, 32, 128, 512)
 
 
@@ -114,8 +175,7 @@ def job_variants() -> list[dict[str, int]]:
 
 def _run_job(k: Kernels, job: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
              samples: int) -> tuple[float | None, str]:
-    count = case.args[COUNT_ARG]
-    args = case.args[:COUNT_ARG] + case.args[COUNT_ARG + 1:]
+    count, args = JOBS[job](case.args)
     name = k.job_name(job, quant)
     with Pool(k, tune["threads"]) as pool:
         pool.run(name, count, tune["chunk"], args)
@@ -134,7 +194,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"shape {text!r}: write N or NxK, e.g. 4096x4096") from None
+        raise ValueError(f"shape {text!r}: write N, NxK or MxNxK, e.g. 4096x4096") from None
     if not dims or any(d <= 0 for d in dims):
         raise ValueError(f"shape {text!r}: dimensions must be positive")
     if math.prod(dims) > MAX_SHAPE_VALUES:

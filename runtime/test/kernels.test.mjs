@@ -146,6 +146,12 @@ for (const [target, unusable] of TARGETS) {
       const w = await k.pack('q8_0', new Uint8Array(2 * 34), 1, 64);
       await assert.rejects(k.qmatvec(w, await k.quantizeAct(new Float32Array(32))), RangeError);
       await assert.rejects(k.qmatvec(w, { q: new Float32Array(64), d: new Float32Array(2) }), TypeError);
+      const two = await k.quantizeAct(new Float32Array(128), 2);
+      await assert.rejects(k.qmatvec(w, two), RangeError); // two tokens: qmatmul's
+      await assert.rejects(k.qmatmul(w, await k.quantizeAct(new Float32Array(96), 3)), /not whole rows/);
+      await assert.rejects(k.quantizeAct(new Float32Array(96), 2), RangeError); // rows of 48
+      await assert.rejects(k.matmulF32(new Float32Array(12), new Float32Array(10), 3, 2), /n \* k = 2 \* 4/);
+      await assert.rejects(k.matmulF32(new Float32Array(12), new Float64Array(8), 3, 2), TypeError);
       await assert.rejects(k.softmax(x, 5, 6), RangeError);
       await assert.rejects(k.rope(x, new Float32Array(3), new Float32Array(3)), RangeError);
       await assert.rejects(k.gelu(new Float32Array(12), new Float32Array(6)), RangeError); // rows not a multiple of 4

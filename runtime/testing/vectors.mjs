@@ -5,9 +5,9 @@
 // index.json: {threads, builds: {target: inputs_sha256}, arrays: {name: {file, dtype}},
 //   packed: {name: {quant, blocks, rows, k}}, cases: [{name, call, args, opts?, threaded}],
 //   expected: {target: {case: {output: {file, dtype}}}}}
-// An argument is a literal, {array: name}, {packed: name} (pack() of those blocks) or {act: name}
-// (quantizeAct of that array). A case with opts takes them as its last argument, and when
-// threaded it runs a second time with {threads: true}.
+// An argument is a literal, {array: name}, {packed: name} (pack() of those blocks) or {act: name,
+// tokens?} (quantizeAct of that array as `tokens` rows). A case with opts takes them as its last
+// argument, and when threaded it runs a second time with {threads: true}.
 
 import { packPlanes } from '../kernelgen.mjs';
 
@@ -64,7 +64,10 @@ export async function runVectors(kernels, index, read) {
   };
   const resolve = async (arg) => {
     if (arg?.array) return array(arg.array);
-    if (arg?.act) return once(`act:${arg.act}`, async () => kernels.quantizeAct(await array(arg.act)));
+    if (arg?.act) {
+      const tokens = arg.tokens ?? 1;
+      return once(`act:${arg.act}:${tokens}`, async () => kernels.quantizeAct(await array(arg.act), tokens));
+    }
     if (arg?.packed) {
       const p = index.packed[arg.packed];
       return once(`packed:${arg.packed}`, async () => kernels.pack(p.quant, await array(p.blocks), p.rows, p.k));

@@ -1,0 +1,168 @@
+"""MiniLM sentences/s, one table from one run: kernelgen's JS model (simd128 and relaxed SIMD) against
+onnxruntime-web's wasm backend on the int8 ONNX model, both in Node, one and two threads, batches of
+1, 8 and 32 sentences; onnxruntime (Python, native) on the same file for reference; and where
+kernelgen's time goes (linear layers, attention, the rest: LayerNorm, GELU, bias, pooling).
+
+    python examples/minilm/bench.py [--sentences 32] [--batches 1,8,32] [--threads 1,2] [--repeat 2]
+
+Needs node and node_modules (npm ci: onnxruntime-web), and the model packages (inputs.py). Each
+engine runs in its own Node process (bench.mjs), which prints its figures as JSON lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import export
+import inputs
+
+HERE = Path(__file__).resolve().parent
+# Node 20: relaxed SIMD behind a flag, and Liftoff miscompiles its integer dot (runtime/README.md).
+NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
+TARGETS = ("simd128", "relaxed-simd")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One engine at one thread count and batch size."""
+
+    name: str
+    threads: int
+    batch: int
+    per_second: float
+    first: np.ndarray              # the first sentence's embedding
+    stage_ms: dict | None = None   # kernelgen: ms per stage over the timed pass
+
+
+def node_runs(node: str, args: list[str]) -> list[Run]:
+    proc = subprocess.run([node, *NODE_FLAGS, str(HERE / "bench.mjs"), *args], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"bench.mjs {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
+    runs = []
+    for line in proc.stdout.splitlines():
+        r = json.loads(line)
+        name = f"kernelgen {r['target']}" if r["engine"] == "kernelgen" else f"{r['target']} wasm"
+        runs.append(Run(f"{name} (Node)", r["threads"], r["batch"], r["sentencesPerSecond"],
+                        np.array(r["first"], np.float32), r["stageMs"]))
+    return runs
+
+
+def onnxruntime_runs(ids: list[list[int]], batches: list[int], threads: int, repeat: int) -> list[Run]:
+    """onnxruntime (Python, CPU) timed as bench.mjs times its engines."""
+    import onnxruntime
+
+    opts = onnxruntime.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
+    session = onnxruntime.InferenceSession(str(inputs.onnx_path()), opts, providers=["CPUExecutionProvider"])
+
+    def embed(group: list[list[int]]) -> np.ndarray:
+        width = max(map(len, group))
+        x = np.zeros((len(group), width), np.int64)
+        mask = np.zeros_like(x)
+        for i, s in enumerate(group):
+            x[i, :len(s)], mask[i, :len(s)] = s, 1
+        (h,) = session.run(None, {"input_ids": x, "attention_mask": mask, "token_type_ids": np.zeros_like(x)})
+        e = (h * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+        return e / np.linalg.norm(e, axis=1, keepdims=True)
+
+    runs = []
+    for size in batches:
+        groups = [ids[i:i + size] for i in range(0, len(ids), size)]
+        [embed(g) for g in groups]
+        best = np.inf
+        for _ in range(repeat):
+            start = time.perf_counter()
+            first = [embed(g) for g in groups][0][0]
+            best = min(best, time.perf_counter() - start)
+        runs.append(Run(f"onnxruntime {onnxruntime.__version__} native (Python)", threads, size, len(ids) / best, first))
+    return runs
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def table(runs: list[Run], batches: list[int], peer_name: str) -> str:
+    """The figures as rows of engine x threads, columns of batch sizes; ratios; the stage split."""
+    by = {(r.name, r.threads, r.batch): r for r in runs}
+    names = list(dict.fromkeys((r.name, r.threads) for r in runs))
+    peer = next((r for r in runs if r.name.startswith("onnxruntime") and "native" in r.name), None)
+    lines = [f"{'engine':<40} {'thr':>3} " + " ".join(f"{f'b={b}':>8}" for b in batches) + "  cos(first, onnxruntime)"]
+    for name, t in names:
+        row = [by[name, t, b] for b in batches]
+        cos = "" if peer is None else f"{float(row[0].first @ peer.first):.4f}"
+        lines.append(f"{name:<40} {t:>3} " + " ".join(f"{r.per_second:8.2f}" for r in row) + f"  {cos}")
+    lines.append(f"\nratio: kernelgen / {peer_name} at the same threads and batch (> 1: kernelgen faster)")
+    for name, t in names:
+        if name.startswith("kernelgen") and (peer_name, t, batches[0]) in by:
+            ratios = " ".join(f"{by[name, t, b].per_second / by[peer_name, t, b].per_second:8.2f}" for b in batches)
+            lines.append(f"{name:<40} {t:>3} {ratios}")
+    lines.append("\nkernelgen's time by stage (share of embed time; rest = LayerNorm, GELU, bias add, pooling)")
+    for name, t in names:
+        for b in batches:
+            s = by[name, t, b].stage_ms
+            if s:
+                total = sum(s.values())
+                lines.append(f"{name:<40} {t:>3} b={b:<3} linear {s['linear'] / total:6.1%}  attention "
+                             f"{s['attention'] / total:6.1%}  rest {s['norm'] / total:6.1%}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sentences", type=int, default=32, help="the first N sentences of the corpus")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeat", type=int, default=2, help="timed passes per figure (the fastest is kept)")
+    args = ap.parse_args()
+    node = shutil.which("node")
+    if node is None:
+        sys.exit("bench.py: node is not installed")
+    batches = [int(b) for b in args.batches.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    sentences = inputs.corpus()[0][:args.sentences]
+    if args.sentences < 1 or args.repeat < 1 or min(batches + threads) < 1:
+        sys.exit("bench.py: --sentences, --repeat, batch sizes and thread counts must be positive")
+    tok = inputs.tokenize(sentences)
+    ids = [row[:n].tolist() for row, n in zip(tok.ids, tok.lengths)]
+    load = os.getloadavg()
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, ids_file = Path(tmp) / "minilm-q8_0.safetensors", Path(tmp) / "ids.json"
+        export.export(model, "q8_0")
+        ids_file.write_text(json.dumps(ids))
+        common = [str(ids_file), "--batches", args.batches, "--repeat", str(args.repeat)]
+        for t in threads:
+            for target in TARGETS:
+                runs += node_runs(node, [*common, "--engine", "kernelgen", "--model", str(model), "--target", target,
+                                         "--threads", str(t)])
+            runs += node_runs(node, [*common, "--engine", "ort", "--onnx", str(inputs.onnx_path()), "--threads", str(t)])
+            runs += onnxruntime_runs(ids, batches, t, args.repeat)
+    node_version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
+    peer = next(r.name for r in runs if r.name.startswith("onnxruntime-web"))
+    print(f"all-MiniLM-L6-v2, {len(ids)} corpus sentences ({min(map(len, ids))}..{max(map(len, ids))} tokens, "
+          f"mean {np.mean([len(s) for s in ids]):.1f}), sentences/s, the fastest of {args.repeat} timed pass(es) after an untimed one; "
+          f"kernelgen Q8_0\n{cpu_name()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end; node {node_version}\n")
+    print(table(runs, batches, peer))
+
+
+if __name__ == "__main__":
+    main()

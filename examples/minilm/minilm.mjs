@@ -1,0 +1,185 @@
+// all-MiniLM-L6-v2 sentence embeddings on kernelgen's JS runtime (runtime/kernelgen.mjs): the same
+// computation as minilm.py, call for call, so Node, browsers and wasmtime give the same bits.
+//
+//   import { loadKernels } from '../../runtime/kernelgen.mjs';
+//   import { MiniLM } from './minilm.mjs';
+//   const k = await loadKernels({ threads: 2 });
+//   const model = await MiniLM.load(k, bytes);                     // export.py's safetensors file
+//   const e = await model.embed([[101, 7592, 102], ...], { threads: true });  // Float32Array(n * 384)
+//
+// The weights come from export.py (minilm.prepare's tensors: the linear layers as stored quant
+// blocks, packed here into the module's memory). Token ids come from the host (Python's
+// `tokenizers` on the model's tokenizer.json): there is no tokenizer in JS.
+
+/** A safetensors file (8-byte little-endian header length, JSON header, raw little-endian data) ->
+ * {metadata, tensors: {name: {dtype, shape, data}}}, data a copy as a typed array of its dtype. */
+export function readSafetensors(bytes) {
+  if (!(bytes instanceof Uint8Array)) throw new TypeError('readSafetensors: expected a Uint8Array');
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const headerBytes = bytes.length >= 8 ? Number(view.getBigUint64(0, true)) : -1;
+  if (headerBytes < 2 || 8 + headerBytes > bytes.length) throw new RangeError('readSafetensors: not a safetensors file (bad header length)');
+  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + headerBytes)));
+  const arrays = { F32: Float32Array, U8: Uint8Array };
+  const tensors = {};
+  for (const [name, t] of Object.entries(header)) {
+    if (name === '__metadata__') continue;
+    const Array = arrays[t.dtype];
+    if (!Array) throw new TypeError(`readSafetensors: ${name} has dtype ${t.dtype}; this reader takes ${Object.keys(arrays).join(', ')}`);
+    const [start, end] = t.data_offsets.map((o) => 8 + headerBytes + o);
+    const count = t.shape.reduce((a, b) => a * b, 1);
+    if (end > bytes.length || end - start !== count * Array.BYTES_PER_ELEMENT) {
+      throw new RangeError(`readSafetensors: ${name}'s data (${start}..${end}) does not hold shape [${t.shape}] of ${t.dtype}`);
+    }
+    // A copy: aligned for its type, and on its own buffer (cloned alone through postMessage).
+    tensors[name] = { dtype: t.dtype, shape: t.shape, data: new Array(bytes.slice(start, end).buffer) };
+  }
+  return { metadata: header.__metadata__ ?? {}, tensors };
+}
+
+/** Per-stage wall time (ms) of the calls embed() makes: linear layers, attention, and the rest
+ * (embedding LayerNorm, bias add, GELU, LayerNorm, pooling). */
+const STAGES = ['linear', 'attention', 'norm'];
+
+export class MiniLM {
+  /** Pack export.py's file (a Uint8Array) into kernels `k`. */
+  static async load(k, bytes) {
+    const { metadata, tensors } = readSafetensors(bytes);
+    const spec = k.manifest.quants[metadata.quant];
+    if (!spec) throw new RangeError(`MiniLM: the file's quant ${metadata.quant} is not in this build`);
+    const get = (name) => {
+      if (!(name in tensors)) throw new RangeError(`MiniLM: the file has no tensor ${name}`);
+      return tensors[name];
+    };
+    const f32 = (name) => get(name).data;
+    const linear = async (name) => {
+      const { shape: [rows, bytesPerRow], data } = get(`${name}.w`);
+      return { w: await k.pack(metadata.quant, data, rows, (bytesPerRow / spec.stored_bytes) * spec.block), b: f32(`${name}.b`) };
+    };
+    const norm = (name) => [f32(`${name}.gamma`), f32(`${name}.beta`)];
+    const layers = [];
+    for (let i = 0; i < Number(metadata.num_hidden_layers); i++) {
+      layers.push({ qkv: await linear(`${i}.qkv`), out: await linear(`${i}.out`), ln1: norm(`${i}.ln1`),
+        ffn1: await linear(`${i}.ffn1`), ffn2: await linear(`${i}.ffn2`), ln2: norm(`${i}.ln2`) });
+    }
+    return new MiniLM(k, {
+      hidden: Number(metadata.hidden_size), heads: Number(metadata.num_attention_heads), eps: Number(metadata.layer_norm_eps),
+      word: f32('word'), pos: f32('pos'), type0: f32('type0'), ln0: norm('ln0'), layers,
+    });
+  }
+
+  constructor(k, model) {
+    this.k = k;
+    Object.assign(this, model);
+    this.headSize = this.hidden / this.heads;
+    this.stageMs = Object.fromEntries(STAGES.map((s) => [s, 0]));
+  }
+
+  async #timed(stage, fn) {
+    const start = performance.now();
+    try {
+      return await fn();
+    } finally {
+      this.stageMs[stage] += performance.now() - start;
+    }
+  }
+
+  /** x[rows * in] -> W x_t per token, Float32Array(rows * out) (the bias is added by the next kernel). */
+  #project({ w }, x, opts) {
+    return this.#timed('linear', async () => {
+      const out = new Float32Array((x.length / w.k) * w.rows);
+      for (let t = 0; t < x.length / w.k; t++) {
+        const act = await this.k.quantizeAct(x.subarray(t * w.k, (t + 1) * w.k));
+        out.set(await this.k.qmatvec(w, act, opts), t * w.rows);
+      }
+      return out;
+    });
+  }
+
+  /** One sentence's attention: qkv[L * 3 * hidden] (biases added) -> context Float32Array(L * hidden),
+   * through block-diagonal keys and values as minilm.py lays them out. */
+  #attention(qkv, length, opts) {
+    return this.#timed('attention', async () => {
+      const { hidden: n, heads: h, headSize: d, k } = this;
+      const keys = new Float32Array(h * length * n);
+      const values = new Float32Array(n * h * length);
+      for (let j = 0; j < length; j++) {
+        for (let hh = 0; hh < h; hh++) {
+          for (let c = 0; c < d; c++) {
+            keys[(hh * length + j) * n + hh * d + c] = qkv[j * 3 * n + n + hh * d + c];
+            values[(hh * d + c) * h * length + hh * length + j] = qkv[j * 3 * n + 2 * n + hh * d + c];
+          }
+        }
+      }
+      const stride = Math.ceil(length / 4) * 4;
+      const scores = new Float32Array(length * h * stride);
+      for (let i = 0; i < length; i++) {
+        const s = await k.matvecF32(keys, qkv.subarray(i * 3 * n, i * 3 * n + n), opts);
+        for (let hh = 0; hh < h; hh++) scores.set(s.subarray(hh * length, (hh + 1) * length), (i * h + hh) * stride);
+      }
+      const probs = await k.softmax(scores, length, stride, opts);
+      const ctx = new Float32Array(length * n);
+      const p = new Float32Array(h * length);
+      for (let i = 0; i < length; i++) {
+        for (let hh = 0; hh < h; hh++) p.set(probs.subarray((i * h + hh) * stride, (i * h + hh) * stride + length), hh * length);
+        ctx.set(await k.matvecF32(values, p, opts), i * n);
+      }
+      return ctx;
+    });
+  }
+
+  /** Unit-length embeddings of sentences given as token id arrays ([CLS] ... [SEP]) ->
+   * Float32Array(sentences * hidden). opts: {threads: true} runs the threaded kernels through the pool. */
+  async embed(sentences, opts = {}) {
+    const { k, hidden: n, eps } = this;
+    const maxPos = this.pos.length / n;
+    const vocab = this.word.length / n;
+    if (!Array.isArray(sentences) || sentences.length === 0) throw new TypeError('embed: expected a non-empty array of token id arrays');
+    for (const ids of sentences) {
+      if (ids.length < 1 || ids.length > maxPos || Array.prototype.some.call(ids, (t) => !Number.isInteger(t) || t < 0 || t >= vocab)) {
+        throw new RangeError(`embed: each sentence needs 1..${maxPos} token ids in 0..${vocab - 1}`);
+      }
+    }
+    const lengths = sentences.map((ids) => ids.length);
+    const rows = lengths.reduce((a, b) => a + b, 0);
+    // Only real tokens are computed: rows of all sentences one after another.
+    let x = new Float32Array(rows * n);
+    const positions = new Float32Array(rows * n);
+    let r = 0;
+    for (const ids of sentences) {
+      for (let t = 0; t < ids.length; t++, r++) {
+        x.set(this.word.subarray(ids[t] * n, (ids[t] + 1) * n), r * n);
+        positions.set(this.pos.subarray(t * n, (t + 1) * n), r * n);
+      }
+    }
+    const norm = (fn) => this.#timed('norm', fn);
+    x = await norm(() => k.layerNorm(x, ...this.ln0, positions, this.type0, eps, opts));
+    for (const L of this.layers) {
+      const projected = await this.#project(L.qkv, x, opts);
+      const qkv = await norm(() => k.addBias(projected, L.qkv.b));
+      const ctx = new Float32Array(rows * n);
+      let start = 0;
+      for (const length of lengths) {
+        ctx.set(await this.#attention(qkv.subarray(start * 3 * n, (start + length) * 3 * n), length, opts), start * n);
+        start += length;
+      }
+      const o = await this.#project(L.out, ctx, opts);
+      x = await norm(() => k.layerNorm(o, ...L.ln1, x, L.out.b, eps, opts));
+      const f1 = await this.#project(L.ffn1, x, opts);
+      const f = await norm(() => k.gelu(f1, L.ffn1.b, opts));
+      const f2 = await this.#project(L.ffn2, f, opts);
+      x = await norm(() => k.layerNorm(f2, ...L.ln2, x, L.ffn2.b, eps, opts));
+    }
+    // Pooling over the batch padded to its longest sentence, as the Python host pads it.
+    const T = Math.max(...lengths);
+    const padded = new Float32Array(sentences.length * T * n);
+    const mask = new Float32Array(sentences.length * T);
+    let row = 0;
+    lengths.forEach((length, s) => {
+      padded.set(x.subarray(row * n, (row + length) * n), s * T * n);
+      mask.fill(1, s * T, s * T + length);
+      row += length;
+    });
+    const pooled = await norm(() => k.meanPool(padded, mask, sentences.length));
+    return norm(() => k.l2Normalize(pooled, n));
+  }
+}
