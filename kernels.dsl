@@ -119,9 +119,9 @@ quant q6_k {
     dequant d * scales[s] * q;
 }
 
-# ONNX 4-bit, as blocked DequantizeLinear stores it (block 32 along K): an f32 scale, a UINT4 zero
-# point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
-# kernelgen.formats.onnx_uint4_blocks gathers these blocks from the ONNX tensors.
+# ONNX 4-bit (MatMulNBits, or blocked DequantizeLinear; block 32 along K): an f32 scale, a UINT4
+# zero point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
+# kernelgen.host.formats gathers these blocks from either node's tensors.
 quant q4_onnx {
     block 32;
     field d: f32;

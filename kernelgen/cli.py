@@ -6,18 +6,21 @@ import argparse
 import fnmatch
 import json
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
 
-from . import __version__
+from . import __version__, library
 from .compiler.build import TARGET_NAMES, build
+from .compiler.layout import HEAP_BASE, LIMIT_PAGES, MAX_PAGES, PAGE_SIZE
 from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
 from .tuning.store import STORE, StoreWarning, load_store
 
+DEFAULT_DSL = Path("kernels.dsl")
 EXIT_USER = 2
 EXIT_INTERNAL = 70
 
@@ -28,6 +31,19 @@ def _targets(value: str) -> tuple[str, ...]:
     if value not in TARGET_NAMES:
         raise argparse.ArgumentTypeError(f"unknown target {value!r}; choose {', '.join(TARGET_NAMES)} or all")
     return (value,)
+
+
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def _memory(value: str) -> int:
+    """--max-memory SIZE (bytes, or with KiB/MiB/GiB; a whole number of 64 KiB pages) -> pages."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", value, re.I)
+    nbytes = int(m.group(1)) * _UNITS[(m.group(2) or "").upper()] if m else 0
+    if not m or nbytes % PAGE_SIZE or not HEAP_BASE < nbytes <= LIMIT_PAGES * PAGE_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give a size in KiB, MiB or GiB (e.g. 256MiB), a multiple of 64KiB, up to 4GiB")
+    return nbytes // PAGE_SIZE
 
 
 def _positive(value: str) -> int:
@@ -72,6 +88,9 @@ def _tune(values: list[str]) -> dict[str, dict[str, int]]:
 
 
 def _read(dsl: Path) -> str:
+    if dsl == DEFAULT_DSL and not dsl.is_file():
+        raise KernelgenError(f"no {dsl} in the current directory: pass --dsl FILE (the library that ships with"
+                             f" kernelgen is {library.dsl()}; kernelgen.load() loads its build without building)")
     try:
         return dsl.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -102,7 +121,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     store, tune_host = _store(args), _tune_host(args)
     if args.tune_host_from is not None and tune_host is None:
         store = None  # that build used no tunings: neither does this one
-    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host)
+    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory)
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
     print(f"{len(changed)} file(s) written under {args.out}" if changed else f"{args.out} is up to date")
@@ -232,7 +251,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            title="commands")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsl", type=Path, default=Path("kernels.dsl"), help="kernel source (default kernels.dsl)")
+    common.add_argument("--dsl", type=Path, default=DEFAULT_DSL, help="kernel source (default ./kernels.dsl)")
     stored = argparse.ArgumentParser(add_help=False)
     stored.add_argument("--store", type=Path, help=f"tuning store (default {STORE} when it exists)")
     stored.add_argument("--no-store", action="store_true", help="ignore the tuning store: declared defaults")
@@ -243,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     b.add_argument("--out", type=_out_dir, default=Path("out"),
                    help="output directory, replaced as a whole (default out)")
+    b.add_argument("--max-memory", type=_memory, default=MAX_PAGES, metavar="SIZE",
+                   help=f"the most memory the module may grow to, e.g. 256MiB (default {MAX_PAGES * PAGE_SIZE >> 30}GiB);"
+                        " recorded in the manifest (memory.max_pages), honoured by both hosts")
     b.add_argument("--tune-host-from", type=Path, metavar="MANIFEST",
                    help="use the tunings recorded for the host a manifest was built for (reproduces a committed out/)")
     b.set_defaults(func=cmd_build)

@@ -209,8 +209,8 @@ def dequantize_q4(blocks: np.ndarray) -> np.ndarray:
 
 def quantize_onnx_uint4(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Asymmetric UINT4 per block of `block` along K of w[K, N] (the layout of a MatMul's B), as
-    ONNX's blocked DequantizeLinear stores it: (packed uint8 [K * N / 2], element 2i low nibble;
-    f32 scales [K / block, N]; packed uint4 zero points [K / block * N / 2])."""
+    ONNX's blocked DequantizeLinear defines it: (values uint8 [K, N] in 0..15, f32 scales
+    [K / block, N], zero points uint8 [K / block, N] in 0..15)."""
     w = np.asarray(w, np.float32)
     k, n = w.shape
     wb = w.reshape(k // block, block, n)
@@ -220,21 +220,11 @@ def quantize_onnx_uint4(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.
     safe = np.where(scale == 0, np.float32(1), scale)
     zp = np.clip(np.rint(-lo / safe), 0, 15).astype(np.int32)
     q = np.clip(np.rint(wb / safe[:, None, :]) + zp[:, None, :], 0, 15).astype(np.uint8).reshape(k, n)
-    return _pack_uint4(q.reshape(-1)), scale, _pack_uint4(zp.reshape(-1).astype(np.uint8))
+    return q, scale, zp.astype(np.uint8)
 
 
-def dequantize_onnx_uint4(packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, k: int, n: int,
-                          block: int = 32) -> np.ndarray:
+def dequantize_onnx_uint4(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, block: int = 32) -> np.ndarray:
     """DequantizeLinear (blocked along axis 0): w[k, n] = scale[k // block, n] * (q[k, n] - zp[k // block, n])."""
-    q = _unpack_uint4(packed, k * n).reshape(k, n).astype(np.float32)
-    zp = _unpack_uint4(zero_point, scale.size).reshape(scale.shape).astype(np.float32)
-    return np.repeat(scale, block, axis=0) * (q - np.repeat(zp, block, axis=0))
-
-
-def _pack_uint4(v: np.ndarray) -> np.ndarray:
-    v = np.concatenate([v, np.zeros(v.size % 2, np.uint8)])
-    return (v[0::2] | (v[1::2] << 4)).astype(np.uint8)
-
-
-def _unpack_uint4(p: np.ndarray, count: int) -> np.ndarray:
-    return np.stack([p & 0x0F, p >> 4], axis=-1).reshape(-1)[:count]
+    q = np.asarray(q).astype(np.float32)
+    zp = np.asarray(zero_point).astype(np.float32)
+    return np.repeat(scale, block, axis=0)[:q.shape[0]] * (q - np.repeat(zp, block, axis=0)[:q.shape[0]])

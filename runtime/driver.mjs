@@ -1,7 +1,7 @@
 // The driver: one built target's module, its shared memory and pool, and the kernels over typed
 // arrays. It runs where blocking is allowed: Node's main thread, or the driver worker in a browser
 // (runtime/worker.mjs), and mirrors kernelgen/host/api.py: inputs are copied into the module's memory,
-// per-call buffers are freed when the call returns, packed weights stay until reset().
+// per-call buffers are freed when the call returns, packed weights at free(packed) or reset().
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
 import { I32_MAX, MAX_THREADS, loadBuild } from './manifest.mjs';
@@ -19,7 +19,7 @@ const TARGETS = ['relaxed-simd', 'simd128'];
 /** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
 export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32', 'matvecF32', 'matmulF32', 'exp',
   'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'meanPool', 'l2Normalize',
-  'setThreads', 'runJob', 'reset', 'bench'];
+  'setThreads', 'runJob', 'free', 'reset', 'bench'];
 
 function f32Array(what, x) {
   if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
@@ -95,6 +95,11 @@ export class Driver {
   #memory;
   #pool;
   #top;
+  #holes = []; // freed [start, end) ranges below #top, sorted and merged
+  #allocated = new Map(); // address -> the [start, end) it took
+  #scopes = []; // the allocations of each open #scoped call
+  #packed = new Set(); // ids of the Packed handles not yet freed
+  #nextPacked = 0;
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
   #exportNames = new Map(); // "kernel/quant" -> export name
@@ -137,22 +142,66 @@ export class Driver {
     if (this.#exports === null) throw new Error('these kernels were terminated');
   }
 
-  /** Reserve `nbytes` at an aligned address, growing the memory as needed (not zeroed). */
-  #alloc(nbytes) {
-    const { align, max_pages: maxPages, heap_base: heapBase } = this.manifest.memory;
-    const addr = Math.ceil(this.#top / align) * align;
-    const end = addr + nbytes;
+  /** Reserve `nbytes` at an aligned address (not zeroed) until #free, the end of the #scoped call
+   * that made it, or reset(): first fit in the ranges freed so far, else above everything in use,
+   * growing the memory up to the build's maximum (as kernelgen/host/module.py does). */
+  #alloc(nbytes, what = 'a buffer') {
+    const { align, max_pages: maxPages } = this.manifest.memory;
+    const n = Math.max(nbytes, 1); // every allocation its own address
+    for (let i = 0; i < this.#holes.length; i++) {
+      const [start, end] = this.#holes[i];
+      const addr = Math.ceil(start / align) * align;
+      if (addr + n <= end) {
+        const rest = [];
+        if (addr > start) rest.push([start, addr]);
+        if (addr + n < end) rest.push([addr + n, end]);
+        this.#holes.splice(i, 1, ...rest);
+        return this.#keep(addr, addr, addr + n);
+      }
+    }
+    const start = this.#top;
+    const addr = Math.ceil(start / align) * align;
+    const end = addr + n;
     const size = this.#memory.buffer.byteLength;
     if (end > size) {
       const need = Math.ceil((end - size) / PAGE_BYTES);
       if (size / PAGE_BYTES + need > maxPages) {
-        throw new RangeError(`out of memory: ${nbytes} more bytes need ${size / PAGE_BYTES + need} pages, the module `
-          + `allows ${maxPages}; ${addr - heapBase} bytes are in use (reset() frees packed weights)`);
+        const limit = maxPages * PAGE_BYTES;
+        const used = this.#inUse();
+        throw new RangeError(`out of memory: ${what} needs ${nbytes} bytes, and ${limit - used} of the module's ${limit} `
+          + `bytes are free (${used - this.manifest.memory.heap_base} in use); free(packed) or reset() frees packed `
+          + `weights, or rebuild with a larger maximum (kernelgen build --max-memory; this build allows ${maxPages} pages of 64 KiB)`);
       }
       this.#memory.grow(need);
     }
     this.#top = end;
+    return this.#keep(addr, start, end);
+  }
+
+  #keep(addr, start, end) {
+    this.#allocated.set(addr, [start, end]);
+    this.#scopes.at(-1)?.push(addr);
     return addr;
+  }
+
+  /** Give back the allocation at `addr` (and the alignment padding before it). */
+  #free(addr) {
+    let [start, end] = this.#allocated.get(addr);
+    this.#allocated.delete(addr);
+    const holes = this.#holes;
+    let i = holes.findIndex(([s]) => s > start);
+    if (i < 0) i = holes.length;
+    if (i < holes.length && holes[i][0] === end) [, end] = holes.splice(i, 1)[0];
+    if (i > 0 && holes[i - 1][1] === start) {
+      [[start]] = holes.splice(i - 1, 1);
+      i--;
+    }
+    if (end === this.#top) this.#top = start;
+    else holes.splice(i, 0, [start, end]);
+  }
+
+  #inUse() {
+    return this.#holes.reduce((top, [s, e]) => top - (e - s), this.#top);
   }
 
   /** Copy a typed array into fresh memory followed by `pad` zero bytes. */
@@ -174,18 +223,30 @@ export class Driver {
   /** Run fn with a fresh allocation scope: what it allocates is freed when it returns. */
   #scoped(fn) {
     this.#live();
-    const mark = this.#top;
+    this.#scopes.push([]);
     try {
       return fn();
     } finally {
-      this.#top = mark;
+      for (const addr of this.#scopes.pop().reverse()) if (this.#allocated.has(addr)) this.#free(addr);
     }
   }
 
   /** Free all memory the kernels hold, packed weights included. */
   reset() {
     this.#top = this.manifest.memory.heap_base;
+    this.#holes = [];
+    this.#allocated.clear();
+    this.#packed.clear();
     this.#generation++;
+  }
+
+  /** Give a packed matrix's memory back (again: nothing happens). */
+  free(w) {
+    this.#live();
+    this.#packedArgs(w, 'free', true);
+    if (w.generation !== this.#generation || !this.#packed.has(w.id)) return;
+    for (const addr of Object.values(w.planes)) this.#free(addr);
+    this.#packed.delete(w.id);
   }
 
   // ---- running kernels -----------------------------------------------------------------------
@@ -236,7 +297,7 @@ export class Driver {
   }
 
   /** Stored blocks (`rows` rows of k / block blocks, each stored_bytes bytes) -> a Packed handle
-   * {quant, rows, k, planes: {name: address}} to weights that stay in memory until reset(). */
+   * {quant, rows, k, planes: {name: address}} to weights that stay in memory until free() or reset(). */
   pack(quant, blocks, rows, k) {
     this.#live();
     const spec = this.manifest.quants[quant];
@@ -250,30 +311,33 @@ export class Driver {
       throw new RangeError(`pack(${quant}): ${rows} rows of ${k} need ${nblocks * spec.stored_bytes} bytes `
         + `(${nblocks} blocks of ${spec.stored_bytes}), got ${blocks.length}`);
     }
-    const mark = this.#top;
     const planes = {};
     const views = {};
-    for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {
-      planes[name] = this.#alloc(perBlock * nblocks * Array.BYTES_PER_ELEMENT);
-      views[name] = new Array(this.#memory.buffer, planes[name], perBlock * nblocks);
-    }
     try {
+      for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {
+        planes[name] = this.#alloc(perBlock * nblocks * Array.BYTES_PER_ELEMENT, `pack('${quant}') of ${rows} rows, plane '${name}',`);
+        views[name] = new Array(this.#memory.buffer, planes[name], perBlock * nblocks);
+      }
       packInto(spec, blocks, nblocks, views);
     } catch (e) {
-      this.#top = mark; // the planes are packed in place: give them back
-      throw new RangeError(`pack(${quant}): ${e.message}`);
+      for (const addr of Object.values(planes)) this.#free(addr); // the planes are packed in place: give them back
+      throw e instanceof RangeError && e.message.startsWith('out of memory') ? e : new RangeError(`pack(${quant}): ${e.message}`);
     }
-    return Object.freeze({ quant, rows, k, planes: Object.freeze(planes), owner: this.#id, generation: this.#generation });
+    const id = this.#nextPacked++;
+    this.#packed.add(id);
+    return Object.freeze({ quant, rows, k, planes: Object.freeze(planes), owner: this.#id, generation: this.#generation, id });
   }
 
-  #packedArgs(w, what) {
+  #packedArgs(w, what, freeing = false) {
     const spec = this.manifest.quants[w?.quant];
     const names = spec && Object.keys(spec.planes);
     if (!spec || !w.planes || names.some((n) => !Number.isInteger(w.planes[n])) || !Number.isInteger(w.rows) || !Number.isInteger(w.k)) {
       throw new TypeError(`${what}: weights must come from pack()`);
     }
     if (w.owner !== this.#id) throw new RangeError(`${what}: these weights were packed by other kernels; pack them with these`);
+    if (freeing) return null;
     if (w.generation !== this.#generation) throw new RangeError(`${what}: these weights were packed before reset(), which freed them; pack them again`);
+    if (!this.#packed.has(w.id)) throw new RangeError(`${what}: these weights were freed (free()); pack them again`);
     return names.map((n) => w.planes[n]); // the kernels take the planes in the manifest's order
   }
 

@@ -132,8 +132,8 @@ export class Kernels {
   quantizeAct(x, tokens = 1) { return this.#invoke('quantizeAct', [x, tokens]); }
 
   /** Stored blocks (Uint8Array: rows * k / block blocks of the type's stored bytes, e.g. GGUF
-   * Q8_0) -> a Packed handle {quant, rows, k, planes, owner, generation} to weights kept until reset(); these
-   * kernels refuse a handle of other kernels or from before a reset(). */
+   * Q8_0) -> a Packed handle {quant, rows, k, planes, owner, generation, id} to weights kept until
+   * free(packed) or reset(); these kernels refuse a handle of other kernels, from before a reset() or freed. */
   pack(quant, blocks, rows, k) { return this.#invoke('pack', [quant, blocks, rows, k]); }
 
   /** Dot of a one-row Packed with activations from quantizeAct -> number. */
@@ -202,6 +202,9 @@ export class Kernels {
   runJob(job, count, chunk, args) { return this.#invoke('runJob', [job, count, chunk, args]); }
 
   /** Free every buffer, packed weights included. */
+  /** Give a packed matrix's memory back (using it afterwards is a RangeError; freeing again does nothing). */
+  free(packed) { return this.#invoke('free', [packed]); }
+
   reset() { return this.#invoke('reset', []); }
 
   /** Time `method(...args)` in the driver thread: {iterations, msPerCall, stopped}. */

@@ -114,7 +114,7 @@ def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -
 
 
 def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """(rows, n_blocks) blocks of any declared quant type `q` (a QuantInfo), made from its declaration
+    """(rows, n_blocks) blocks of any declared quant type `q` (a QuantFormat), made from its declaration
     alone: random stored bytes, every float field a finite value of either sign, and blocks whose
     values fall outside the kernels' int8 weights (say a zero point past its format's range) or
     whose derived scale or offset exceeds 1 in magnitude (say an e8m0 exponent byte: products

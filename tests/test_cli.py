@@ -365,3 +365,24 @@ def _exit_of(*argv: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
         main(list(argv))
     return e.value.code, out.getvalue(), err.getvalue()
+
+
+def test_build_without_kernels_dsl_here_says_what_to_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernelgen import library
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run("build")
+    assert code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err == (f"kernelgen: error: no kernels.dsl in the current directory: pass --dsl FILE (the library that"
+                   f" ships with kernelgen is {library.dsl()}; kernelgen.load() loads its build without building)\n")
+    assert library.dsl().is_file() and (library.out() / "simd128" / "kernels.json").is_file()
+
+
+def test_load_with_no_directory_loads_the_library_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import kernelgen
+    from kernelgen import library
+
+    monkeypatch.chdir(tmp_path)  # not the checkout: the build is found beside the package
+    k = kernelgen.load(target="simd128")
+    shipped = json.loads((library.out() / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert k.manifest == shipped

@@ -323,16 +323,16 @@ def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_
     tensors = gguf_tensors(rng, 2, 256)
     q3_k = rng.integers(0, 256, (2, 110), dtype=np.uint8)  # Q3_K: 110 bytes per 256 values
     write_gguf(tmp_path / "q3.gguf", {**tensors, "output.q3_k": (q3_k, G.Q3_K)})
-    top = kernels.module.mark()
+    top = kernels.module.in_use()
     with pytest.raises(ValueError, match=r"tensor 'output.q3_k' has type Q3_K, which this build does not support "
                                          r"\(supported: F32, F16, Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4\)"):
         formats.load_gguf(kernels, tmp_path / "q3.gguf")
-    assert kernels.module.mark() == top
+    assert kernels.module.in_use() == top
 
 
 def test_load_gguf_frees_what_it_packed_when_packing_fails(kernels, tmp_path, monkeypatch):
     write_gguf(tmp_path / "model.gguf", gguf_tensors(rng_for("gguf-file-fail"), 2, 256))
-    top = kernels.module.mark()
+    top = kernels.module.in_use()
     pack = kernels.pack
     calls = []
 
@@ -345,4 +345,4 @@ def test_load_gguf_frees_what_it_packed_when_packing_fails(kernels, tmp_path, mo
     monkeypatch.setattr(kernels, "pack", failing_pack)
     with pytest.raises(ValueError, match="pack failed"):
         formats.load_gguf(kernels, tmp_path / "model.gguf")
-    assert len(calls) == 3 and kernels.module.mark() == top
+    assert len(calls) == 3 and kernels.module.in_use() == top

@@ -100,7 +100,7 @@ def test_alloc_grows_memory(mod: Module):
 
 
 def test_alloc_past_max_pages_raises_memory_error(mod: Module):
-    with pytest.raises(MemoryError, match="at most 4 pages"):
+    with pytest.raises(MemoryError, match="allows 4 pages"):
         mod.alloc(4 * PAGE_SIZE)
     # failed alloc leaves the allocator usable and the memory ungrown
     assert mod.memory.data_len() == PAGE_SIZE
@@ -179,3 +179,41 @@ def test_rejects_module_with_other_imports():
     wasm = wasmtime.wat2wasm(wat)
     with pytest.raises(ValueError, match="only a shared env.memory"):
         Module(wasm, {"memory": {"min_pages": 1, "max_pages": 1, "heap_base": 0}})
+
+
+def test_free_in_any_order_gives_memory_back(mod: Module):
+    a, b, c = mod.alloc(100), mod.alloc(1000, align=256), mod.alloc(10)
+    top = mod.in_use()
+    mod.free(b)  # gives back b's bytes and the alignment padding before it
+    assert mod.in_use() == top - (b + 1000 - (a + 100))
+    d = mod.alloc(900)
+    assert d == -(-(a + 100) // 64) * 64 and d + 900 <= c  # first fit in the freed range
+    mod.free(d)
+    mod.free(c)  # the top allocation: the top comes down through the free range below it
+    mod.free(a)
+    assert mod.in_use() == mod.heap_base and mod.alloc(10) == a
+    with pytest.raises(ValueError, match="not a live allocation"):
+        mod.free(b)
+
+
+def test_scope_frees_what_it_allocated(mod: Module):
+    keep = mod.alloc(64)
+    before = mod.in_use()
+    with mod.scope():
+        x = mod.alloc(5000)
+        with mod.scope():
+            mod.alloc(10)
+        mod.free(x)  # freed inside: the scope skips it
+        mod.alloc(300)
+    assert mod.in_use() == before and mod.is_live(keep)
+
+
+def test_out_of_memory_says_asked_free_and_what_to_do(mod: Module):
+    mod.alloc(PAGE_SIZE)
+    with pytest.raises(MemoryError) as e:
+        mod.alloc(3 * PAGE_SIZE, what="the test's buffer")
+    msg = str(e.value)
+    free = 4 * PAGE_SIZE - mod.in_use()
+    assert msg.startswith(f"out of memory: the test's buffer needs {3 * PAGE_SIZE} bytes, and {free} of the"
+                          f" module's {4 * PAGE_SIZE} bytes are free")
+    assert "Packed.free()" in msg and "kernelgen build --max-memory" in msg and "allows 4 pages" in msg

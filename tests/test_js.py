@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import kernelgen
+from kernelgen import cli
 from kernelgen.host.api import Kernels, padded_rows
 
 from helpers import random_blocks
@@ -246,3 +247,42 @@ def test_chromium_runs_the_demo_and_matches_wasmtime(vectors: Path) -> None:
     run_node_tests("runtime/test/browser.test.mjs", {"KERNELGEN_VECTORS": str(vectors), "KERNELGEN_SCREENSHOT": str(shot)},
                    timeout=180)
     assert shot.stat().st_size > 0, "the browser test saved no screenshot"
+
+
+def test_node_frees_packed_weights_and_honours_the_built_memory_maximum(tmp_path: Path) -> None:
+    """A build with --max-memory 1MiB (twelve 64x1024 Q8_0 matrices): 1,000 matrices packed and freed
+    in a changing order fit in it; a freed matrix is refused; packing without freeing stops at the
+    maximum with the error that says what was asked, what is free and what to do."""
+    need(NODE, "node is not installed")
+    out = tmp_path / "out"
+    assert cli.main(["build", "--target", "simd128", "--no-store", "--out", str(out), "--max-memory", "1MiB",
+                     "--dsl", str(ROOT / "kernels.dsl")]) == 0
+    script = f"""
+import {{ loadKernels }} from {json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri())};
+const k = await loadKernels({{ dir: {json.dumps(str(out))}, target: 'simd128', threads: 1 }});
+const blocks = new Uint8Array(64 * 32 * 34);  // zero Q8_0 blocks: 64 rows of 1024
+const act = await k.quantizeAct(new Float32Array(1024).fill(1));
+const live = [];
+for (let i = 0; i < 1000; i++) {{
+  live.push(await k.pack('q8_0', blocks, 64, 1024));
+  if (live.length === 3) await k.free(live.splice(i % 3, 1)[0]);
+}}
+const freed = live.pop();
+await k.free(freed);
+await k.free(freed);  // again: nothing happens
+let refused = '';
+try {{ await k.qmatvec(freed, act); }} catch (e) {{ refused = e.message; }}
+let n = 0;
+try {{ for (;;) {{ await k.pack('q8_0', blocks, 64, 1024); n++; }} }}
+catch (e) {{ console.log(JSON.stringify({{ n, refused, name: e.name, message: e.message }})); }}
+await k.terminate();
+"""
+    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["refused"] == "qmatvec: these weights were freed (free()); pack them again"
+    assert got["name"] == "RangeError" and 9 <= got["n"] < 12, got  # 80 KiB each in 1 MiB, one still packed
+    assert re.fullmatch(r"out of memory: pack\('q8_0'\) of 64 rows, plane '\w+', needs \d+ bytes, and \d+ of the "
+                        r"module's 1048576 bytes are free \(\d+ in use\); free\(packed\) or reset\(\) frees packed "
+                        r"weights, or rebuild with a larger maximum \(kernelgen build --max-memory; this build allows "
+                        r"16 pages of 64 KiB\)", got["message"]), got["message"]

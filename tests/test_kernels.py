@@ -643,7 +643,7 @@ def test_q_wrong_inputs_raise_clear_errors(kernels):
     w1 = kernels.pack("q8_0", blocks[:1])
     act = kernels.quantize_act(rng.standard_normal(64).astype(np.float32))
     short = kernels.quantize_act(rng.standard_normal(32).astype(np.float32))
-    mark = kernels.module.mark()
+    mark = kernels.module.in_use()
     with pytest.raises(ValueError, match="activations"):
         kernels.qmatvec(w, short)
     with pytest.raises(ValueError):
@@ -674,7 +674,7 @@ def test_q_wrong_inputs_raise_clear_errors(kernels):
         kernels.export_name("qmatvec", "no_such_quant")
     with pytest.raises(KeyError):
         kernels.export_name("no_such_kernel")
-    assert kernels.module.mark() == mark  # nothing allocated by the failed calls
+    assert kernels.module.in_use() == mark  # nothing allocated by the failed calls
     ref, mag = q8_reference(kernels, blocks, act)  # and the module still works
     assert_q_close(kernels.qmatvec(w, act), ref, mag, "after errors")
 

@@ -71,8 +71,7 @@ def raw_elementwise(k: Kernels, kernel: str, inputs: list[np.ndarray], in_place:
     words after y[n - 1], and every input buffer (n + 8 words) as it is after the call."""
     n = inputs[0].size
     m = k.module
-    mark = m.mark()
-    try:
+    with m.scope():
         ptrs = [m.put(np.concatenate([a.view(np.uint32), canaries(8)])) for a in inputs]
         if in_place:
             py = ptrs[0]
@@ -83,8 +82,6 @@ def raw_elementwise(k: Kernels, kernel: str, inputs: list[np.ndarray], in_place:
         y = m.get(py, np.uint32, n + 8)
         after = [m.get(p, np.uint32, n + 8) for p in ptrs]
         return y[:n].view(np.float32), y[n:], after
-    finally:
-        m.release(mark)
 
 
 # ---- exp_f32 (exp4) ----------------------------------------------------------------------------
@@ -214,7 +211,7 @@ def test_exp_f32_partial_vector_writes_only_n(mode, kgen, n):
 
 def test_elementwise_api_rejects_bad_arrays(kernels):
     x = np.ones(8, np.float32)
-    mark = kernels.module.mark()
+    mark = kernels.module.in_use()
     for bad, err in ((x.astype(np.float64), TypeError), ([1.0, 2.0], TypeError), (x.reshape(2, 4), ValueError)):
         for f in (kernels.exp_f32, kernels.silu_f32):
             with pytest.raises(err):
@@ -228,7 +225,7 @@ def test_elementwise_api_rejects_bad_arrays(kernels):
             f(x)  # float32
         with pytest.raises(TypeError):
             f(np.ones((2, 2)))
-    assert kernels.module.mark() == mark
+    assert kernels.module.in_use() == mark
     assert kernels.exp_f32(np.zeros(0, np.float32)).shape == (0,)
 
 
@@ -264,13 +261,10 @@ def softmax_raw(k: Kernels, rows: int, t: int, stride: int, data: np.ndarray) ->
     """Put `data` (uint32 words, (rows + 1, stride)) in memory, run softmax_f32 on its first `rows`
     rows only, return the whole buffer as uint32 afterwards."""
     m = k.module
-    mark = m.mark()
-    try:
+    with m.scope():
         p = m.put(data)
         k.call(k.export_name("softmax_f32"), p, rows, t, stride)
         return m.get(p, np.uint32, data.size).reshape(data.shape)
-    finally:
-        m.release(mark)
 
 
 def softmax_case(t: int, rows: int = 3) -> tuple[np.ndarray, int, np.ndarray]:
@@ -377,7 +371,7 @@ def test_softmax_api_padded_rows(mode, kgen, t):
 
 
 def test_softmax_api_rejects_bad_shapes(kernels):
-    mark = kernels.module.mark()
+    mark = kernels.module.in_use()
     ok = np.zeros((2, 8), np.float32)
     for x, t in ((np.zeros((2, 5), np.float32), 5),    # stride not a multiple of 4
                  (np.zeros((2, 6), np.float32), None),
@@ -390,7 +384,7 @@ def test_softmax_api_rejects_bad_shapes(kernels):
         kernels.softmax_f32(ok.astype(np.float64), 8)
     with pytest.raises(TypeError):
         kernels.softmax_f32(ok.tolist(), 8)  # type: ignore[arg-type]
-    assert kernels.module.mark() == mark
+    assert kernels.module.in_use() == mark
     assert padded_rows(np.zeros((3, 5), np.float32)).shape == (3, 8)
     assert padded_rows(np.zeros((3, 8), np.float32)).shape == (3, 8)
 
@@ -402,7 +396,7 @@ def test_softmax_unpadded_rows_stay_inside_the_buffer(mode, kgen, t):
     rows, stride = 2, t
     nbytes = rows * stride * 4
     p = m.memory.data_len() - nbytes  # the buffer ends exactly where memory ends (above the heap top)
-    assert p >= m.mark()
+    assert p >= m.in_use()
     x = rng_for("softmax-end", t).standard_normal((rows, t)).astype(np.float32)
     m.view(p, np.float32, rows * stride)[:] = x.reshape(-1)
     k.call(k.export_name("softmax_f32"), p, rows, t, stride)  # traps: reads 16 bytes past the end
@@ -687,13 +681,13 @@ def test_rope_table_pos0_is_a_slice(mode, kgen):
 
 
 def test_rope_table_rejects_bad_arguments(kernels):
-    mark = kernels.module.mark()
+    mark = kernels.module.in_use()
     for kw in (dict(npos=4, dim=7), dict(npos=4, dim=129), dict(npos=4, dim=0), dict(npos=4, dim=-2),
                dict(npos=-1, dim=8), dict(npos=4, dim=8, pos0=-1), dict(npos=4, dim=8, theta=0.0),
                dict(npos=4, dim=8, theta=-1e4), dict(npos=4, dim=8, theta=float("nan"))):
         with pytest.raises(ValueError):
             kernels.rope_table(**kw)
-    assert kernels.module.mark() == mark
+    assert kernels.module.in_use() == mark
 
 
 # ---- RoPE apply --------------------------------------------------------------------------------
@@ -759,7 +753,7 @@ def test_rope_angle_zero_is_identity(mode, kgen, interleaved):
 
 
 def test_rope_rejects_bad_shapes(kernels):
-    mark = kernels.module.mark()
+    mark = kernels.module.in_use()
     c4, s4 = np.ones(4, np.float32), np.zeros(4, np.float32)
     for x, c, s in ((np.zeros((1, 12), np.float32), np.ones(6, np.float32), np.zeros(6, np.float32)),
                     (np.zeros((1, 4), np.float32), np.ones(2, np.float32), np.zeros(2, np.float32)),
@@ -773,7 +767,7 @@ def test_rope_rejects_bad_shapes(kernels):
         kernels.rope(np.zeros((1, 8)), c4, s4)
     with pytest.raises(TypeError):
         kernels.rope(np.zeros((1, 8), np.float32), c4.astype(np.float64), s4)
-    assert kernels.module.mark() == mark
+    assert kernels.module.in_use() == mark
 
 
 # ---- 4-bit quant types: references -------------------------------------------------------------
@@ -893,15 +887,22 @@ def onnx_weights(rng: np.random.Generator, k: int, n: int) -> np.ndarray:
     return w
 
 
+def uint4(a: np.ndarray) -> np.ndarray:
+    """Values 0..15 as onnx.numpy_helper.to_array returns a UINT4 tensor."""
+    import ml_dtypes  # onnx's own dependency, in the test extra
+
+    return a.astype(ml_dtypes.uint4)
+
+
 @pytest.mark.parametrize("n", (1, 7, 10), ids=lambda n: f"n{n}")
 def test_onnx_uint4_round_trip_and_blocks(quants, n):
     k = 96
     rng = rng_for("onnx", n)
     w = onnx_weights(rng, k, n)
-    packed, scale, zp = reference.quantize_onnx_uint4(w)
-    assert packed.dtype == np.uint8 and packed.size == -(-k * n // 2)
+    values, scale, zp = reference.quantize_onnx_uint4(w)
+    assert values.shape == (k, n) and values.max() <= 15 and zp.shape == scale.shape
     assert scale.shape == (k // 32, n) and scale.dtype == np.float32 and (scale >= 0).all()
-    deq = reference.dequantize_onnx_uint4(packed, scale, zp, k, n)
+    deq = reference.dequantize_onnx_uint4(values, scale, zp)
     assert deq.shape == (k, n)
     # asymmetric UINT4 over [min(lo, 0), max(hi, 0)]: every value within half a step
     step = np.repeat(scale, 32, axis=0).astype(np.float64)
@@ -911,23 +912,10 @@ def test_onnx_uint4_round_trip_and_blocks(quants, n):
     assert (deq[w == 0] == 0).all()
     # blocks for q4_onnx, one row per output column, dequantize exactly as DequantizeLinear
     q = quants["q4_onnx"]
-    blocks = formats.onnx_uint4_blocks(q, packed, scale, zp, k, n)
+    blocks = formats.dequantize_linear_blocks(q, uint4(values), scale, uint4(zp), axis=0, block_size=32)
     assert blocks.dtype == q.dtype and blocks.shape == (n, k // 32)
     assert (blocks["z"] <= 15).all()
     np.testing.assert_array_equal(q.dequantize_ref(blocks), deq.T)
-
-
-def test_onnx_uint4_blocks_rejects_bad_shapes(quants):
-    q = quants["q4_onnx"]
-    packed, scale, zp = reference.quantize_onnx_uint4(np.ones((64, 4), np.float32))
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed, scale, zp, 63, 4)      # k not a multiple of 32
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed, scale[:1], zp, 64, 4)  # scale shape
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed[:-1], scale, zp, 64, 4)  # values too short
-    with pytest.raises(ValueError):
-        formats.onnx_uint4_blocks(q, packed, scale, zp[:1], 64, 4)   # zero points too short
 
 
 # ---- 4-bit quant types: kernels ----------------------------------------------------------------
@@ -941,8 +929,8 @@ def q4_blocks(quant: str, q: Any, rng: np.random.Generator, rows: int, k: int, k
             return reference.quantize_q4_0(x)
         if quant == "q4_1":
             return reference.quantize_q4_1(x)
-        packed, scale, zp = reference.quantize_onnx_uint4(np.ascontiguousarray(x.T))
-        return formats.onnx_uint4_blocks(q, packed, scale, zp, k, rows)
+        values, scale, zp = reference.quantize_onnx_uint4(np.ascontiguousarray(x.T))
+        return formats.dequantize_linear_blocks(q, uint4(values), scale, uint4(zp), axis=0, block_size=32)
     b = rng.integers(0, 256, (rows, k // 32 * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
     if quant == "q4_onnx":
         b["d"] = rng.uniform(-0.05, 0.05, b.shape).astype(np.float32)

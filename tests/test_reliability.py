@@ -111,17 +111,16 @@ def test_manifest_with_a_bad_tuned_chunk_is_refused(tmp_path: Path) -> None:
 def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() -> None:
     out = py("""
         name = k.export_name("qmatvec", "q8_0")
-        m = k.module.mark()
-        aq, ad = k.module.put(act.q), k.module.put(act.d)
-        print(refused(k.call, name, *packed.args, aq, ad, 0, 67, 256))       # y at address 0
-        print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
-        print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))
-        with k.pool(2) as pool:
-            job = k.job_name("qmatvec_job", "q8_0")
-            print(refused(pool.run, job, 67, 8, [*packed.args, aq, ad, 128, 256]))   # y on the pool words
-        print(refused(k.call, "par_for", 0, 10, 2**31 - 1))                         # the pool's own
-        print(refused(k.call, "pool_helper", 0, 0, 0))
-        k.module.release(m)
+        with k.module.scope():
+            aq, ad = k.module.put(act.q), k.module.put(act.d)
+            print(refused(k.call, name, *packed.args, aq, ad, 0, 67, 256))       # y at address 0
+            print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
+            print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))
+            with k.pool(2) as pool:
+                job = k.job_name("qmatvec_job", "q8_0")
+                print(refused(pool.run, job, 67, 8, [*packed.args, aq, ad, 128, 256]))   # y on the pool words
+            print(refused(k.call, "par_for", 0, 10, 2**31 - 1))                         # the pool's own
+            print(refused(k.call, "pool_helper", 0, 0, 0))
         with k.pool(2) as pool:
             assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
         print("done")
@@ -219,10 +218,10 @@ def test_integer_arguments_are_checked_and_numpy_integers_accepted() -> None:
         print(refused(k.call, name, x, x, 8.0))
         print(refused(k.call, name, x, x))
         assert k.call(name, x, x, np.int64(8)) == 8.0
-        top = k.module.mark()
+        top = k.module.in_use()
         print(refused(k.module.alloc, 10.5))
         print(refused(k.module.alloc, -1))
-        assert k.module.mark() == top
+        assert k.module.in_use() == top
         print(refused(k.softmax_f32, np.ones((2, 8), np.float32), 2.5))
         assert k.qmatvec(packed, act).tobytes() == want.tobytes()
         print("done")
@@ -688,8 +687,7 @@ def test_property_chunks_softmax_and_raw_calls(loaded, chunk, threaded, t, n) ->
         tt = 12 if t is None else int(t)
         e = np.exp(x[:, :tt] - x[:, :tt].max(axis=1, keepdims=True))
         np.testing.assert_allclose(s[:, :tt], e / e.sum(axis=1, keepdims=True), rtol=1e-5)
-    m = k.module.mark()
-    try:
+    with k.module.scope():
         px = k.module.put(np.ones(128, np.float32))
         try:
             r = k.call(k.export_name("dot_f32"), px, px, n)
@@ -701,8 +699,6 @@ def test_property_chunks_softmax_and_raw_calls(loaded, chunk, threaded, t, n) ->
             assert _is_int(n, -(2**31), 2**32 - 1)
             if _is_int(n, 0, 128):
                 assert r == float(int(n))
-    finally:
-        k.module.release(m)
     assert k.qmatvec(packed, act, pool).tobytes() == want.tobytes()
 
 

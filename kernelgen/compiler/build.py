@@ -51,23 +51,25 @@ class Built:
     manifest: dict
 
 
-def inputs_hash(source: str, target: str, tune: dict) -> str:
+def inputs_hash(source: str, target: str, tune: dict, max_pages: int) -> str:
     """What a build depends on besides the compiler's own code (whose changes the out/ freshness
-    test catches by comparing bytes): the DSL text, target, tune values and tool versions."""
+    test catches by comparing bytes): the DSL text, target, tune values, memory maximum and tool
+    versions."""
     h = hashlib.sha256()
-    for part in (source, target, json.dumps(tune, sort_keys=True), __version__, wabt_version()):
+    for part in (source, target, json.dumps(tune, sort_keys=True), str(max_pages), __version__, wabt_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
 def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str,
-                   tune_info: dict) -> Built:
-    """`tune_info` is choose_tune's account: where each kernel's values came from, the host, pool choices."""
+                   tune_info: dict, max_pages: int = layout.MAX_PAGES) -> Built:
+    """`tune_info` is choose_tune's account: where each kernel's values came from, the host, pool
+    choices; `max_pages` the memory's maximum, in 64 KiB pages."""
     t = TARGETS[target]
     lowered = lower(checked, target, tune)
-    digest = inputs_hash(checked.source, target, tune)
-    memory = layout.describe()
+    memory = layout.describe(max_pages)
+    digest = inputs_hash(checked.source, target, tune, max_pages)
     wat, spans = render_module(lowered.funcs, jobs=[j.name for j in lowered.jobs], file="kernels.wat",
                                version=__version__, dsl=dsl_name, target=target, inputs_hash=digest,
                                features=t.features, memory=memory, constants=t.constants)
@@ -133,7 +135,7 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
 
 def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,
                    tune: dict[str, dict[str, int]] | None = None, records: list[Record] | None = None,
-                   tune_host: dict | None = None) -> list[Built]:
+                   tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES) -> list[Built]:
     """Parse, check and compile `source` for `targets`; raises DslError on any user mistake.
     `records` (a tuning store) supplies tune values for kernels `tune` does not set."""
     checked = check(parse(source, filename))
@@ -142,7 +144,7 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
     built = []
     for t in targets:
         values, info = choose_tune(checked, t, tune, records, tune_host)
-        built.append(compile_target(checked, t, values, Path(filename).name, info))
+        built.append(compile_target(checked, t, values, Path(filename).name, info, max_pages))
     return built
 
 
@@ -262,8 +264,8 @@ def _locked(parent: Path, out_dir: Path, timeout: float) -> Iterator[None]:
 
 def build(dsl: Path, out_dir: Path, targets: tuple[str, ...] = TARGET_NAMES,
           tune: dict[str, dict[str, int]] | None = None, store: Path | None = None,
-          tune_host: dict | None = None) -> tuple[list[Built], list[Path]]:
+          tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES) -> tuple[list[Built], list[Path]]:
     source = dsl.read_text(encoding="utf-8")
     records = load_store(store) if store is not None else None
-    built = compile_source(source, str(dsl), targets, tune, records, tune_host)
+    built = compile_source(source, str(dsl), targets, tune, records, tune_host, max_pages)
     return built, write_outputs(built, out_dir)

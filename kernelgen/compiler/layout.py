@@ -13,7 +13,9 @@ from __future__ import annotations
 CACHE_LINE = 64
 HEAP_BASE = 4096
 MIN_PAGES = 1  # the host grows the memory as it allocates
-MAX_PAGES = 32768  # 2 GiB: a shared memory must declare its maximum
+MAX_PAGES = 32768  # 2 GiB: a shared memory must declare its maximum (kernelgen build --max-memory)
+PAGE_SIZE = 65536
+LIMIT_PAGES = 65536  # 4 GiB: wasm32's address space
 JOB_ARG_WORDS = 16
 
 FIXED: dict[str, int] = {
@@ -31,6 +33,8 @@ FIXED: dict[str, int] = {
 }
 
 
-def describe() -> dict:
-    return {"min_pages": MIN_PAGES, "max_pages": MAX_PAGES, "heap_base": HEAP_BASE, "shared": True,
+def describe(max_pages: int = MAX_PAGES) -> dict:
+    if not (HEAP_BASE < max_pages * PAGE_SIZE and max_pages <= LIMIT_PAGES):
+        raise ValueError(f"max_pages must be 1..{LIMIT_PAGES}, got {max_pages}")
+    return {"min_pages": MIN_PAGES, "max_pages": max_pages, "heap_base": HEAP_BASE, "shared": True,
             "align": CACHE_LINE, "fixed": dict(FIXED), "job_arg_words": JOB_ARG_WORDS}

@@ -1,19 +1,21 @@
 """The Python API: load a built target, put numpy data in its memory, run kernels, get numpy back.
 
     import kernelgen
-    k = kernelgen.load("out", "relaxed-simd")           # or kernelgen.compile_kernels(source, target)
+    k = kernelgen.load(target="relaxed-simd")           # the packaged build; or load(out_dir, target)
     w = k.pack("q8_0", blocks)                           # GGUF Q8_0 blocks, (rows, k // 32 * 34) uint8
     a = k.quantize_act(x)                                # f32[k] -> quantized activations
     y = k.qmatvec(w, a)                                  # f32[rows]
 
 Every method checks shapes, dtypes and integer arguments (ints or numpy integers, in range) before
 touching memory and raises ValueError/TypeError saying what it expected. Inputs are copied into the
-module's shared memory; per-call buffers are freed when the call returns, packed weights stay until
-`reset()`. A Kernels may be used from several Python threads: each call holds the module's lock, so
-calls take turns (threads that want parallel work share a `pool` instead).
+module's shared memory; per-call buffers are freed when the call returns, packed weights when they
+are freed (`Packed.free()`, a `with` block, `Kernels.scope()`) or at `reset()`. A Kernels may be
+used from several Python threads: each call holds the module's lock, so calls take turns (threads
+that want parallel work share a `pool` instead).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -26,15 +28,17 @@ import numpy as np
 from . import module as host
 from .manifest import check_manifest
 from .module import I32_MAX, as_int, as_real
+from .. import library
 from ..errors import KernelgenError
 from ..names import parse_variant
 from ..quantformat import QuantFormat
 from .pool import POOL_EXPORTS, Pool
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Packed:
-    """A quantized matrix in the kernels' layout, living in a module's memory."""
+    """A quantized matrix in the kernels' layout, living in a module's memory until `free()` (or
+    the end of its `with` block, or of the `Kernels.scope()` it was packed in, or `reset()`)."""
 
     quant: str
     rows: int
@@ -44,10 +48,30 @@ class Packed:
     # handle from another Kernels or from before a reset() would name memory that is not its own.
     owner: Any = field(default=None, repr=False, compare=False)
     generation: int = 0
+    freed: bool = False
 
     @property
     def args(self) -> list[int]:
         return list(self.planes.values())
+
+    @property
+    def live(self) -> bool:
+        m = self.owner.module
+        return not self.freed and self.generation == m.generation and all(m.is_live(a) for a in self.args)
+
+    def free(self) -> None:
+        """Give the matrix's memory back to the module (again: nothing happens)."""
+        with self.owner.module.lock:
+            if self.live:
+                for addr in self.args:
+                    self.owner.module.free(addr)
+            self.freed = True
+
+    def __enter__(self) -> Packed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
 
 
 @dataclass(frozen=True)
@@ -173,6 +197,10 @@ class Kernels:
         """Free all memory the module holds for this host, packed weights included."""
         self.module.reset()
 
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """`with k.scope():` frees what is packed inside the block when it ends."""
+        return self.module.scope()
+
     def _quant(self, name: str) -> QuantFormat:
         if name not in self.quants:
             raise KeyError(f"unknown quant type {name!r}; this build has {', '.join(self.quants)}")
@@ -188,7 +216,14 @@ class Kernels:
                              f"{getattr(blocks, 'shape', type(blocks).__name__)}")
         b = q.as_blocks(blocks)
         planes = q.pack(b)
-        addrs = {name: self.module.put(arr) for name, arr in planes.items()}
+        addrs: dict[str, int] = {}
+        try:
+            for name, arr in planes.items():
+                addrs[name] = self.module.put(arr, what=f"pack({quant!r}) of {b.shape[0]} rows, plane {name!r},")
+        except MemoryError:
+            for addr in addrs.values():
+                self.module.free(addr)
+            raise
         return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs, self, self.module.generation)
 
     def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
@@ -202,8 +237,7 @@ class Kernels:
         k = x.shape[-1]
         if x.size == 0 or k % 32:
             raise ValueError(f"quantize_act: rows must be a positive multiple of 32 long, got shape {x.shape}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             px = self.module.put(x)
             pq = self.module.alloc(x.size * self._act_dtype.itemsize)
             pd = self.module.alloc(x.size // 32 * 4)
@@ -211,8 +245,6 @@ class Kernels:
                       pool, chunk)
             return Act(self.module.get(pq, self._act_dtype, x.size).reshape(x.shape),
                        self.module.get(pd, np.float32, x.size // 32).reshape(*x.shape[:-1], k // 32))
-        finally:
-            self.module.release(m)
 
     # ---- kernels
     def _act_args(self, act: Act, k: int, what: str, tokens: bool = False) -> list[int]:
@@ -241,6 +273,9 @@ class Kernels:
                              f"{f' (target {w.owner.target})' if isinstance(w.owner, Kernels) else ''}; pack them with this one")
         if w.generation != self.module.generation:
             raise ValueError(f"{what}: these weights were packed before reset(), which freed them; pack them again")
+        if not w.live:
+            raise ValueError(f"{what}: these weights were freed ({'free()' if w.freed else 'at the end of their scope'});"
+                             " pack them again")
         return w
 
     def qdot(self, w: Packed, act: Act) -> float:
@@ -248,39 +283,30 @@ class Kernels:
         w = self._check_packed(w, "qdot")
         if w.rows != 1:
             raise ValueError(f"qdot: expected one packed row, got {w.rows} (use qmatvec)")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             return float(self.call(self.export_name("qdot", w.quant), *w.args, *self._act_args(act, w.k, "qdot"), w.k))
-        finally:
-            self.module.release(m)
 
     def qmatvec(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """y = W a, f32[rows]; on `pool`'s threads if given, `chunk` rows per claim."""
         w = self._check_packed(w, "qmatvec")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             a = self._act_args(act, w.k, "qmatvec")
             py = self.module.alloc(4 * w.rows)
             self._run("qmatvec", w.quant, [*w.args, *a, py, w.rows, w.k], "qmatvec_job", [*w.args, *a, py, w.k],
                       w.rows, pool, chunk)
             return self.module.get(py, np.float32, w.rows)
-        finally:
-            self.module.release(m)
 
     def qmatmul(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """Y = A W^T, f32[m, rows], for activations of m tokens (quantize_act of an [m, k] array).
         Row t is qmatvec(w, token t) bit for bit. On `pool` the rows of W are split, `chunk` per claim."""
         w = self._check_packed(w, "qmatmul")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             a = self._act_args(act, w.k, "qmatmul", tokens=True)
             tokens = act.tokens
             py = self.module.alloc(4 * tokens * w.rows)
             self._run("qmatmul", w.quant, [*w.args, *a, py, tokens, w.rows, w.k], "qmatmul_job",
                       [*w.args, *a, py, tokens, w.rows, w.k], w.rows, pool, chunk)
             return self.module.get(py, np.float32, tokens * w.rows).reshape(tokens, w.rows)
-        finally:
-            self.module.release(m)
 
     def matmul_f32(self, a: np.ndarray, b: np.ndarray, b_transposed: bool = False, pool: Pool | None = None,
                    chunk: int | None = None) -> np.ndarray:
@@ -294,38 +320,29 @@ class Kernels:
             form = "b[n, k] (b_transposed)" if b_transposed else "b[k, n]"
             raise ValueError(f"matmul_f32: a is {a.shape}, expected {form} with k = {k}, got b {b.shape}")
         kernel = "matmul_f32_nt" if b_transposed else "matmul_f32_nn"
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             pa, pb, py = self.module.put(a), self.module.put(b), self.module.alloc(4 * a.shape[0] * n)
             self._run(kernel, None, [pa, pb, py, a.shape[0], n, k], f"{kernel}_job", [pa, pb, py, n, k],
                       a.shape[0], pool, chunk)
             return self.module.get(py, np.float32, a.shape[0] * n).reshape(a.shape[0], n)
-        finally:
-            self.module.release(m)
 
     def dot_f32(self, x: np.ndarray, y: np.ndarray) -> float:
         x, y = _f32("dot_f32 x", x, 1), _f32("dot_f32 y", y, 1)
         if x.shape != y.shape:
             raise ValueError(f"dot_f32: shapes differ, {x.shape} and {y.shape}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             return float(self.call(self.export_name("dot_f32"), self.module.put(x), self.module.put(y), x.size))
-        finally:
-            self.module.release(m)
 
     def matvec_f32(self, w: np.ndarray, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         w, x = _f32("matvec_f32 w", w, 2), _f32("matvec_f32 x", x, 1)
         if w.shape[1] != x.size:
             raise ValueError(f"matvec_f32: w is {w.shape}, x has {x.size} values")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             py = self.module.alloc(4 * w.shape[0])
             pw, px = self.module.put(w), self.module.put(x)
             self._run("matvec_f32", None, [pw, px, py, *w.shape], "matvec_f32_job", [pw, px, py, w.shape[1]],
                       w.shape[0], pool, chunk)
             return self.module.get(py, np.float32, w.shape[0])
-        finally:
-            self.module.release(m)
 
 
     # ---- elementwise, softmax, RoPE
@@ -337,8 +354,7 @@ class Kernels:
         for a in arrays:
             if a.shape != arrays[0].shape:
                 raise ValueError(f"{kernel}: shapes differ, {[x.shape for x in arrays]}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             # The vector code reads a partial last vector whole: round the buffers up to 16 bytes.
             ins = [self.module.put(a, pad=16) for a in arrays]
             out = self.module.alloc(n * np.dtype(dtype).itemsize + 16)
@@ -346,8 +362,6 @@ class Kernels:
                 raise ValueError(f"{kernel} has no pool job")
             self._run(kernel, None, [*ins, out, n], job or "", [*ins, out, n], -(-n // 4), pool, chunk)
             return self.module.get(out, dtype, n)
-        finally:
-            self.module.release(m)
 
     def exp_f32(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1), job="exp_job", pool=pool, chunk=chunk)
@@ -385,26 +399,20 @@ class Kernels:
         """gelu(x + bias) in BERT's erf form, per row of x[rows, n]."""
         x = self._rows("gelu_f32 x", x)
         rows, n = x.shape
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             pb = self._put_row_vector("gelu_f32 bias", bias, n)
             px = self.module.put(x)
             self._run("gelu_f32", None, [px, pb, px, rows, n], "gelu_job", [px, pb, px, n], rows, pool, chunk)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
-        finally:
-            self.module.release(m)
 
     def add_bias_f32(self, x: np.ndarray, bias: np.ndarray) -> np.ndarray:
         """x[rows, n] + bias[n] per row."""
         x = self._rows("add_bias_f32 x", x)
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             pb = self._put_row_vector("add_bias_f32 bias", bias, x.shape[1])
             px = self.module.put(x)
             self.call(self.export_name("add_bias_f32"), px, pb, px, *x.shape)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
-        finally:
-            self.module.release(m)
 
     def layernorm_f32(self, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1e-12,
                       residual: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -417,8 +425,7 @@ class Kernels:
         eps = as_real("layernorm_f32 eps", eps)
         if not 0 <= eps < float("inf"):
             raise ValueError(f"layernorm_f32: eps must be finite and >= 0, got {eps}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             pg = self._put_row_vector("layernorm_f32 gamma", gamma, n)
             pbeta = self._put_row_vector("layernorm_f32 beta", beta, n)
             pb = self._put_row_vector("layernorm_f32 bias", bias, n)
@@ -428,8 +435,6 @@ class Kernels:
             self._run("layernorm_f32", None, [*args, rows, n, float(eps)], "layernorm_job", [*args, n, float(eps)],
                       rows, pool, chunk)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
-        finally:
-            self.module.release(m)
 
     def mean_pool_f32(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Mean of x[seqs, t, n] over the tokens whose mask[seqs, t] is nonzero (weighted by it)."""
@@ -440,25 +445,19 @@ class Kernels:
         seqs, t, n = x.shape
         if n == 0 or n % 4:
             raise ValueError(f"mean_pool_f32: vectors must hold a positive multiple of 4 values, got shape {x.shape}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             px, pm = self.module.put(x), self.module.put(np.ascontiguousarray(mask, np.float32))
             py = self.module.alloc(4 * seqs * n)
             self.call(self.export_name("mean_pool_f32"), px, pm, py, seqs, t, n)
             return self.module.get(py, np.float32, seqs * n).reshape(seqs, n)
-        finally:
-            self.module.release(m)
 
     def l2_normalize_f32(self, x: np.ndarray) -> np.ndarray:
         """Each row of x[rows, n] at unit length (a zero row stays zero)."""
         x = self._rows("l2_normalize_f32 x", x)
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             px = self.module.put(x)
             self.call(self.export_name("l2_normalize_f32"), px, px, *x.shape)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
-        finally:
-            self.module.release(m)
 
     def _f64_map(self, kernel: str, x: np.ndarray) -> np.ndarray:
         if not isinstance(x, np.ndarray) or x.dtype != np.float64 or x.ndim != 1:
@@ -497,13 +496,10 @@ class Kernels:
         if stride % 4 or not 1 <= t <= stride:
             raise ValueError(f"softmax_f32: need 1 <= t <= stride and stride a multiple of 4, got t={t}, "
                              f"shape {x.shape} (pad rows with kernelgen.padded_rows)")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             p = self.module.put(x)
             self._run("softmax_f32", None, [p, rows, t, stride], "softmax_job", [p, t, stride], rows, pool, chunk)
             return self.module.get(p, np.float32, x.size).reshape(x.shape)
-        finally:
-            self.module.release(m)
 
     def rope_table(self, npos: int, dim: int, theta: float = 10000.0, pos0: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin tables, f32[npos, dim / 2], of angles (pos0 + p) * theta^(-2i / dim).
@@ -515,15 +511,12 @@ class Kernels:
         pos0, theta = as_int("rope_table pos0", pos0, 0, I32_MAX - npos), as_real("rope_table theta", theta)
         if dim % 2 or not 1 <= theta < float("inf"):
             raise ValueError(f"rope_table: need an even dim > 0 and a finite theta >= 1; got dim={dim}, theta={theta}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             n = npos * (dim // 2)
             pc, ps = self.module.alloc(4 * n), self.module.alloc(4 * n)
             self.call(self.export_name("rope_table"), pc, ps, pos0, npos, dim, float(theta))
             shape = (npos, dim // 2)
             return (self.module.get(pc, np.float32, n).reshape(shape), self.module.get(ps, np.float32, n).reshape(shape))
-        finally:
-            self.module.release(m)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool = False,
              pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
@@ -535,16 +528,13 @@ class Kernels:
         if dim % 8 or cos.size != dim // 2 or sin.size != dim // 2:
             raise ValueError(f"rope: dim must be a multiple of 8 and cos/sin hold dim / 2 values; got x {x.shape},"
                              f" cos {cos.shape}, sin {sin.shape}")
-        m = self.module.mark()
-        try:
+        with self.module.scope():
             p = self.module.put(x)
             kind = "pairs" if interleaved else "halves"
             pc, ps = self.module.put(cos), self.module.put(sin)
             self._run(f"rope_{kind}_f32", None, [p, pc, ps, heads, dim], f"rope_{kind}_job", [p, pc, ps, dim],
                       heads, pool, chunk)
             return self.module.get(p, np.float32, x.size).reshape(x.shape)
-        finally:
-            self.module.release(m)
 
 
 SINCOS_MAX = 2**20 * np.pi / 2  # sin_f64/cos_f64 reduce exactly by n pi/2 for |n| < 2^20 (kernels.dsl)
@@ -559,9 +549,10 @@ def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
     return out
 
 
-def load(out_dir: str | Path = "out", target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
-    """Load out_dir/<target>/kernels.wasm with its manifest."""
-    d = Path(out_dir) / target
+def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
+    """Load out_dir/<target>/kernels.wasm with its manifest; with no out_dir, the library's build that
+    ships with kernelgen (kernelgen/library.py)."""
+    d = Path(library.out() if out_dir is None else out_dir) / target
     try:
         manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
         wasm = (d / "kernels.wasm").read_bytes()

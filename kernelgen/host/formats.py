@@ -2,9 +2,22 @@
 
 GGUF blocks need none: an array of Q8_0/Q4_0/Q4_K/... blocks is already `(rows, n_blocks)` of the
 declared dtype, and `load_gguf` packs every tensor of a .gguf file (read by the `gguf` package,
-llama.cpp's own reader) whose type the build declares. ONNX keeps a 4-bit MatMul weight as three tensors (values, scales, zero points),
-each laid out along K of B[K, N]; `onnx_uint4_blocks` gathers them into q4_onnx blocks per output
-row. Unpacking, packing and kernels then come from the declaration like any other type.
+llama.cpp's own reader) whose type the build declares. ONNX stores a 4-bit MatMul weight in one of
+two representations, each with its own adapter here, named for it and taking the node's tensors and
+attributes as onnxruntime writes them:
+
+- `matmul_nbits_blocks`: com.microsoft `MatMulNBits` (what onnxruntime's MatMulNBitsQuantizer
+  writes by default): B uint8 [N, n_blocks, block_size / 2], scales [N, n_blocks], zero_points uint8
+  [N, ceil(n_blocks / 2)], attributes K, N, bits, block_size.
+- `dequantize_linear_blocks`: a blocked `DequantizeLinear` feeding MatMul's B (the QDQ format):
+  x UINT4/INT4 [K, N], x_scale [ceil(K / block_size), N], x_zero_point like x_scale, attributes
+  axis = 0 and block_size.
+
+Both return the `q4_onnx` blocks of the weight, one row per output (N, K / 32): y = blocks @ a.
+Every tensor's shape is checked against the attributes, so that no layout is taken for the other
+(a MatMulNBits B with N = K / 32 has the same element count as a [K, N] tensor); a wrong tensor is a
+ValueError naming it, its shape and the shape expected. Quantization blocks longer than 32 (a
+multiple of it) become several q4_onnx blocks with the same scale and zero point, which is exact.
 """
 from __future__ import annotations
 
@@ -38,7 +51,6 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
             raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which this build does not "
                              f"support (supported: {', '.join(supported)})")
     out: dict[str, Packed | np.ndarray] = {}
-    mark = kernels.module.mark()
     try:
         for t in reader.tensors:
             if t.tensor_type.name in GGUF_FLOATS:
@@ -47,26 +59,101 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
             # the reader's byte shape ends in a row's bytes (ggml's first dimension is the row)
             out[t.name] = kernels.pack(t.tensor_type.name.lower(), np.asarray(t.data).reshape(-1, t.data.shape[-1]))
     except BaseException:
-        kernels.module.release(mark)
+        for v in out.values():
+            if not isinstance(v, np.ndarray):  # a Packed
+                v.free()
         raise
     return out
 
 
-def onnx_uint4_blocks(q4_onnx: QuantFormat, packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,
-                      k: int, n: int) -> np.ndarray:
-    """B's UINT4 values (packed, element 2i in the low nibble, row-major [k, n]), scales [k/32, n]
-    and packed UINT4 zero points [k/32, n] -> blocks (n, k / 32) of `q4_onnx`: one row per output."""
-    block = q4_onnx.block
-    if k % block or scale.shape != (k // block, n):
-        raise ValueError(f"onnx_uint4_blocks: k={k} must be a multiple of {block} and scale of shape"
-                         f" {(k // block, n)}, got {scale.shape}")
-    if packed.size * 2 < k * n or zero_point.size * 2 < scale.size:
-        raise ValueError("onnx_uint4_blocks: packed values or zero points are too short")
-    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1)[:k * n].reshape(k, n)
-    zp = np.stack([zero_point & 0x0F, zero_point >> 4], axis=-1).reshape(-1)[:scale.size].reshape(scale.shape)
-    rows = q.T.reshape(n, k // block, block)  # output row, block, element
-    out = np.zeros((n, k // block), q4_onnx.dtype)
-    out["d"] = scale.T
-    out["z"] = zp.T
-    out["qs"] = (rows[..., 0::2] | (rows[..., 1::2] << 4)).astype(np.uint8)
+def _check(op: str, name: str, a: np.ndarray, shapes: list[tuple[int, ...]], attrs: str,
+           dtypes: tuple[str, ...]) -> np.ndarray:
+    """`a` as a numpy array of one of `dtypes` and one of `shapes`, else a ValueError/TypeError naming it."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{op}: {name} must be a numpy array (onnx.numpy_helper.to_array), got {type(a).__name__}")
+    if a.dtype.name not in dtypes:
+        raise TypeError(f"{op}: {name} has dtype {a.dtype.name}, expected {' or '.join(dtypes)}")
+    if a.shape not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise ValueError(f"{op}: {name} has shape {list(a.shape)}, expected {expected} ({attrs})")
+    return a
+
+
+def _blocks(op: str, q4_onnx: QuantFormat, k: int, n: int, block_size: int) -> int:
+    """Check the sizes the kernels can take; returns q4_onnx blocks per quantization block."""
+    if q4_onnx.block != 32 or [f.name for f in q4_onnx.fields] != ["d", "z", "qs"]:
+        raise ValueError(f"{op}: expected the q4_onnx quant type (d: f32, z: u8, qs: u8[16], block 32)")
+    if k <= 0 or n <= 0 or k % 32:
+        raise ValueError(f"{op}: K={k} and N={n}: K must be a positive multiple of 32 (the kernels' activation"
+                         f" block) and N positive")
+    if block_size <= 0 or block_size % 32:
+        raise ValueError(f"{op}: block_size={block_size}: the kernels take blocks of 32 or a multiple of 32")
+    return block_size // 32
+
+
+def _assemble(q4_onnx: QuantFormat, values: np.ndarray, scale: np.ndarray, zero: np.ndarray, per: int,
+              k: int) -> np.ndarray:
+    """values uint8 [N, K] (0..15), scale and zero [N, n_blocks] -> q4_onnx blocks (N, K / 32)."""
+    n = values.shape[0]
+    out = np.zeros((n, k // 32), q4_onnx.dtype)
+    out["d"] = np.repeat(scale.astype(np.float32), per, axis=1)[:, :k // 32]
+    out["z"] = np.repeat(zero, per, axis=1)[:, :k // 32]
+    v = values.reshape(n, k // 32, 32)
+    out["qs"] = v[..., 0::2] | (v[..., 1::2] << 4)  # element 2i in the low nibble of byte i
     return out
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """uint8 [..., m] -> uint8 [..., 2m]: the low nibble first."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1,))
+
+
+def matmul_nbits_blocks(q4_onnx: QuantFormat, B: np.ndarray, scales: np.ndarray,
+                        zero_points: np.ndarray | None = None, *, K: int, N: int, bits: int,
+                        block_size: int) -> np.ndarray:
+    """A MatMulNBits node's B, scales and (optional) zero_points, with its attributes -> q4_onnx
+    blocks (N, K / 32). Without zero_points the zero point is 8, as the operator defines."""
+    op = "MatMulNBits"
+    per = _blocks(op, q4_onnx, K, N, block_size)
+    if bits != 4:
+        raise ValueError(f"{op}: bits={bits}: q4_onnx holds 4-bit values")
+    nb = -(-K // block_size)
+    attrs = f"K={K}, N={N}, bits={bits}, block_size={block_size}"
+    B = _check(op, "B", B, [(N, nb, block_size // 2)], attrs, ("uint8",))
+    scales = _check(op, "scales", scales, [(N, nb), (N * nb,)], attrs, ("float32", "float16")).reshape(N, nb)
+    if zero_points is None:
+        zero = np.full((N, nb), 8, np.uint8)
+    else:
+        zb = -(-nb // 2)
+        zero_points = _check(op, "zero_points", zero_points, [(N, zb), (N * zb,)], attrs, ("uint8",))
+        zero = _nibbles(zero_points.reshape(N, zb))[:, :nb]
+    values = _nibbles(B.reshape(N, nb * block_size // 2))[:, :K]
+    return _assemble(q4_onnx, values, scales, zero, per, K)
+
+
+def dequantize_linear_blocks(q4_onnx: QuantFormat, x: np.ndarray, x_scale: np.ndarray,
+                             x_zero_point: np.ndarray | None = None, *, axis: int, block_size: int) -> np.ndarray:
+    """A blocked DequantizeLinear of MatMul's B: x [K, N] as onnx.numpy_helper.to_array returns a
+    UINT4 or INT4 tensor (dtype uint4/int4), x_scale [ceil(K / block_size), N], x_zero_point of x's
+    type and x_scale's shape (absent: 0), attributes axis (0: blocks along K) and block_size ->
+    q4_onnx blocks (N, K / 32). INT4 values and zero points are shifted by 8 together (exact)."""
+    op = "DequantizeLinear"
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"{op}: x must be MatMul's B, a 2-D [K, N] array, got "
+                         f"{list(x.shape) if isinstance(x, np.ndarray) else type(x).__name__}")
+    k, n = x.shape
+    per = _blocks(op, q4_onnx, k, n, block_size)
+    attrs = f"K={k}, N={n}, axis={axis}, block_size={block_size}"
+    if axis != 0:
+        raise ValueError(f"{op}: axis={axis}: the blocks must run along K, axis 0 of B [K, N] ({attrs})")
+    nb = -(-k // block_size)
+    x = _check(op, "x", x, [(k, n)], attrs, ("uint4", "int4"))
+    x_scale = _check(op, "x_scale", x_scale, [(nb, n)], attrs, ("float32", "float16"))
+    shift = 8 if x.dtype.name == "int4" else 0
+    if x_zero_point is None:
+        zero = np.full((nb, n), shift, np.uint8)
+    else:
+        x_zero_point = _check(op, "x_zero_point", x_zero_point, [(nb, n)], attrs, (x.dtype.name,))
+        zero = (x_zero_point.astype(np.int16) + shift).astype(np.uint8)
+    values = (x.astype(np.int16) + shift).astype(np.uint8)
+    return _assemble(q4_onnx, np.ascontiguousarray(values.T), x_scale.T, zero.T, per, k)

@@ -1,9 +1,9 @@
 """Run a built kernelgen wasm module under wasmtime, over one *shared* memory.
 
 The module imports its linear memory as ``(import "env" "memory" (memory MIN MAX shared))``
-and has no other imports. The host owns that memory: it allocates buffers in it (a bump
-allocator from the manifest's ``heap_base``), reads/writes them as numpy views without
-copying, and calls the exported kernels. Because the memory is shared, further
+and has no other imports. The host owns that memory: it allocates buffers in it (from the
+manifest's ``heap_base`` up to its ``max_pages``; freed explicitly, by scope, or all at once),
+reads/writes them as numpy views without copying, and calls the exported kernels. Because the memory is shared, further
 Store+Instance pairs on the same memory (``Module.instantiate_another``) let several Python
 threads run kernels over the same data at once: wasmtime-py calls into the runtime through
 ``ctypes.CDLL``, which releases the GIL for the duration of a wasm call, so the threads run
@@ -14,13 +14,15 @@ allocator are shared by every Python thread that uses this Module, so `call` and
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import difflib
 import functools
 import numbers
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import wasmtime
@@ -125,8 +127,11 @@ class Module:
         self._funcs = {name: ext for name, ext in self.instance.exports(self.store).items()
                        if isinstance(ext, wasmtime.Func)}
         self._params = {name: [str(p) for p in f.type(self.store).params] for name, f in self._funcs.items()}
-        self._top = self.heap_base
         self.lock = threading.RLock()
+        self._top = self.heap_base  # the end of the highest allocation
+        self._live: dict[int, tuple[int, int]] = {}  # address -> the range it took
+        self._holes: list[tuple[int, int]] = []  # freed ranges below _top, sorted and merged
+        self._threads = threading.local()  # .scopes: this thread's open scopes, each a list of (generation, address)
         # Counts reset()s: what was allocated before one (e.g. a Packed) carries the old value.
         self.generation = 0
 
@@ -150,51 +155,113 @@ class Module:
 
     # --- memory -------------------------------------------------------------------------
 
-    def alloc(self, nbytes: int, align: int = 64) -> int:
-        """Reserve `nbytes` at an `align`-aligned address, growing the memory if needed.
+    def alloc(self, nbytes: int, align: int = 64, what: str = "a buffer") -> int:
+        """Reserve `nbytes` at an `align`-aligned address (not zeroed) until ``free``, the end of
+        the ``scope`` it was made in, or ``reset``; growing the memory up to the module's maximum.
 
-        A bump allocator: kernels run on buffers set up once per call batch, freed together
-        by ``reset``. The contents are not zeroed.
+        First fit in the ranges freed so far, else above everything in use; a range freed at the
+        top lowers the top, so allocating and freeing in any order does not grow the memory.
         """
         nbytes = as_int("alloc nbytes", nbytes, 0, self.max_pages * PAGE_SIZE)
         align = as_int("alloc align", align, 1, PAGE_SIZE)
         if align & (align - 1):
             raise ValueError(f"align must be a power of two, got {align}")
         with self.lock:
-            return self._alloc(nbytes, align)
+            return self._alloc(nbytes, align, what)
 
-    def _alloc(self, nbytes: int, align: int) -> int:
-        addr = -(-self._top // align) * align
+    def _alloc(self, nbytes: int, align: int, what: str) -> int:
+        nbytes = max(nbytes, 1)  # every allocation its own address
+        for i, (start, end) in enumerate(self._holes):
+            addr = -(-start // align) * align
+            if addr + nbytes <= end:
+                rest = [(start, addr)] if addr > start else []
+                self._holes[i:i + 1] = rest + ([(addr + nbytes, end)] if addr + nbytes < end else [])
+                return self._keep(addr, addr, addr + nbytes)
+        start = self._top
+        addr = -(-start // align) * align
         end = addr + nbytes
         size = self.memory.data_len()
         if end > size:
-            pages = size // PAGE_SIZE
             need = -(-(end - size) // PAGE_SIZE)
-            if pages + need > self.max_pages:
-                raise MemoryError(
-                    f"alloc({nbytes}, align={align}) needs memory up to byte {end} "
-                    f"({pages + need} pages) but the module allows at most {self.max_pages} "
-                    f"pages ({self.max_pages * PAGE_SIZE} bytes); {addr - self.heap_base} bytes "
-                    f"are in use above heap_base={self.heap_base}")
+            if size // PAGE_SIZE + need > self.max_pages:
+                raise MemoryError(self._out_of_memory(nbytes, what))
             self.memory.grow(need)
         self._top = end
+        return self._keep(addr, start, end)
+
+    def _keep(self, addr: int, start: int, end: int) -> int:
+        """Record an allocation: the range it took (alignment padding included) is what free returns."""
+        self._live[addr] = (start, end)
+        scopes = getattr(self._threads, "scopes", None)
+        if scopes:
+            scopes[-1].append((self.generation, addr))
         return addr
 
+    def _out_of_memory(self, nbytes: int, what: str) -> str:
+        limit = self.max_pages * PAGE_SIZE
+        free = limit - self.in_use()
+        return (f"out of memory: {what} needs {nbytes} bytes, and {free} of the module's {limit} bytes are free"
+                f" ({self.in_use() - self.heap_base} in use by live allocations"
+                f"{f', the largest free range {self._largest_free()} bytes' if self._holes else ''});"
+                f" free packed matrices no longer needed (Packed.free(), `with k.pack(...) as w:`, or"
+                f" `with k.scope():`), or rebuild with a larger maximum (kernelgen build --max-memory;"
+                f" this build allows {self.max_pages} pages of 64 KiB)")
+
+    def _largest_free(self) -> int:
+        above = self.max_pages * PAGE_SIZE - self._top
+        return max([above] + [end - start for start, end in self._holes])
+
+    def free(self, addr: int) -> None:
+        """Give back the allocation at `addr`."""
+        with self.lock:
+            self._free(addr)
+
+    def _free(self, addr: int) -> None:
+        try:
+            start, end = self._live.pop(addr)
+        except KeyError:
+            raise ValueError(f"free({addr}): not a live allocation of this module (freed already?)") from None
+        holes = self._holes
+        i = bisect.bisect(holes, (start, end))
+        if i < len(holes) and holes[i][0] == end:  # merge with the free range after
+            end = holes.pop(i)[1]
+        if i > 0 and holes[i - 1][1] == start:  # and the one before
+            start = holes.pop(i - 1)[0]
+            i -= 1
+        if end == self._top:
+            self._top = start
+        else:
+            holes.insert(i, (start, end))
+
+    def is_live(self, addr: int) -> bool:
+        return addr in self._live
+
+    def in_use(self) -> int:
+        """Bytes from address 0 to the end of the highest live allocation, less the freed ranges below it."""
+        return self._top - sum(end - start for start, end in self._holes)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Everything this thread allocates inside the block is freed when it ends (unless freed
+        before, or by a reset())."""
+        scopes = self._threads.__dict__.setdefault("scopes", [])
+        scopes.append([])
+        try:
+            yield
+        finally:
+            with self.lock:
+                for generation, addr in reversed(scopes.pop()):
+                    if generation == self.generation and addr in self._live:
+                        self._free(addr)
+
     def reset(self) -> None:
-        """Free every allocation at once (the memory keeps its size)."""
+        """Free every allocation at once (the memory keeps its size); what was allocated before is
+        invalid from now on (``generation`` counts resets)."""
         with self.lock:
             self._top = self.heap_base
+            self._live.clear()
+            self._holes.clear()
             self.generation += 1
-
-    def mark(self) -> int:
-        """The allocator's position, for `release`: free a call's temporaries, keep what came before."""
-        return self._top
-
-    def release(self, mark: int) -> None:
-        with self.lock:
-            if not isinstance(mark, int) or not self.heap_base <= mark <= self._top:
-                raise ValueError(f"release({mark}): not a mark of this allocator (top is {self._top})")
-            self._top = mark
 
     def check_address(self, what: str, addr: Any) -> int:
         """`addr` as an address at or above heap_base: below it are the module's own words (the
@@ -206,14 +273,14 @@ class Module:
                              "pass addresses from alloc/put")
         return a
 
-    def put(self, array: np.ndarray, align: int = 64, pad: int = 0) -> int:
+    def put(self, array: np.ndarray, align: int = 64, pad: int = 0, what: str = "a buffer") -> int:
         """Copy `array` (as C-contiguous bytes) into fresh memory followed by `pad` zero bytes.
 
         The padding lets SIMD kernels read whole vectors past the end of the data.
         """
         pad = as_int("put pad", pad, 0, self.max_pages * PAGE_SIZE)
         data = np.ascontiguousarray(array)
-        addr = self.alloc(data.nbytes + pad, align)
+        addr = self.alloc(data.nbytes + pad, align, what)
         dst = self.view(addr, np.uint8, data.nbytes + pad)
         dst[:data.nbytes] = data.reshape(-1).view(np.uint8)
         dst[data.nbytes:] = 0
