@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import zlib
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -20,6 +21,7 @@ from conftest import Mode
 
 ROW_TUNES = (1, 2, 4)  # qmatvec's `rows` tune domain
 NODE = shutil.which("node")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's (.ci/run installs it), never a downloaded browser
 # Node 20 runs relaxed SIMD only behind a flag, and its baseline compiler (Liftoff) gets
 # i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")

@@ -25,10 +25,9 @@ from kernelgen.host.api import Kernels, padded_rows
 
 from helpers import random_blocks
 
-from helpers import NODE, NODE_FLAGS, need
+from helpers import CHROMIUM, NODE, NODE_FLAGS, need
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
 TARGETS = ("simd128", "relaxed-simd")
 THREADS = 3
 ROWS, K = 37, 320  # 10 blocks a row: two four-block steps and two blocks left over

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import NODE, NODE_FLAGS, need
+from helpers import CHROMIUM, NODE, NODE_FLAGS, need
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "minilm"))
@@ -177,11 +177,13 @@ def test_kernelgen_embeddings_threaded_equal_one_thread(corpus) -> None:
 # ---- the JS model (examples/minilm/minilm.mjs) on kernelgen's JS runtime --------------------------
 
 def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
-    """Node runs the exported model (export.py -> minilm.mjs) to the same bits as wasmtime under
-    Python, on both targets, on one thread and through a two-thread pool; a batch of unequal
-    lengths (the padding exists only in pooling) and token ids passed from the host."""
+    """Node and headless Chromium run the exported model (export.py -> minilm.mjs) to the same bits as
+    wasmtime under Python, on both targets, on one thread and through a two-thread pool; a batch of
+    unequal lengths (the padding exists only in pooling) and token ids passed from the host."""
     need_parts()
     need(NODE, "node is not installed")
+    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
     import export
     import minilm
 
@@ -198,14 +200,15 @@ def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
         finally:
             model.k.reset()
         np.testing.assert_allclose(np.linalg.norm(expected, axis=1), 1, rtol=1e-5)
-        for threads in (1, 2):
-            out = tmp_path / f"{target}-{threads}.bin"
+        for where, threads in (("node", 1), ("node", 2), ("chromium", 1), ("chromium", 2)):
+            out = tmp_path / f"{target}-{where}-{threads}.bin"
             proc = subprocess.run([NODE, *NODE_FLAGS, str(script), str(model_file), str(ids_file), str(out),
-                                   "--target", target, "--threads", str(threads)], capture_output=True, text=True)
+                                   "--target", target, "--threads", str(threads),
+                                   *(["--browser"] if where == "chromium" else [])], capture_output=True, text=True)
             assert proc.returncode == 0, proc.stderr
             got = np.fromfile(out, np.float32).reshape(expected.shape)
             assert got.tobytes() == expected.tobytes(), \
-                f"{target}, {threads} threads: max |diff| {np.abs(got - expected).max()}"
+                f"{target}, {where}, {threads} threads: max |diff| {np.abs(got - expected).max()}"
     proc = subprocess.run([NODE, str(script), str(model_file), str(ids_file)], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
 

@@ -183,3 +183,18 @@ export class MiniLM {
     return norm(() => k.l2Normalize(pooled, n));
   }
 }
+
+/** Load kernels (`loadKernels` of runtime/kernelgen.mjs, wherever it is served from) with {target,
+ * threads}, pack the model from export.py's `bytes`, embed `sentences` (threaded when threads > 1)
+ * and let the kernels go. Refuses a pool smaller than asked (a page that is not cross-origin
+ * isolated gets one thread). */
+export async function embedOnce(loadKernels, bytes, sentences, { target, threads = 1 } = {}) {
+  const k = await loadKernels({ target, threads });
+  try {
+    if (k.info.threads !== threads) throw new Error(`${threads} threads asked, the pool has ${k.info.threads} (${k.info.notes.join('; ')})`);
+    const model = await MiniLM.load(k, bytes);
+    return await model.embed(sentences, { threads: threads > 1 });
+  } finally {
+    await k.terminate();
+  }
+}
