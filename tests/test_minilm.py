@@ -213,6 +213,39 @@ def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
+# Text the corpus does not have: accents (composed and combining), CJK, other scripts, punctuation of
+# every kind, control and zero-width characters, odd whitespace, emoji, ligatures, a word over the
+# 100-character limit, words that do not split, and more than 128 tokens (truncation).
+ADVERSARIAL_TEXT = [
+    "Café naïve résumé — “quotes” ‘x’", "日本語のテキスト and 中文", "e\u0301tude \u00e9tude ab\u0300\u0301c",
+    "a\x00b\ufffdc\u200bd\x07e\u00ad", "tab\there\nnew\r\nline\u00a0nbsp\u3000ideo\u2028sep", "x" * 150,
+    "supercalifragilisticexpialidocious antidisestablishmentarianism", "emoji 😀🎉 ok",
+    "C++ & Python's #1 (really?!) $100 @home 50% ~tilde^ `tick` {brace} [x] |pipe| \\slash", "", "   ",
+    "İstanbul ǅ ß ﬁ Ⅻ", "word " * 200, "Ελληνικά русский عربى हिन्दी", "1,000.5e-3 ¿qué? ¡sí! «guillemets»",
+]
+
+
+def test_js_wordpiece_gives_the_tokenizers_ids(tmp_path, corpus) -> None:
+    """examples/minilm/wordpiece.mjs on the model's tokenizer.json gives `tokenizers`' ids for every
+    corpus sentence and query and for adversarial text."""
+    need_parts()
+    need(NODE, "node is not installed")
+    from tokenizers import Tokenizer
+
+    texts = [*corpus[0], *corpus[1], *ADVERSARIAL_TEXT]
+    tok = Tokenizer.from_file(str(inputs.tokenizer_path()))
+    tok.no_padding()
+    expected = [e.ids for e in tok.encode_batch(texts)]
+    assert max(map(len, expected)) == 128 and any(inputs.tokenize([t]).ids[0, 1] == 100 for t in ADVERSARIAL_TEXT)
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    proc = subprocess.run([NODE, str(ROOT / "examples" / "minilm" / "wordpiece.mjs"), str(inputs.tokenizer_path()),
+                           str(tmp_path / "texts.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    differ = [(t, e, g) for t, e, g in zip(texts, expected, got) if e != g]
+    assert len(got) == len(texts) and not differ, f"{len(differ)} differ, first: {differ[:1]}"
+
+
 def test_bench_script_runs_every_engine() -> None:
     """A tiny run of examples/minilm/bench.py (the benchmark itself is not run in the suite): every
     engine gives a figure, and each one's first embedding is the model's (cosine to onnxruntime)."""
