@@ -83,16 +83,9 @@ export class MiniLM {
     }
   }
 
-  /** x[rows * in] -> W x_t per token, Float32Array(rows * out) (the bias is added by the next kernel). */
+  /** x[rows * in] -> x W^T in one qmatmul, Float32Array(rows * out) (the bias is added by the next kernel). */
   #project({ w }, x, opts) {
-    return this.#timed('linear', async () => {
-      const out = new Float32Array((x.length / w.k) * w.rows);
-      for (let t = 0; t < x.length / w.k; t++) {
-        const act = await this.k.quantizeAct(x.subarray(t * w.k, (t + 1) * w.k));
-        out.set(await this.k.qmatvec(w, act, opts), t * w.rows);
-      }
-      return out;
-    });
+    return this.#timed('linear', async () => this.k.qmatmul(w, await this.k.quantizeAct(x, x.length / w.k), opts));
   }
 
   /** One sentence's attention: qkv[L * 3 * hidden] (biases added) -> context Float32Array(L * hidden),

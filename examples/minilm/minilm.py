@@ -9,16 +9,16 @@ The host (this file) only moves data: it gathers embedding rows, lays out buffer
 kernels. Every arithmetic step runs in wasm:
 
     x = layernorm_f32(word[ids], residual=pos[0..T), bias=type[0])
-    per layer:  qkv = qmatvec(Wqkv, quantize_act(x_t)) per token, + bias      (add_bias_f32)
+    per layer:  qkv = qmatmul(Wqkv, quantize_act(x)) over all tokens, + bias      (add_bias_f32)
                 per sentence and query token: scores of all 12 heads in one matvec_f32,
                 softmax_f32 over the sentence's tokens, the weighted values in one matvec_f32
-                x = layernorm_f32(qmatvec(Wo, ctx_t), residual=x, bias=bo)
-                x = layernorm_f32(qmatvec(W2, gelu_f32(qmatvec(W1, x_t), b1)), residual=x, bias=b2)
+                x = layernorm_f32(qmatmul(Wo, ctx), residual=x, bias=bo)
+                x = layernorm_f32(qmatmul(W2, gelu_f32(qmatmul(W1, x), b1)), residual=x, bias=b2)
     embedding = l2_normalize_f32(mean_pool_f32(x padded to [batch, T, 384], mask))
 
-Interim, until the GEMM issue's qmatmul and matmul_f32 are on main: the linear layers run as one
-quantized mat-vec per token (correct, slow: the weights are streamed once per token), and attention
-as mat-vecs over keys laid out block-diagonally (row (h, j) holds key j's head-h slice in head h's
+The linear layers run as one qmatmul over all tokens of the batch (each row bit for bit the
+per-token qmatvec, so the results did not change when they moved to it). Attention still runs as
+mat-vecs over keys laid out block-diagonally (row (h, j) holds key j's head-h slice in head h's
 columns, zeros elsewhere), so one call gives one query's scores for all heads at 12x the FLOPs of a
 per-head product. Only the real tokens of each sentence are computed; the padding exists only in
 the pooling step, where the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model:
@@ -116,8 +116,8 @@ class MiniLM:
                        for i in range(config["num_hidden_layers"])]
 
     def _project(self, layer: Linear, x: np.ndarray, pool: Pool | None) -> np.ndarray:
-        """x[tokens, in] -> W x_t per token, f32[tokens, out] (the bias is added by the next kernel)."""
-        return np.stack([self.k.qmatvec(layer.w, self.k.quantize_act(row), pool) for row in x])
+        """x[tokens, in] -> x W^T, f32[tokens, out] (the bias is added by the next kernel)."""
+        return self.k.qmatmul(layer.w, self.k.quantize_act(x), pool)
 
     def _attention(self, qkv: np.ndarray, pool: Pool | None) -> np.ndarray:
         """One sentence's attention: qkv f32[L, 3 * 384] (biases added) -> context f32[L, 384]."""
