@@ -89,7 +89,7 @@ export class MiniLM {
   }
 
   /** One sentence's attention: qkv[L * 3 * hidden] (biases added) -> context Float32Array(L * hidden),
-   * through block-diagonal keys and values as minilm.py lays them out. */
+   * two matmulF32 over block-diagonal keys and values as minilm.py lays them out. */
   #attention(qkv, length, opts) {
     return this.#timed('attention', async () => {
       const { hidden: n, heads: h, headSize: d, k } = this;
@@ -104,19 +104,15 @@ export class MiniLM {
         }
       }
       const stride = Math.ceil(length / 4) * 4;
+      const q = new Float32Array(length * n);
+      for (let i = 0; i < length; i++) q.set(qkv.subarray(i * 3 * n, i * 3 * n + n), i * n);
+      const s = await k.matmulF32(q, keys, length, h * length, { ...opts, bTransposed: true });
       const scores = new Float32Array(length * h * stride);
-      for (let i = 0; i < length; i++) {
-        const s = await k.matvecF32(keys, qkv.subarray(i * 3 * n, i * 3 * n + n), opts);
-        for (let hh = 0; hh < h; hh++) scores.set(s.subarray(hh * length, (hh + 1) * length), (i * h + hh) * stride);
-      }
+      for (let r = 0; r < length * h; r++) scores.set(s.subarray(r * length, (r + 1) * length), r * stride);
       const probs = await k.softmax(scores, length, stride, opts);
-      const ctx = new Float32Array(length * n);
-      const p = new Float32Array(h * length);
-      for (let i = 0; i < length; i++) {
-        for (let hh = 0; hh < h; hh++) p.set(probs.subarray((i * h + hh) * stride, (i * h + hh) * stride + length), hh * length);
-        ctx.set(await k.matvecF32(values, p, opts), i * n);
-      }
-      return ctx;
+      const p = new Float32Array(length * h * length);
+      for (let r = 0; r < length * h; r++) p.set(probs.subarray(r * stride, r * stride + length), r * length);
+      return k.matmulF32(p, values, length, n, { ...opts, bTransposed: true });
     });
   }
 

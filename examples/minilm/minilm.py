@@ -10,17 +10,17 @@ kernels. Every arithmetic step runs in wasm:
 
     x = layernorm_f32(word[ids], residual=pos[0..T), bias=type[0])
     per layer:  qkv = qmatmul(Wqkv, quantize_act(x)) over all tokens, + bias      (add_bias_f32)
-                per sentence and query token: scores of all 12 heads in one matvec_f32,
-                softmax_f32 over the sentence's tokens, the weighted values in one matvec_f32
+                per sentence: scores of all queries and heads in one matmul_f32,
+                softmax_f32 over the sentence's tokens, the weighted values in one matmul_f32
                 x = layernorm_f32(qmatmul(Wo, ctx), residual=x, bias=bo)
                 x = layernorm_f32(qmatmul(W2, gelu_f32(qmatmul(W1, x), b1)), residual=x, bias=b2)
     embedding = l2_normalize_f32(mean_pool_f32(x padded to [batch, T, 384], mask))
 
 The linear layers run as one qmatmul over all tokens of the batch (each row bit for bit the
-per-token qmatvec, so the results did not change when they moved to it). Attention still runs as
-mat-vecs over keys laid out block-diagonally (row (h, j) holds key j's head-h slice in head h's
-columns, zeros elsewhere), so one call gives one query's scores for all heads at 12x the FLOPs of a
-per-head product. Only the real tokens of each sentence are computed; the padding exists only in
+per-token qmatvec, so the results did not change when they moved to it). Attention runs as two
+matmul_f32 per sentence over keys and values laid out block-diagonally (row (h, j) holds key j's
+head-h slice in head h's columns, zeros elsewhere), so one call gives all queries' scores for all
+heads, at 12x the FLOPs of per-head products but 2 calls instead of 24. Only the real tokens of each sentence are computed; the padding exists only in
 the pooling step, where the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model:
 their super-blocks are 256 values and most of its rows are 384.
 """
@@ -134,10 +134,9 @@ class MiniLM:
         values_bd = values_bd.reshape(n, h * length)
         stride = -(-length // 4) * 4
         scores = np.zeros((length * h, stride), np.float32)
-        for i in range(length):
-            scores[i * h:(i + 1) * h, :length] = self.k.matvec_f32(keys_bd, q[i], pool).reshape(h, length)
+        scores[:, :length] = self.k.matmul_f32(q, keys_bd, b_transposed=True, pool=pool).reshape(length * h, length)
         probs = self.k.softmax_f32(scores, length, pool)[:, :length].reshape(length, h * length)
-        return np.stack([self.k.matvec_f32(values_bd, p, pool) for p in probs])
+        return self.k.matmul_f32(probs, values_bd, b_transposed=True, pool=pool)
 
     def embed(self, batch: inputs.Batch, pool: Pool | None = None) -> np.ndarray:
         """Unit-length sentence embeddings, f32[batch, 384]."""
