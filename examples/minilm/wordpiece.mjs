@@ -13,10 +13,6 @@
 // continuations, [UNK] for a word that does not split or is over max_input_chars_per_word), then
 // [CLS] ... [SEP] truncated to the file's max_length.
 
-import { readFileSync } from 'node:fs';
-import { resolve } from 'node:path';
-import { fileURLToPath } from 'node:url';
-
 const CONTROL = /[\p{Cc}\p{Cf}\p{Co}\p{Cn}]/u;
 const WHITESPACE = /\p{White_Space}/u;
 const PUNCTUATION = /[!-/:-@[-`{-~\p{P}]/u;
@@ -103,11 +99,16 @@ export class WordPiece {
   }
 }
 
-if (process?.argv?.[1] && resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
-  if (process.argv.length !== 4) {
-    console.error('usage: wordpiece.mjs tokenizer.json TEXTS.json');
-    process.exit(2);
+// The command line (Node only: a page imports this module for the class).
+const argv = globalThis.process?.argv;
+if (argv?.[1] && argv[1].endsWith('wordpiece.mjs')) {
+  const [{ readFileSync }, { resolve }, { fileURLToPath }] = await Promise.all([import('node:fs'), import('node:path'), import('node:url')]);
+  if (resolve(argv[1]) === fileURLToPath(import.meta.url)) {
+    if (argv.length !== 4) {
+      console.error('usage: wordpiece.mjs tokenizer.json TEXTS.json');
+      process.exit(2);
+    }
+    const tok = WordPiece.fromJson(JSON.parse(readFileSync(argv[2], 'utf8')));
+    console.log(JSON.stringify(JSON.parse(readFileSync(argv[3], 'utf8')).map((t) => tok.encode(t))));
   }
-  const tok = WordPiece.fromJson(JSON.parse(readFileSync(process.argv[2], 'utf8')));
-  console.log(JSON.stringify(JSON.parse(readFileSync(process.argv[3], 'utf8')).map((t) => tok.encode(t))));
 }
