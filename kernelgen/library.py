@@ -1,4 +1,4 @@
-"""Where the kernel library (kernels.dsl) and its committed build (out/) live.
+"""Where the kernel library (kernels.dsl), its committed build (out/) and the JS runtime (runtime/) live.
 
 An installed wheel carries both inside the package, as kernelgen/library/ (pyproject.toml's
 force-include); in a checkout (or an editable install) they are the repository's own, beside the
@@ -24,3 +24,8 @@ def dsl() -> Path:
 
 def out() -> Path:
     return root() / "out"
+
+
+def runtime() -> Path:
+    """The JS runtime's modules (runtime/): `kernelgen bench --engine node` runs the kernels through them."""
+    return root() / "runtime"

@@ -38,6 +38,7 @@ from ..errors import KernelgenError
 from ..compiler.check import check
 from ..compiler.parse import parse
 from ..host.pool import Pool
+from .. import library
 from ..names import variant_name
 from .store import Record
 from .peer import SeedPeer
@@ -580,6 +581,7 @@ def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tupl
         (out / "kernels.json").write_text(json.dumps(built.manifest), encoding="utf-8")
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
         config = {"out": tmp, "target": built.target, "seed": str(Path(tmp, "seed.wasm")), "minMs": min_ms,
+                  "runtime": (library.runtime() / "kernelgen.mjs").as_uri(),
                   "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes]}
         proc = subprocess.run([node, "--experimental-wasm-relaxed-simd", "--no-liftoff", str(NODE_BENCH),
                                json.dumps(config)], capture_output=True, text=True, timeout=3600)

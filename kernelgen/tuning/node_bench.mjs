@@ -1,19 +1,20 @@
 // `kernelgen bench --engine node`: the mat-vec rows run in V8 through the JS runtime, as a browser
 // runs them. Started by kernelgen/tuning/bench.py as
 //   node --experimental-wasm-relaxed-simd --no-liftoff node_bench.mjs CONFIG_JSON
-// with CONFIG_JSON {out, target, seed, cases: [{quant, shape: [rows, cols], twoThreads}], minMs}:
+// with CONFIG_JSON {out, target, seed, runtime, cases: [{quant, shape: [rows, cols], twoThreads}], minMs}:
 // `out` a build directory holding the bench module (the library plus bench_stream_job), `seed` the
-// seed-style peer's wasm. Prints one JSON object: {engine, rows: [{kernel, quant, shape, threads, seconds}]},
+// seed-style peer's wasm, `runtime` the URL of runtime/kernelgen.mjs (kernelgen.library.runtime():
+// the checkout's, or the copy an installed wheel carries). Prints one JSON object: {engine, rows: [{kernel, quant, shape, threads, seconds}]},
 // kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream.
 //
 // Every time is per call of the runtime's API (Kernels.bench: activations copied in, y copied out,
 // as a model runs it), except the peer's, which is called directly on its own memory.
 
 import { readFile } from 'node:fs/promises';
-import { loadKernels, packPlanes } from '../../runtime/kernelgen.mjs';
 
 const STREAM_CHUNK = 1 << 16; // bench_stream_job's item, bytes (kernelgen/tuning/timing.py)
 const config = JSON.parse(process.argv[2]);
+const { loadKernels, packPlanes } = await import(config.runtime);
 const minMs = config.minMs ?? 300;
 
 /** A seeded generator (xorshift32): the same inputs every run. */
