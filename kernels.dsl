@@ -175,17 +175,9 @@ kernel fmatvec_rows[U: i32](w: ptr, x: ptr, y: ptr, r0: i32, r1: i32, k: i32) {
 #   rows: row count
 #   k: row length, any value >= 0
 export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
-    tune unroll: i32 in {1, 2, 4} = 2;
-    fmatvec_rows[unroll](w, x, y, 0, rows, k);
-}
-
-# matvec_f32 on the thread pool, with matvec_f32's tune values: items are rows.
-#   w: f32[rows, k], row-major
-#   x: f32[k]
-#   y: f32[rows], written
-#   k: row length
-job kernel matvec_f32_job(begin: i32, end: i32, w: ptr, x: ptr, y: ptr, k: i32) {
-    fmatvec_rows[matvec_f32.unroll](w, x, y, begin, end, k);
+    tune unroll: i32 in {1, 2, 4} = 4;  # the store's pick on both targets here (AMD EPYC, 2 cores)
+    parallel rows r0..r1 in 0..rows;
+    fmatvec_rows[unroll](w, x, y, r0, r1, k);
 }
 
 # ---- f32 matrix products (attention: scores = Q K^T, out = P V) --------------------------------
@@ -259,17 +251,8 @@ export kernel matmul_f32_nt(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
     tune tokens: i32 in {1, 2, 4} = 4;
     tune rows: i32 in {1, 2, 4} = 2;
     restrict tokens * rows + rows < 16;  # accumulators and B's vectors in 16 registers, one for A's
-    ftiles_nt[tokens, rows](a, b, y, 0, m, n, k);
-}
-
-# matmul_f32_nt on the thread pool, with its tune values: items are rows of a (and of y).
-#   a: f32[m, k]
-#   b: f32[n, k]
-#   y: f32[m, n], written
-#   n: rows of b
-#   k: row length
-job kernel matmul_f32_nt_job(begin: i32, end: i32, a: ptr, b: ptr, y: ptr, n: i32, k: i32) {
-    ftiles_nt[matmul_f32_nt.tokens, matmul_f32_nt.rows](a, b, y, begin, end, n, k);
+    parallel rows t0..t1 in 0..m;  # rows of a (and of y)
+    ftiles_nt[tokens, rows](a, b, y, t0, t1, n, k);
 }
 
 # y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
@@ -343,17 +326,8 @@ export kernel matmul_f32_nn(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
     tune tokens: i32 in {1, 2, 4, 8} = 4;
     tune cols: i32 in {1, 2, 4} = 2;
     restrict tokens * cols + cols < 16;  # accumulators and B's vectors in 16 registers, one for A's
-    ftiles_nn[tokens, cols](a, b, y, 0, m, n, k);
-}
-
-# matmul_f32_nn on the thread pool, with its tune values: items are rows of a (and of y).
-#   a: f32[m, k]
-#   b: f32[k, n]
-#   y: f32[m, n], written
-#   n: columns of b
-#   k: columns of a
-job kernel matmul_f32_nn_job(begin: i32, end: i32, a: ptr, b: ptr, y: ptr, n: i32, k: i32) {
-    ftiles_nn[matmul_f32_nn.tokens, matmul_f32_nn.cols](a, b, y, begin, end, n, k);
+    parallel rows t0..t1 in 0..m;  # rows of a (and of y)
+    ftiles_nn[tokens, cols](a, b, y, t0, t1, n, k);
 }
 
 # ---- activations -------------------------------------------------------------------------------
@@ -399,15 +373,8 @@ kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
 #   q: i16[n] on simd128, u8[n] in [1, 127] on relaxed SIMD, written
 #   d: f32[n / 32], written: the block scales
 export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
-    quantize_blocks(x, q, d, 0, n / 32);
-}
-
-# quantize_act on the thread pool: items are blocks of 32 values.
-#   x: f32[n]
-#   q: n activations of ACT_BYTES, written
-#   d: f32[n / 32], written
-job kernel quantize_act_job(begin: i32, end: i32, x: ptr, q: ptr, d: ptr) {
-    quantize_blocks(x, q, d, begin, end);
+    parallel blocks b0..b1 in 0..n / 32;
+    quantize_blocks(x, q, d, b0, b1);
 }
 
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
@@ -688,17 +655,8 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
     tune rows: i32 in {1, 2, 4} = 1;
     tune accs: i32 in {1, 2} = 1;
     restrict rows * accs <= 4;  # accumulators in flight: 16 vector registers on x86-64 hold no more
-    qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, 0, n, k / Q.block, n);
-}
-
-# qmatvec on the thread pool, with qmatvec's tune values: items are rows.
-#   w: packed matrix of k / Q.block blocks per row
-#   aq: activations from quantize_act, k of ACT_BYTES each
-#   ad: activation scales, k / 32 f32
-#   y: f32[n], written
-#   k: row length, a multiple of Q.block
-job kernel qmatvec_job[Q: quant](begin: i32, end: i32, w: packed Q, aq: ptr, ad: ptr, y: ptr, k: i32) {
-    qtiles[Q, 1, qmatvec.rows, qmatvec.accs](w, aq, ad, y, 1, begin, end, k / Q.block, 0);  # one token: y's row stride unused
+    parallel rows r0..r1 in 0..n;
+    qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
 }
 
 # Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
@@ -714,20 +672,8 @@ export kernel qmatmul[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n
     tune tokens: i32 in {1, 2, 4} = 2;
     tune rows: i32 in {1, 2, 4} = 1;
     restrict tokens * rows <= 4;  # a tile's integer dots and float sums (x qmatvec's accs <= 2) in registers
-    qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, 0, n, k / Q.block, n);
-}
-
-# qmatmul on the thread pool, with qmatmul's tune values: items are rows of W (each read by one
-# thread, every token passing over it there).
-#   w: packed matrix of k / Q.block blocks per row
-#   aq: activations, m * k of ACT_BYTES each
-#   ad: activation scales, m * k / 32 f32
-#   y: f32[m, n], written
-#   m: token count
-#   n: row count
-#   k: row length, a multiple of Q.block
-job kernel qmatmul_job[Q: quant](begin: i32, end: i32, w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n: i32, k: i32) {
-    qtiles[Q, qmatmul.tokens, qmatmul.rows, qmatvec.accs](w, aq, ad, y, m, begin, end, k / Q.block, n);
+    parallel rows r0..r1 in 0..n;  # rows of W, each read by one thread, every token passing over it there
+    qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
 }
 
 # ---- exp, softmax, SiLU ------------------------------------------------------------------------
@@ -790,7 +736,8 @@ inline kernel store_first(p: ptr, v: f32x4, valid: i32) {
 #   y: f32[n], written; may be x
 #   n: element count; the last partial vector is read whole but only its first n % 4 lanes are written
 export kernel exp_f32(x: ptr, y: ptr, n: i32) {
-    exp_groups(x, y, 0, (n + 3) / 4, n);
+    parallel groups g0..g1 in 0..(n + 3) / 4;
+    exp_groups(x, y, g0, g1, n);
 }
 
 # Vector groups g0 .. g1 - 1 of exp_f32 (values 4 g0 .. 4 g1 - 1, the last group cut at n).
@@ -798,14 +745,6 @@ kernel exp_groups(x: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
     for i in g0..g1 {
         store_first(y + i * 16, exp4(f32x4.load(x + i * 16)), n - i * 4);
     }
-}
-
-# exp_f32 on the thread pool: items are groups of 4 values ((n + 3) / 4 of them).
-#   x: f32[n]
-#   y: f32[n], written
-#   n: element count
-job kernel exp_job(begin: i32, end: i32, x: ptr, y: ptr, n: i32) {
-    exp_groups(x, y, begin, end, n);
 }
 
 # Softmax of rows r0 .. r1 - 1 (see softmax_f32).
@@ -859,15 +798,8 @@ kernel softmax_rows(x: ptr, r0: i32, r1: i32, t: i32, stride: i32) {
 #   t: valid scores per row, >= 1
 #   stride: row pitch in floats, a multiple of 4, >= t
 export kernel softmax_f32(x: ptr, rows: i32, t: i32, stride: i32) {
-    softmax_rows(x, 0, rows, t, stride);
-}
-
-# softmax_f32 on the thread pool: items are rows.
-#   x: f32[rows, stride], in place
-#   t: valid scores per row
-#   stride: row pitch in floats, a multiple of 4
-job kernel softmax_job(begin: i32, end: i32, x: ptr, t: i32, stride: i32) {
-    softmax_rows(x, begin, end, t, stride);
+    parallel rows r0..r1 in 0..rows;
+    softmax_rows(x, r0, r1, t, stride);
 }
 
 # silu(x) = x * sigmoid(x) for four lanes. sigmoid is built from e = exp(-|x|), which cannot
@@ -898,7 +830,8 @@ kernel silu_groups(x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
 #   y: f32[n], written; may be x or g
 #   n: element count; a partial last vector is read whole, only its valid lanes written
 export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
-    silu_groups(x, g, y, 0, (n + 3) / 4, n);
+    parallel groups g0..g1 in 0..(n + 3) / 4;
+    silu_groups(x, g, y, g0, g1, n);
 }
 
 # y = silu(x) over n values.
@@ -906,25 +839,8 @@ export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
 #   y: f32[n], written; may be x
 #   n: element count; a partial last vector is read whole, only its valid lanes written
 export kernel silu_f32(x: ptr, y: ptr, n: i32) {
-    silu_groups(x, 0, y, 0, (n + 3) / 4, n);
-}
-
-# swiglu_f32 on the thread pool: items are groups of 4 values ((n + 3) / 4 of them).
-# No two threads ever share a vector.
-#   x: f32[n]
-#   g: f32[n]
-#   y: f32[n], written
-#   n: element count
-job kernel swiglu_job(begin: i32, end: i32, x: ptr, g: ptr, y: ptr, n: i32) {
-    silu_groups(x, g, y, begin, end, n);
-}
-
-# silu_f32 on the thread pool: items are groups of 4 values ((n + 3) / 4 of them).
-#   x: f32[n]
-#   y: f32[n], written
-#   n: element count
-job kernel silu_job(begin: i32, end: i32, x: ptr, y: ptr, n: i32) {
-    silu_groups(x, 0, y, begin, end, n);
+    parallel groups g0..g1 in 0..(n + 3) / 4;
+    silu_groups(x, 0, y, g0, g1, n);
 }
 
 # ---- encoder layers (BERT): erf GELU, LayerNorm, bias, mean pooling, L2 normalisation ---------
@@ -1029,16 +945,8 @@ kernel gelu_rows(x: ptr, b: ptr, y: ptr, r0: i32, r1: i32, n: i32) {
 #   rows: row count
 #   n: row length, a multiple of 4
 export kernel gelu_f32(x: ptr, b: ptr, y: ptr, rows: i32, n: i32) {
-    gelu_rows(x, b, y, 0, rows, n);
-}
-
-# gelu_f32 on the thread pool: items are rows.
-#   x: f32[rows, n]
-#   b: f32[n]
-#   y: f32[rows, n], written
-#   n: row length, a multiple of 4
-job kernel gelu_job(begin: i32, end: i32, x: ptr, b: ptr, y: ptr, n: i32) {
-    gelu_rows(x, b, y, begin, end, n);
+    parallel rows r0..r1 in 0..rows;
+    gelu_rows(x, b, y, r0, r1, n);
 }
 
 # y[r, j] = x[r, j] + b[j]: a linear layer's bias.
@@ -1095,20 +1003,8 @@ kernel layernorm_rows(x: ptr, res: ptr, b: ptr, gamma: ptr, beta: ptr, y: ptr, r
 #   n: row length, a multiple of 4
 #   eps: added to the variance (BERT: 1e-12)
 export kernel layernorm_f32(x: ptr, res: ptr, b: ptr, gamma: ptr, beta: ptr, y: ptr, rows: i32, n: i32, eps: f32) {
-    layernorm_rows(x, res, b, gamma, beta, y, 0, rows, n, eps);
-}
-
-# layernorm_f32 on the thread pool: items are rows.
-#   x: f32[rows, n]
-#   res: f32[rows, n]
-#   b: f32[n]
-#   gamma: f32[n]
-#   beta: f32[n]
-#   y: f32[rows, n], written
-#   n: row length, a multiple of 4
-#   eps: added to the variance
-job kernel layernorm_job(begin: i32, end: i32, x: ptr, res: ptr, b: ptr, gamma: ptr, beta: ptr, y: ptr, n: i32, eps: f32) {
-    layernorm_rows(x, res, b, gamma, beta, y, begin, end, n, eps);
+    parallel rows r0..r1 in 0..rows;
+    layernorm_rows(x, res, b, gamma, beta, y, r0, r1, n, eps);
 }
 
 # Mean of each sequence's tokens under its mask: y[s] = sum_i mask[s, i] x[s, i] / sum_i mask[s, i]
@@ -1421,7 +1317,8 @@ kernel rope_heads[PAIRS: i32](x: ptr, cos: ptr, sin: ptr, h0: i32, h1: i32, dim:
 #   heads: head count
 #   dim: head dimension, a multiple of 8
 export kernel rope_halves_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) {
-    rope_heads[0](x, cos, sin, 0, heads, dim);
+    parallel heads h0..h1 in 0..heads;
+    rope_heads[0](x, cos, sin, h0, h1, dim);
 }
 
 # Rotate heads in place, adjacent pairs (x[2i], x[2i + 1]) (the interleaved convention of the
@@ -1432,25 +1329,8 @@ export kernel rope_halves_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) 
 #   heads: head count
 #   dim: head dimension, a multiple of 8
 export kernel rope_pairs_f32(x: ptr, cos: ptr, sin: ptr, heads: i32, dim: i32) {
-    rope_heads[1](x, cos, sin, 0, heads, dim);
-}
-
-# rope_halves_f32 on the thread pool: items are heads.
-#   x: f32[heads, dim], rotated in place
-#   cos: f32[dim / 2]
-#   sin: f32[dim / 2]
-#   dim: head dimension, a multiple of 8
-job kernel rope_halves_job(begin: i32, end: i32, x: ptr, cos: ptr, sin: ptr, dim: i32) {
-    rope_heads[0](x, cos, sin, begin, end, dim);
-}
-
-# rope_pairs_f32 on the thread pool: items are heads.
-#   x: f32[heads, dim], rotated in place
-#   cos: f32[dim / 2]
-#   sin: f32[dim / 2]
-#   dim: head dimension, a multiple of 8
-job kernel rope_pairs_job(begin: i32, end: i32, x: ptr, cos: ptr, sin: ptr, dim: i32) {
-    rope_heads[1](x, cos, sin, begin, end, dim);
+    parallel heads h0..h1 in 0..heads;
+    rope_heads[1](x, cos, sin, h0, h1, dim);
 }
 
 # ---- the thread pool ---------------------------------------------------------------------------

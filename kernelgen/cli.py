@@ -146,7 +146,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not kernels:
         raise KernelgenError(f"--kernel {args.kernel!r} matches no tunable kernel ({', '.join(SPECS)})")
     for k in kernels:
-        if k not in checked.kernels:
+        if k not in checked.kernels and k not in checked.jobs:
             raise KernelgenError(f"{args.dsl}: kernel {k} is not declared")
     try:
         shapes = {k: [parse_shape(s) for s in args.shape] for k in kernels} if args.shape else {}
@@ -219,6 +219,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                      "params": [f"{p.name}: {'packed ' if p.packed else ''}{p.type}" for p in k.ast.params],
                      "returns": k.ast.ret,
                      "tune": {t.name: {"domain": list(t.domain), "default": t.default} for t in k.ast.tunes},
+                     "parallel": {"items": k.ast.parallel.items, "job": k.job} if k.ast.parallel else None,
                      "line": k.ast.span.line} for k in checked.kernels.values()],
         "quants": {n: q.to_json() for n, q in checked.quants.items()},
     }
@@ -232,6 +233,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"  {k['mode']:8} {k['name']}{gen}({', '.join(k['params'])}){ret}   line {k['line']}")
         for name, t in k["tune"].items():
             print(f"           tune {name} in {t['domain']} (default {t['default']})")
+        if k["parallel"]:
+            print(f"           parallel over {k['parallel']['items']}: pool job {k['parallel']['job']}")
     print("quant types:")
     for name, q in info["quants"].items():
         fields = ", ".join(f["name"] + ": " + f["type"] + (f"[{f['count']}]" if f["count"] else "")

@@ -13,13 +13,13 @@ const PAGE_BYTES = 65536;
 const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
 const ACT_ARRAYS = { int8: Int8Array, uint8: Uint8Array, int16: Int16Array }; // manifest activation.dtype
 const VECTOR_BYTES = 16; // elementwise kernels read a partial last vector whole
-const LANES = 4; // f32 lanes per vector: the items of the elementwise jobs
+const LANES = 4; // f32 lanes per vector: softmax rows are padded to a multiple of it
 const TARGETS = ['relaxed-simd', 'simd128'];
 
 /** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
 export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32', 'matvecF32', 'matmulF32', 'exp',
   'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'meanPool', 'l2Normalize',
-  'setThreads', 'runJob', 'free', 'reset', 'bench'];
+  'run', 'setThreads', 'runJob', 'free', 'reset', 'bench'];
 
 function f32Array(what, x) {
   if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
@@ -103,7 +103,6 @@ export class Driver {
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
   #exportNames = new Map(); // "kernel/quant" -> export name
-  #jobNames = new Map(); // "kernel/quant" -> job name
 
   constructor(manifest, memory, exports, pool, info, stopFlag) {
     this.manifest = manifest;
@@ -118,7 +117,6 @@ export class Driver {
     this.#actArray = ACT_ARRAYS[manifest.activation.dtype];
     if (!this.#actArray) throw new Error(`unknown activation dtype ${manifest.activation.dtype} in the manifest`);
     for (const [name, e] of Object.entries(manifest.exports)) this.#exportNames.set(`${e.kernel}/${e.quant}`, name);
-    for (const [name, j] of Object.entries(manifest.jobs)) this.#jobNames.set(`${j.kernel}/${j.quant}`, name);
   }
 
   // ---- names ---------------------------------------------------------------------------------
@@ -127,12 +125,6 @@ export class Driver {
   exportName(kernel, quant = null) {
     const name = this.#exportNames.get(`${kernel}/${quant}`);
     if (name === undefined) throw new Error(`no export for kernel ${kernel}${quant ? ` and quant ${quant}` : ''}`);
-    return name;
-  }
-
-  jobName(kernel, quant = null) {
-    const name = this.#jobNames.get(`${kernel}/${quant}`);
-    if (name === undefined) throw new Error(`no job ${kernel}${quant ? ` for quant ${quant}` : ''}`);
     return name;
   }
 
@@ -251,15 +243,27 @@ export class Driver {
 
   // ---- running kernels -----------------------------------------------------------------------
 
-  /** Run `kernel` here, or with {threads: true} its job through the pool (same bits: every output
-   * element is computed by one thread in a fixed order). */
-  #run(kernel, quant, exportArgs, job, jobArgs, count, opts = {}) {
-    if (!opts.threads) {
-      this.#exports[this.exportName(kernel, quant)](...exportArgs);
-      return;
-    }
-    const chunk = opts.chunk ?? Math.max(1, Math.ceil(count / (this.#pool.size * 4)));
-    this.#pool.run(this.jobName(job, quant), count, chunk, jobArgs);
+  /** Run `kernel`'s export here, or with {threads: true}, for a kernel declared `parallel`, through
+   * the pool, {chunk} items per claim (same bits: every output element is computed by one thread
+   * in a fixed order). */
+  #run(kernel, quant, args, opts = {}) {
+    const name = this.exportName(kernel, quant);
+    if (!opts?.threads) return this.#exports[name](...args);
+    this.#pool.call(name, args, opts.chunk);
+    return undefined;
+  }
+
+  /** Run any export of `kernel` (for `quant`, or null) with `args`: numbers are passed as they
+   * are, each typed array is copied into memory (its address passed) and copied back after the
+   * call. {threads, chunk} as for the kernels below. Returns {result, arrays}: the export's
+   * result (undefined through the pool) and the typed arrays as the kernel left them. */
+  run(kernel, quant, args, opts) {
+    return this.#scoped(() => {
+      const addrs = args.map((a) => (ArrayBuffer.isView(a) ? this.#put(a, VECTOR_BYTES) : a));
+      const result = this.#run(kernel, quant, addrs, opts);
+      const arrays = args.flatMap((a, i) => (ArrayBuffer.isView(a) ? [this.#get(addrs[i], a.constructor, a.length)] : []));
+      return { result, arrays };
+    });
   }
 
   /** Run a pool job by its manifest name with raw argument words (addresses and scalars). */
@@ -368,7 +372,7 @@ export class Driver {
     return this.#scoped(() => {
       const a = this.#actArgs(act, w.k, 'qmatvec');
       const py = this.#alloc(4 * w.rows);
-      this.#run('qmatvec', w.quant, [...planes, ...a, py, w.rows, w.k], 'qmatvec_job', [...planes, ...a, py, w.k], w.rows, opts);
+      this.#run('qmatvec', w.quant, [...planes, ...a, py, w.rows, w.k], opts);
       return this.#get(py, Float32Array, w.rows);
     });
   }
@@ -386,7 +390,7 @@ export class Driver {
       const a = this.#actArgs(act, w.k, 'qmatmul', m);
       const py = this.#alloc(4 * m * w.rows);
       const args = [...planes, ...a, py, m, w.rows, w.k];
-      this.#run('qmatmul', w.quant, args, 'qmatmul_job', args, w.rows, opts);
+      this.#run('qmatmul', w.quant, args, opts);
       return this.#get(py, Float32Array, m * w.rows);
     });
   }
@@ -410,7 +414,7 @@ export class Driver {
       const py = this.#alloc(4 * rows);
       const pw = this.#put(w);
       const px = this.#put(x);
-      this.#run('matvec_f32', null, [pw, px, py, rows, x.length], 'matvec_f32_job', [pw, px, py, x.length], rows, opts);
+      this.#run('matvec_f32', null, [pw, px, py, rows, x.length], opts);
       return this.#get(py, Float32Array, rows);
     });
   }
@@ -431,42 +435,40 @@ export class Driver {
       const pa = this.#put(a);
       const pb = this.#put(b);
       const py = this.#alloc(4 * m * n);
-      this.#run(kernel, null, [pa, pb, py, m, n, k], `${kernel}_job`, [pa, pb, py, n, k], m, opts);
+      this.#run(kernel, null, [pa, pb, py, m, n, k], opts);
       return this.#get(py, Float32Array, m * n);
     });
   }
 
-  /** An elementwise kernel `kernel(in..., out, n)` over equal-length arrays (with `job`, through
-   * the pool: items are groups of LANES values, so no two threads share a vector). */
-  #map(kernel, job, inputs, opts) {
+  /** An elementwise kernel `kernel(in..., out, n)` over equal-length arrays. */
+  #map(kernel, inputs, opts) {
     const n = inputs[0].length;
     if (inputs.some((a) => a.length !== n)) throw new RangeError(`${kernel}: lengths differ, ${inputs.map((a) => a.length).join(', ')}`);
     return this.#scoped(() => {
       const ins = inputs.map((a) => this.#put(a, VECTOR_BYTES));
       const out = this.#alloc(4 * n + VECTOR_BYTES);
-      if (opts?.threads && job === null) throw new Error(`${kernel} has no pool job`);
-      this.#run(kernel, null, [...ins, out, n], job, [...ins, out, n], Math.ceil(n / LANES), opts);
+      this.#run(kernel, null, [...ins, out, n], opts);
       return this.#get(out, Float32Array, n);
     });
   }
 
-  exp(x) {
-    return this.#map('exp_f32', null, [f32Array('exp x', x)]);
+  exp(x, opts) {
+    return this.#map('exp_f32', [f32Array('exp x', x)], opts);
   }
 
   silu(x, opts) {
-    return this.#map('silu_f32', 'silu_job', [f32Array('silu x', x)], opts);
+    return this.#map('silu_f32', [f32Array('silu x', x)], opts);
   }
 
   /** silu(x) * g. */
   swiglu(x, g, opts) {
-    return this.#map('swiglu_f32', 'swiglu_job', [f32Array('swiglu x', x), f32Array('swiglu g', g)], opts);
+    return this.#map('swiglu_f32', [f32Array('swiglu x', x), f32Array('swiglu g', g)], opts);
   }
 
   // ---- encoder layers (BERT) -------------------------------------------------------------------
 
   erf(x) {
-    return this.#map('erf_f32', null, [f32Array('erf x', x)]);
+    return this.#map('erf_f32', [f32Array('erf x', x)]);
   }
 
   /** Rows of n values, n a positive multiple of LANES: x holds whole rows -> the row count. */
@@ -493,7 +495,7 @@ export class Driver {
     return this.#scoped(() => {
       const pb = this.#putRow('gelu bias', bias, n);
       const px = this.#put(x);
-      this.#run('gelu_f32', null, [px, pb, px, rows, n], 'gelu_job', [px, pb, px, n], rows, opts);
+      this.#run('gelu_f32', null, [px, pb, px, rows, n], opts);
       return this.#get(px, Float32Array, x.length);
     });
   }
@@ -521,7 +523,7 @@ export class Driver {
       const args = [this.#put(x), this.#put(residual ?? new Float32Array(x.length)), this.#putRow('layerNorm bias', bias, n),
         this.#putRow('layerNorm gamma', gamma, n), this.#putRow('layerNorm beta', beta, n)];
       args.push(args[0]);
-      this.#run('layernorm_f32', null, [...args, rows, n, eps], 'layernorm_job', [...args, n, eps], rows, opts);
+      this.#run('layernorm_f32', null, [...args, rows, n, eps], opts);
       return this.#get(args[0], Float32Array, x.length);
     });
   }
@@ -566,7 +568,7 @@ export class Driver {
     const rows = x.length / stride;
     return this.#scoped(() => {
       const p = this.#put(x);
-      this.#run('softmax_f32', null, [p, rows, t, stride], 'softmax_job', [p, t, stride], rows, opts);
+      this.#run('softmax_f32', null, [p, rows, t, stride], opts);
       return this.#get(p, Float32Array, x.length);
     });
   }
@@ -605,7 +607,7 @@ export class Driver {
       const p = this.#put(x);
       const pc = this.#put(cos);
       const ps = this.#put(sin);
-      this.#run(`rope_${kind}_f32`, null, [p, pc, ps, heads, dim], `rope_${kind}_job`, [p, pc, ps, dim], heads, opts);
+      this.#run(`rope_${kind}_f32`, null, [p, pc, ps, heads, dim], opts);
       return this.#get(p, Float32Array, x.length);
     });
   }

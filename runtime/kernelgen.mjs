@@ -157,7 +157,7 @@ export class Kernels {
   matmulF32(a, b, m, n, opts) { return this.#invoke('matmulF32', [a, b, m, n, opts]); }
 
   /** exp(x) -> Float32Array. */
-  exp(x) { return this.#invoke('exp', [x]); }
+  exp(x, opts) { return this.#invoke('exp', [x, opts]); }
 
   /** Softmax over the first t of each `stride` values (stride a multiple of 4) -> a new array. */
   softmax(rows, t, stride, opts) { return this.#invoke('softmax', [rows, t, stride, opts]); }
@@ -194,6 +194,11 @@ export class Kernels {
 
   /** Each row of n values at unit length -> Float32Array. */
   l2Normalize(x, n) { return this.#invoke('l2Normalize', [x, n]); }
+
+  /** Any export of `kernel` (for `quant`, or null) with raw arguments: numbers as they are, typed
+   * arrays copied in (their addresses passed) and back -> {result, arrays}. {threads: true} runs a
+   * kernel declared `parallel` through the pool. */
+  run(kernel, quant, args, opts) { return this.#invoke('run', [kernel, quant, args, opts]); }
 
   /** Use k threads (1 .. info.threads) for threaded calls from now on. */
   setThreads(k) { return this.#invoke('setThreads', [k]); }

@@ -5,7 +5,9 @@
 // the driver thread runs jobs through `par_for` (kernels.dsl, "the thread pool"). par_for blocks
 // in memory.atomic.wait32, which a browser's main thread may not do: there the driver is itself a
 // worker (runtime/worker.mjs). A job is a manifest "jobs" entry, an item count, a chunk size and
-// its argument words at JOB_ARGS.
+// its argument words at JOB_ARGS. A kernel declared `parallel` is called with its own arguments
+// (Pool.call): its manifest entry says which job runs it, how the item count follows from the
+// arguments and which arguments are the job's words (jobCall, as kernelgen/host/pool.py).
 //
 // A helper whose job traps writes the message to its slot of an error board (a small shared
 // buffer the driver reads synchronously: it cannot take messages while par_for blocks), counts
@@ -28,6 +30,34 @@ export class JobError extends Error {
     this.driverError = driverError;
     this.helperErrors = helperErrors;
   }
+}
+
+/** How a call of parallel export `exportName` with `args` (its parameters in order) runs on the
+ * pool, from its manifest "parallel" entry: {job, count, words, items}. */
+export function jobCall(manifest, exportName, args) {
+  const entry = manifest.exports[exportName];
+  if (!entry) throw new Error(`no export ${exportName}`);
+  const par = entry.parallel;
+  if (!par) throw new Error(`${entry.kernel} has no pool job (its kernel has no 'parallel' declaration)`);
+  const names = entry.params.map((p) => p.name);
+  if (args.length !== names.length) {
+    throw new TypeError(`${exportName} takes ${names.length} arguments (${names.join(', ')}), got ${args.length}`);
+  }
+  const env = Object.fromEntries(names.map((n, i) => [n, args[i]]));
+  const words = manifest.jobs[par.job].args.map((a) => env[a.name]);
+  return { job: par.job, count: itemCount(par.count, env), words, items: par.items };
+}
+
+/** Evaluate a manifest item count ([op, left, right], names, numbers) as wasm's i32 ops do. */
+function itemCount(tree, env) {
+  if (typeof tree === 'string') return env[tree] | 0;
+  if (typeof tree === 'number') return tree;
+  const [op, left, right] = tree;
+  const a = itemCount(left, env);
+  const b = itemCount(right, env);
+  if ((op === '/' || op === '%') && b === 0) throw new RangeError(`the item count divides by zero (${JSON.stringify(tree)})`);
+  const ops = { '+': () => a + b, '-': () => a - b, '*': () => Math.imul(a, b), '/': () => Math.trunc(a / b), '%': () => a % b };
+  return ops[op]() | 0;
 }
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -172,6 +202,17 @@ export class Pool {
       throw new RangeError(`setThreads(${threads}): this pool has ${this.size} threads`);
     }
     this.#store('POOL_WANT', threads - 1);
+  }
+
+  /** Run parallel export `exportName` with its own arguments, `chunk` items per claim (default:
+   * the job's tuned chunk, else about four claims per thread). */
+  call(exportName, args, chunk) {
+    const c = jobCall(this.manifest, exportName, args);
+    if (chunk !== undefined && !(Number.isInteger(chunk) && chunk >= 1)) {
+      throw new RangeError(`${exportName}: chunk (${c.items} per claim) must be an integer >= 1, got ${chunk}`);
+    }
+    const tuned = this.manifest.jobs[c.job].tuned?.chunk;
+    this.run(c.job, c.count, chunk ?? tuned ?? Math.max(1, Math.ceil(c.count / (this.size * 4))), c.words);
   }
 
   /** Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim.

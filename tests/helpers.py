@@ -26,6 +26,27 @@ CHROMIUM = Path("/usr/bin/chromium")  # Debian's (.ci/run installs it), never a 
 # i32x4.relaxed_dot_i8x16_i7x16_add_s wrong (runtime/features.mjs probes it): compile with TurboFan.
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 
+# A kernel the library does not have, added to it in a test's own DSL: its one `parallel`
+# declaration is all it takes to run threaded from Python (test_pool.py) and Node (test_js.py).
+# Items are pairs of values, so the item count is an expression the hosts evaluate, and its f32
+# argument travels as a JOB_ARGS word.
+SQUARE_ADD = """
+# y = x * x + c over n values.
+export kernel square_add(x: ptr, y: ptr, n: i32, c: f32) {
+    parallel pairs p0..p1 in 0..(n + 1) / 2;
+    for i in 2 * p0..min(2 * p1, n) {
+        f32.store(y + i * 4, f32.load(x + i * 4) * f32.load(x + i * 4) + c);
+    }
+}
+"""
+
+
+def square_add_inputs(n: int = 1001) -> tuple[np.ndarray, float, np.ndarray]:
+    """x, c and numpy's y = x * x + c in float32 (the kernel rounds as numpy does: no fused op)."""
+    x = rng_for("square_add", n).standard_normal(n).astype(np.float32)
+    c = float(np.float32(0.3))
+    return x, c, x * x + np.float32(c)
+
 
 def need(ok: object, reason: str) -> None:
     """Skip the test unless `ok`, except under CI (the CI variable set), where .ci/run installs every

@@ -235,6 +235,28 @@ CASES = [
          "1000 does not fit in a i8 lane", lowering=True),
     Case("an i32 constant out of range", K("i32.store(x, 99999999999);"), 2, 5,
          "99999999999 does not fit in i32", lowering=True),
+    # ---- parallel kernels
+    Case("parallel on a non-exported kernel", "kernel g(n: i32) {\n    parallel rows r0..r1 in 0..n;\n}\n" + K(""),
+         2, 5, "'parallel' belongs on exported kernels"),
+    Case("parallel after a statement", K("let a = 1;\n    parallel rows r0..r1 in 0..n;"), 3, 5,
+         "'parallel' must be the kernel's first statement"),
+    Case("parallel in a block", K("if n > 0 {\n        parallel rows r0..r1 in 0..n;\n    }"), 3, 9,
+         "'parallel' must be the kernel's first statement"),
+    Case("parallel range not from 0", K("parallel rows r0..r1 in 1..n;"), 2, 29, "numbered from 0"),
+    Case("parallel kernel returning a value", K("parallel rows r0..r1 in 0..n;\n    return 1;", ret=" -> i32"), 2, 5,
+         "a parallel kernel returns nothing"),
+    Case("parallel count from a pointer", K("parallel rows r0..r1 in 0..x;"), 2, 32,
+         "the item count may use i32 parameters, not x: ptr"),
+    Case("parallel count calling a function", K("parallel rows r0..r1 in 0..min(n, 4);"), 2, 32,
+         "the item count is arithmetic"),
+    Case("parallel bound shadowing a parameter", K("parallel rows n..r1 in 0..n;"), 2, 5, "'n' is declared twice"),
+    Case("parallel kernel named like another's job", K("parallel rows r0..r1 in 0..n;") + "export kernel f_job(x: ptr) {\n}\n",
+         4, 1, "'f_job' is the name of f's pool job"),
+    Case("parallel job with an f64 word", K("parallel rows r0..r1 in 0..n;\n    f64.store(0, x);", "x: f64, n: i32"),
+         1, 17, "its job reads x from one JOB_ARGS word"),
+    Case("parallel job with too many words",
+         K("parallel rows r0..r1 in 0..n;\n    i32.store(0, " + " + ".join(f"a{i}" for i in range(17)) + ");",
+           ", ".join(f"a{i}: i32" for i in range(17)) + ", n: i32"), 2, 5, "its job needs 17 argument words"),
 ]
 
 

@@ -22,8 +22,9 @@ import pytest
 import kernelgen
 from kernelgen import cli
 from kernelgen.host.api import Kernels, padded_rows
+from kernelgen.compiler.build import compile_source, write_outputs
 
-from helpers import random_blocks
+from helpers import SQUARE_ADD, random_blocks, square_add_inputs
 
 from helpers import CHROMIUM, NODE, NODE_FLAGS, need
 
@@ -156,7 +157,7 @@ def write_vectors(root: Path) -> None:
     v.case("matvec_f32", "matvecF32", [args["wf"], args["xf"]], {}, threaded=True)
     v.case("matmul_f32_nt", "matmulF32", [args["qm"], args["kt"], TOKENS, 11], {"bTransposed": True}, threaded=True)
     v.case("matmul_f32_nn", "matmulF32", [args["qm"], args["vt"], TOKENS, 11], {}, threaded=True)
-    v.case("exp_f32", "exp", [args["x"]])
+    v.case("exp_f32", "exp", [args["x"]], {}, threaded=True)
     v.case("softmax_f32", "softmax", [args["scores"], 29, scores.shape[1]], {}, threaded=True)
     v.case("rope_halves", "rope", [args["heads"], args["cos3"], args["sin3"]], {"interleaved": False}, threaded=True)
     v.case("rope_pairs", "rope", [args["heads"], args["cos3"], args["sin3"]], {"interleaved": True}, threaded=True)
@@ -285,3 +286,38 @@ await k.terminate();
                         r"module's 1048576 bytes are free \(\d+ in use\); free\(packed\) or reset\(\) frees packed "
                         r"weights, or rebuild with a larger maximum \(kernelgen build --max-memory; this build allows "
                         r"16 pages of 64 KiB\)", got["message"]), got["message"]
+
+
+# Runs square_add (tests/helpers.py) from a build of its own through the runtime's generic `run`:
+# on one thread, then through the pool at several chunk sizes; prints every output as JSON.
+NODE_SQUARE_ADD = """
+import { loadKernels } from '%s';
+const { dir, target, x, c } = JSON.parse(process.env.SQUARE_ADD);
+const k = await loadKernels({ dir, target, threads: 3 });
+const run = async (opts) => (await k.run('square_add', null, [Float32Array.from(x), new Float32Array(x.length), x.length, c], opts)).arrays[1];
+const out = [await run()];
+for (const chunk of [undefined, 1, 7]) out.push(await run({ threads: true, chunk }));
+await k.terminate();
+console.log(JSON.stringify({ threads: k.info.threads, out: out.map((a) => Array.from(a)) }));
+"""
+
+
+def test_a_new_parallel_kernel_runs_threaded_from_node(tmp_path: Path) -> None:
+    need(NODE, "node is not installed")
+    write_outputs(compile_source(kernelgen_dsl() + SQUARE_ADD), tmp_path)
+    x, c, want = square_add_inputs()
+    script = tmp_path / "square_add.mjs"  # a file: the pool's workers inherit node's flags, and --input-type breaks them
+    script.write_text(NODE_SQUARE_ADD % (ROOT / "runtime" / "kernelgen.mjs").as_uri(), encoding="utf-8")
+    for target in TARGETS:
+        env = {**os.environ, "SQUARE_ADD": json.dumps({"dir": str(tmp_path), "target": target, "x": x.tolist(), "c": c})}
+        proc = subprocess.run([NODE, *NODE_FLAGS, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout)
+        assert result["threads"] == 3
+        for i, out in enumerate(result["out"]):
+            assert np.array(out, np.float32).tobytes() == want.tobytes(), (target, i)
+
+
+def kernelgen_dsl() -> str:
+    return (ROOT / "kernels.dsl").read_text(encoding="utf-8")

@@ -14,17 +14,21 @@ from kernelgen.compiler.build import compile_kernels
 from kernelgen.host.api import padded_rows
 from kernelgen.host.pool import JobError, Pool
 
+from helpers import SQUARE_ADD, square_add_inputs
+
 DSL = (Path(__file__).resolve().parents[1] / "kernels.dsl").read_text(encoding="utf-8")
-# Test jobs, added to the library: each item counts itself; each item spins, then traps.
+# Test kernels, added to the library: each item counts itself; each item spins, then traps.
 TEST_JOBS = """
-job kernel count_job(begin: i32, end: i32, counts: ptr) {
-    for i in begin..end {
+export kernel count_items(counts: ptr, n: i32) {
+    parallel items i0..i1 in 0..n;
+    for i in i0..i1 {
         atomic_add(counts + i * 4, 1);
     }
 }
 
-job kernel trap_job(begin: i32, end: i32, bad: ptr) {
-    for i in begin..end {
+export kernel trap_items(bad: ptr, n: i32) {
+    parallel items i0..i1 in 0..n;
+    for i in i0..i1 {
         var spin: i32 = 0;
         while spin < 20000 {
             spin = spin + 1;
@@ -105,13 +109,19 @@ def test_threaded_kernels_are_bit_identical_to_one_thread(kernels, threads: int)
     k.reset()
 
 
-def test_every_kernel_of_the_library_has_a_job(kernels) -> None:
-    jobs = {(j["kernel"], j["quant"]) for j in kernels.manifest["jobs"].values()}
+def test_every_parallel_kernel_of_the_library_has_its_job(kernels) -> None:
+    m = kernels.manifest
+    parallel = {(e["kernel"], e["quant"]): e["parallel"] for e in m["exports"].values() if "parallel" in e}
     for q in kernels.quants:
-        assert ("qmatvec_job", q) in jobs
-    for name in ("matvec_f32_job", "softmax_job", "silu_job", "swiglu_job", "rope_halves_job", "rope_pairs_job",
-                 "exp_job", "quantize_act_job"):
-        assert (name, None) in jobs
+        assert ("qmatvec", q) in parallel and ("qmatmul", q) in parallel
+    for name in ("matvec_f32", "softmax_f32", "silu_f32", "swiglu_f32", "rope_halves_f32", "rope_pairs_f32",
+                 "exp_f32", "quantize_act", "gelu_f32", "layernorm_f32", "matmul_f32_nt", "matmul_f32_nn"):
+        assert (name, None) in parallel
+    assert sorted(p["job"] for p in parallel.values()) == sorted(m["jobs"])  # one job per parallel export
+    assert parallel[("quantize_act", None)] == {"items": "blocks", "count": ["/", "n", 32], "job": "quantize_act_job"}
+    # A parameter only the count uses (softmax's row count) is no job word; the others are, in order.
+    assert [a["name"] for a in m["jobs"][parallel[("softmax_f32", None)]["job"]]["args"]] == ["x", "t", "stride"]
+    assert [a["name"] for a in m["jobs"][parallel[("qmatvec", "q8_0")]["job"]]["args"]][:3] == ["w_q", "w_scale", "w_sum"]
     indices = sorted(j["index"] for j in kernels.manifest["jobs"].values())
     assert indices == list(range(len(indices)))  # derived, dense, no hand numbering
 
@@ -141,7 +151,7 @@ def test_stress_10000_jobs_each_item_runs_exactly_once(kernels) -> None:
         with k.pool(3) as pool:
             for count, chunk, threads in plan:
                 pool.set_threads(threads)
-                pool.run("count_job", count, chunk, [counts])
+                pool.run("count_items_job", count, chunk, [counts])
                 expected[:count] += 1
 
     run_bounded(stress, timeout=300)
@@ -161,10 +171,10 @@ def test_a_trap_in_a_job_raises_in_the_caller_and_the_pool_recovers(kernels) -> 
         with k.pool(2) as pool:
             for _ in range(5):
                 with pytest.raises(JobError) as info:
-                    pool.run("trap_job", 8, 1, [out_of_bounds])
+                    pool.call("trap_items", [out_of_bounds, 8], 1)
                 seen_helper_trap |= bool(info.value.helper_errors)
                 k.module.view(counts, np.int32, 64)[:] = 0
-                pool.run("count_job", 64, 3, [counts])  # the pool still works, every item once
+                pool.call("count_items", [counts, 64], 3)  # the pool still works, every item once
                 assert np.all(k.module.view(counts, np.int32, 64) == 1)
             assert pool_threads()  # helpers survived their traps
 
@@ -195,10 +205,35 @@ def test_bad_requests(kernels) -> None:
         with pytest.raises(KeyError):
             pool.run("no_such_job", 1, 1, [])
         with pytest.raises(ValueError):
-            pool.run("count_job", 1, 1, [])
+            pool.run("count_items_job", 1, 1, [])
         with pytest.raises(ValueError):
-            pool.run("count_job", 1, 0, [0])
+            pool.run("count_items_job", 1, 0, [0])
+        with pytest.raises(ValueError, match="items per claim"):
+            pool.call("count_items", [0, 1], 0)
+        with pytest.raises(ValueError, match="takes 2 arguments"):
+            pool.call("count_items", [0])
+        with pytest.raises(ValueError, match="no 'parallel' declaration"):
+            pool.call("pool_stop", [])
         with pytest.raises(RuntimeError):
             Pool(kernels, 2)  # one pool per module at a time
     with pytest.raises(ValueError):
         Pool(kernels, 0)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_new_parallel_kernel_runs_threaded_with_no_host_code(target: str) -> None:
+    k = compile_kernels(DSL + SQUARE_ADD, target)
+    assert k.manifest["exports"]["square_add"]["parallel"] == {
+        "items": "pairs", "count": ["/", ["+", "n", 1], 2], "job": "square_add_job"}
+    for n in (1001, 1, 0):
+        x, c, want = square_add_inputs(n)
+        px, py = k.module.put(x), k.module.alloc(4 * n)
+        k.run("square_add", None, [px, py, n, c])
+        assert k.module.get(py, np.float32, n).tobytes() == want.tobytes()
+        with k.pool(3) as pool:
+            for threads, chunk in ((3, None), (3, 1), (2, 7), (1, None)):
+                pool.set_threads(threads)
+                k.module.view(py, np.float32, n)[:] = np.nan
+                k.run("square_add", None, [px, py, n, c], pool, chunk)
+                assert k.module.get(py, np.float32, n).tobytes() == want.tobytes(), (n, threads, chunk)
+        k.reset()

@@ -87,7 +87,7 @@ def test_huge_or_bad_chunk_is_refused_and_large_ones_give_the_same_bits() -> Non
                 print(refused(k.qmatvec, packed, act, pool, chunk=bad))
             for good in (2**31 - 1, 2**30 + 7, 2**30, np.int64(3), np.uint16(5), 1):
                 assert k.qmatvec(packed, act, pool, chunk=good).tobytes() == want.tobytes(), good
-            name = k.job_name("qmatvec_job", "q8_0")
+            name = k.manifest["exports"][k.export_name("qmatvec", "q8_0")]["parallel"]["job"]
             print(refused(pool.run, name, 2**31, 1, [0] * len(k.manifest["jobs"][name]["args"])))
             print(refused(pool.run, name, -1, 1, [0] * len(k.manifest["jobs"][name]["args"])))
         print("done")
@@ -117,8 +117,7 @@ def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() 
             print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
             print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))
             with k.pool(2) as pool:
-                job = k.job_name("qmatvec_job", "q8_0")
-                print(refused(pool.run, job, 67, 8, [*packed.args, aq, ad, 128, 256]))   # y on the pool words
+                print(refused(pool.call, name, [*packed.args, aq, ad, 128, 67, 256], 8))   # y on the pool words
             print(refused(k.call, "par_for", 0, 10, 2**31 - 1))                         # the pool's own
             print(refused(k.call, "pool_helper", 0, 0, 0))
         with k.pool(2) as pool:

@@ -424,7 +424,7 @@ def test_build_uses_the_stores_best_for_the_tune_host(checked) -> None:
     exports = b.manifest["exports"]
     assert "dot_f32__unroll4" in exports and "dot_f32__unroll2" not in exports
     assert exports["dot_f32__unroll4"]["tune"] == {"unroll": 4}
-    assert "qmatvec_q8_0__rows2_accs2" in exports and "matvec_f32__unroll2" in exports
+    assert "qmatvec_q8_0__rows2_accs2" in exports and "matvec_f32__unroll4" in exports  # its declared default
 
     (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_B)
     assert b.manifest["tune"]["values"]["dot_f32"] == {"unroll": 1} and "dot_f32__unroll1" in b.manifest["exports"]
@@ -934,7 +934,7 @@ def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None
     (built,) = compile_source(SOURCE, targets=("simd128",), records=load_store(store), tune_host=S.host())
     tuned = built.manifest["jobs"]["qmatvec_job_q8_0"]["tuned"]
     assert tuned in job_variants() and built.manifest["tune"]["host"] == S.host()
-    assert built.manifest["jobs"]["softmax_job"]["tuned"] is None  # not tuned: the API's own default
+    assert built.manifest["jobs"]["softmax_f32_job"]["tuned"] is None  # not tuned: the API's own default
     k = compile_kernels(SOURCE, "simd128")
     k.manifest["jobs"]["qmatvec_job_q8_0"]["tuned"] = tuned
     rng = np.random.default_rng(0)

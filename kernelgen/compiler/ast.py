@@ -5,6 +5,7 @@ Nodes are plain data; meaning (types, constants, lowering) is given to them by c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -225,15 +226,28 @@ class Restrict(Node):
 
 
 @dataclass(frozen=True)
+class Parallel(Node):
+    """`parallel ITEMS BEGIN..END in 0..COUNT;`: the kernel's work splits into COUNT items (rows,
+    blocks, vector groups, heads), done in chunks [BEGIN, END) on the thread pool's threads."""
+
+    items: str
+    begin: str
+    end: str
+    start: Expr
+    count: Expr
+
+
+@dataclass(frozen=True)
 class Kernel(Node):
     name: str
-    mode: str  # "export", "inline", "job" (a thread pool job, called through the table) or "" (internal)
+    mode: str  # "export", "inline" or "" (internal)
     generics: tuple[Generic, ...]
     params: tuple[Param, ...]
     ret: str | None
     tunes: tuple[Tune, ...]
     body: tuple[Stmt, ...]
     restricts: tuple[Restrict, ...] = ()
+    parallel: Parallel | None = None
 
     @property
     def exported(self) -> bool:
@@ -246,3 +260,16 @@ class Program(Node):
     quants: tuple[Quant, ...]
     kernels: tuple[Kernel, ...]
     source: str = field(compare=False, repr=False, default="")
+
+
+def names_in(node: object) -> Iterator[str]:
+    """Every name a node (or a tuple of nodes) reads, in source order, with repeats."""
+    if isinstance(node, Name):
+        yield node.id
+    if isinstance(node, tuple):
+        for item in node:
+            yield from names_in(item)
+    elif isinstance(node, Node):
+        for f in node.__dataclass_fields__:
+            if f != "span":
+                yield from names_in(getattr(node, f))

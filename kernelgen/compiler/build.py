@@ -89,9 +89,13 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                        "dtype": _act_dtype(t.constants)},
         "quants": {name: q.to_json() for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
+        # A parallel export says how a call runs on the pool: its "job", the item "count" from the
+        # call's arguments (see lower._count_tree) and the job's argument words (the job's "args",
+        # each an export parameter of the same name).
         "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
-                             "result": e.result, "line": e.line} for e in lowered.exports},
-        "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "items": j.items, "args": j.params[2:],
+                             "result": e.result, "line": e.line, **({"parallel": e.parallel} if e.parallel else {})}
+                    for e in lowered.exports},
+        "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "args": j.params,
                           "tuned": tune_info["pool"].get(j.kernel), "line": j.line}
                  for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
@@ -126,8 +130,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             sources[name] = "default"
     values = resolve_tune(checked, overrides)
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
-    for name, k in checked.kernels.items():
-        if k.ast.mode == "job" and records and (best := best_tune(records, checked, name, target, want)) is not None:
+    for name in checked.jobs:
+        if records and (best := best_tune(records, checked, name, target, want)) is not None:
             pool[name] = best
     used_store = "store" in sources.values() or bool(pool)
     return values, {"source": sources, "host": want if used_store else None, "pool": pool}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import ast as A
 from . import layout
@@ -36,6 +37,22 @@ class KernelInfo:
     def inline(self) -> bool:
         return self.ast.mode == "inline"
 
+    @property
+    def job(self) -> str | None:
+        """The name of the pool job generated from a `parallel` declaration, else None."""
+        return f"{self.name}_job" if self.ast.parallel else None
+
+    @property
+    def job_params(self) -> tuple[A.Param, ...]:
+        return job_params(self.ast)
+
+
+def job_params(k: A.Kernel) -> tuple[A.Param, ...]:
+    """The parameters a parallel kernel's job reads from JOB_ARGS words: those its body uses, in
+    declaration order (one that only the item count uses, such as a row count, is left out)."""
+    used = set(A.names_in(k.body))
+    return tuple(p for p in k.params if p.name in used)
+
 
 @dataclass
 class Checked:
@@ -43,6 +60,7 @@ class Checked:
     consts: dict[str, Val]
     quants: dict[str, QuantFormat]
     kernels: dict[str, KernelInfo]
+    jobs: dict[str, KernelInfo] = field(default_factory=dict)  # pool job name -> its parallel kernel
 
     @property
     def source(self) -> str:
@@ -91,7 +109,11 @@ def _check(program: A.Program) -> Checked:
         kernels[k.name] = _with_docs(k, lines)
     if not any(k.exported for k in program.kernels):
         raise DslError(program.span, "no exported kernel: mark at least one 'export kernel'")
-    return Checked(program, consts, quants, kernels)
+    jobs = {k.job: k for k in kernels.values() if k.job}
+    for name, k in jobs.items():
+        if name in seen:
+            raise DslError(seen[name].span, f"{name!r} is the name of {k.name}'s pool job (its 'parallel' declaration)")
+    return Checked(program, consts, quants, kernels, jobs)
 
 
 def _const_value(e: A.Expr, consts: dict[str, Val]) -> int | float:
@@ -169,8 +191,8 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
                                    f"({', '.join(f'{t.name}={t.default}' for t in k.tunes)}) break this restriction")
     if k.mode == "inline":
         _check_inline_returns(k, k.body, top=True)
-    if k.mode == "job":
-        _check_job(k, quants)
+    if k.parallel:
+        _check_parallel(k, quants, local)
 
 
 def _check_restrict_names(k: A.Kernel, e: A.Expr, tunes: set[str]) -> None:
@@ -181,24 +203,47 @@ def _check_restrict_names(k: A.Kernel, e: A.Expr, tunes: set[str]) -> None:
             _check_restrict_names(k, child, tunes)
 
 
-def _check_job(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
-    """A job runs items [begin, end) of a pool job; its other arguments are JOB_ARGS words."""
-    if len(k.generics) > 1 or any(g.kind != "quant" for g in k.generics):
-        raise DslError(k.span, f"job {k.name}: only one [Q: quant] parameter is allowed; it is built for every quant type")
-    if len(k.params) < 2 or any(T.resolve(p.type) != "i32" or p.packed for p in k.params[:2]):
-        raise DslError(k.span, f"job {k.name}: the first two parameters are the item range (begin: i32, end: i32)")
+def _check_parallel(k: A.Kernel, quants: dict[str, QuantFormat], local: Callable[[str, A.Node], None]) -> None:
+    """A parallel kernel: its body runs on items [begin, end); its job reads the parameters the
+    body uses from JOB_ARGS words, and hosts compute the item count from the call's arguments."""
+    par = k.parallel
+    if not k.exported:
+        raise DslError(par.span, f"{k.name}: 'parallel' belongs on exported kernels (their pool job is made from it)")
     if k.ret is not None:
-        raise DslError(k.span, f"job {k.name}: a job returns nothing (it writes its results)")
+        raise DslError(par.span, f"{k.name}: a parallel kernel returns nothing (each thread writes its own items)")
+    local(par.begin, par)
+    local(par.end, par)
+    if not (isinstance(par.start, A.IntLit) and par.start.value == 0):
+        raise DslError(par.start.span, f"{k.name}: the items of a parallel kernel are numbered from 0 ('in 0..COUNT')")
+    params = {p.name: p for p in k.params}
+    _check_count(k, par.count, params, {g.name for g in k.generics})
     words = 0
-    for p in k.params[2:]:
+    for p in job_params(k):
         if p.packed:
             words += max((len(q.planes) for q in quants.values()), default=0)
         elif T.resolve(p.type) not in ("i32", "f32"):
-            raise DslError(p.span, f"job {k.name}: argument {p.name} must be i32, ptr or f32 (one JOB_ARGS word)")
+            raise DslError(p.span, f"{k.name}: its job reads {p.name} from one JOB_ARGS word: it must be i32, ptr or f32")
         else:
             words += 1
     if words > layout.JOB_ARG_WORDS:
-        raise DslError(k.span, f"job {k.name}: {words} argument words; JOB_ARGS holds {layout.JOB_ARG_WORDS}")
+        raise DslError(par.span, f"{k.name}: its job needs {words} argument words; JOB_ARGS holds {layout.JOB_ARG_WORDS}")
+
+
+def _check_count(k: A.Kernel, e: A.Expr, params: dict[str, A.Param], generics: set[str]) -> None:
+    """The item count is arithmetic (+ - * / %) on numbers, consts, tune values, Q.block and the
+    kernel's i32 parameters: what both hosts can evaluate from a call's arguments (manifest
+    "parallel".count)."""
+    if isinstance(e, A.Binary) and e.op in "+-*/%":
+        _check_count(k, e.left, params, generics)
+        _check_count(k, e.right, params, generics)
+    elif isinstance(e, A.Name) and e.id in params:
+        if params[e.id].packed or T.resolve(params[e.id].type) != "i32" or params[e.id].type == "ptr":
+            raise DslError(e.span, f"{k.name}: the item count may use i32 parameters, not {e.id}: {params[e.id].type}")
+    elif isinstance(e, A.Attr) and isinstance(e.base, A.Name) and e.base.id in generics:
+        pass
+    elif not isinstance(e, (A.IntLit, A.Name)):
+        raise DslError(e.span, f"{k.name}: the item count is arithmetic (+ - * / %) on numbers, consts, tune values,"
+                               " Q.block and i32 parameters")
 
 
 def _check_inline_returns(k: A.Kernel, body: tuple[A.Stmt, ...], top: bool) -> None:

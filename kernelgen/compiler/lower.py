@@ -8,7 +8,7 @@ WAT. Types are computed here as the code is built; the rules for ops live in ops
 """
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +65,7 @@ class Export:
     params: list[dict]
     result: str | None
     line: int
-    items: str = ""  # for a job: what its items are, from "items are ..." in its doc comment
+    parallel: dict | None = None  # a parallel kernel's items, item count (see _count_tree) and job
 
 
 MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
@@ -115,12 +115,6 @@ class Lowerer:
     # ---- module ----------------------------------------------------------------------------------
     def run(self) -> list[Func]:
         for k in self.c.kernels.values():
-            if k.ast.mode == "job":
-                for quant in self._quant_instances(k):
-                    name = variant_name(k.name, quant.name if quant else None, {})
-                    generics = {k.ast.generics[0].name: quant} if quant else {}
-                    self.jobs.append(self._export(k, quant, {}, name))
-                    self._lower_func(k, generics, name, False)
             if not k.ast.exported:
                 continue
             for quant in self._quant_instances(k):
@@ -129,11 +123,18 @@ class Lowerer:
                     generics[k.ast.generics[0].name] = quant
                 tune = self.tune.get(k.name, {})
                 name = variant_name(k.name, quant.name if quant else None, tune)
-                self.exports.append(self._export(k, quant, tune, name))
-                self._lower_func(k, {**generics, **{n: Val(None, "i32", v) for n, v in tune.items()}}, name, True)
+                generics.update({n: Val(None, "i32", v) for n, v in tune.items()})
+                count = self._lower_func(k, generics, name, "export")
+                parallel = None
+                if k.job:
+                    job = variant_name(k.job, quant.name if quant else None, {})
+                    self._lower_func(k, generics, job, "job")
+                    self.jobs.append(self._export(k, quant, {}, job, k.job_params, k.job))
+                    parallel = {"items": k.ast.parallel.items, "count": count, "job": job}
+                self.exports.append(self._export(k, quant, tune, name, k.ast.params, k.name, parallel))
         while self._pending:
             k, generics, name, self._chain = self._pending.pop(0)
-            self._lower_func(k, generics, name, False)
+            self._lower_func(k, generics, name, "internal")
         return self.funcs
 
     def _quant_instances(self, k: KernelInfo) -> list[QuantFormat | None]:
@@ -141,21 +142,21 @@ class Lowerer:
             return [None]
         return list(self.c.quants.values())
 
-    def _export(self, k: KernelInfo, quant: QuantFormat | None, tune: dict[str, int], name: str) -> Export:
-        params = []
-        for p in k.ast.params:
+    def _export(self, k: KernelInfo, quant: QuantFormat | None, tune: dict[str, int], name: str,
+                params: tuple[A.Param, ...], kernel: str, parallel: dict | None = None) -> Export:
+        described = []
+        for p in params:
             meaning = k.param_docs.get(p.name, "")
             if p.packed:
                 assert quant is not None
                 for plane, (dtype, per_block) in quant.planes.items():
-                    params.append({"name": f"{p.name}_{plane}", "type": "i32", "dsl_type": "ptr",
-                                   "meaning": f"{meaning} [{quant.name} plane {plane!r}: {per_block} bytes per block]".strip()})
+                    described.append({"name": f"{p.name}_{plane}", "type": "i32", "dsl_type": "ptr",
+                                      "meaning": f"{meaning} [{quant.name} plane {plane!r}: {per_block} bytes per block]".strip()})
             else:
-                params.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"),
-                               "dsl_type": p.type, "meaning": meaning})
-        items = next((m.group(1) for d in k.doc if (m := re.search(r"items are ([^.:;]+)", d))), "")
-        return Export(name, k.name, quant.name if quant else None, dict(tune), params,
-                      T.resolve(k.ast.ret) if k.ast.ret else None, k.ast.span.line, items)
+                described.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"),
+                                  "dsl_type": p.type, "meaning": meaning})
+        return Export(name, kernel, quant.name if quant else None, dict(tune), described,
+                      T.resolve(k.ast.ret) if k.ast.ret else None, k.ast.span.line, parallel)
 
     # ---- scopes and locals -----------------------------------------------------------------------
     def error(self, message: str) -> DslError:
@@ -241,14 +242,16 @@ class Lowerer:
         return I("local.tee", f"${tmp}", code), I("local.get", f"${tmp}")
 
     # ---- functions -------------------------------------------------------------------------------
-    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, exported: bool) -> None:
+    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> object:
+        """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
+        its pool "job". Returns, for a parallel export, its item count as hosts evaluate it."""
         saved = (self._frame, self._scopes, self._span)
         self._frame = _Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
         self._scopes = [dict(generics)]
         self._span = k.ast.span
         params: list[tuple[str, str]] = []
         self._push()
-        for p in k.ast.params:
+        for p in k.job_params if role == "job" else k.ast.params:
             self._span = p.span
             if p.packed:
                 quant = self._quant_of(p)
@@ -259,10 +262,17 @@ class Lowerer:
                 t = T.resolve(p.type)
                 params.append((p.name, T.wasm_type(t)))
                 self._bind(p.name, Local(p.name, t, False))
-        self._frame.locals = [(n, t) for n, t in params]  # params and locals share one namespace
-        self._frame.live = {n for n, _ in params}
-        if k.ast.mode == "job":  # (begin, end) come from the pool; the rest from JOB_ARGS words
-            params = self._job_args(params)
+        par, count = k.ast.parallel, None
+        if role == "job":  # the chunk [begin, end) comes from the pool; the rest from JOB_ARGS words
+            params = self._job_args(par, params)
+        else:
+            self._frame.locals = list(params)  # params and locals share one namespace
+            self._frame.live = {n for n, _ in params}
+            if par is not None:  # called directly: one chunk of every item
+                self._span = par.span
+                self._bind(par.begin, Val(None, "i32", 0))
+                self._bind(par.end, self._coerce(self._expr(par.count), "i32"))
+                count = self._count_tree(par.count)
         try:
             self._block(k.ast.body)
             returned = False
@@ -274,19 +284,40 @@ class Lowerer:
         self._pop()
         frame = self._frame
         where = f"{Path(k.ast.span.file).name}:{k.ast.span.line}"
-        doc = [f"{k.ast.name}{'[' + ', '.join(_show(v) for v in generics.values()) + ']' if generics else ''}"
-               f" -- {where}"] + [f"  {d}" for d in k.doc]
+        shown = f"{k.ast.name}{'[' + ', '.join(_show(v) for v in generics.values()) + ']' if generics else ''}"
+        if role == "job":
+            shown = f"{shown} on the thread pool: its {par.items} {par.begin}..{par.end}"
+        doc = [f"{shown} -- {where}"] + [f"  {d}" for d in k.doc]
         self.funcs.append(Func(name, params, frame.result, frame.locals[len(params):], frame.body,
-                               export=name if exported else None, doc=doc, span=k.ast.span))
+                               export=name if role == "export" else None, doc=doc, span=k.ast.span))
         self._frame, self._scopes, self._span = saved
+        return count
 
-    def _job_args(self, params: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """Load a job's arguments after (begin, end) from the JOB_ARGS words; they become locals."""
+    def _job_args(self, par: A.Parallel, words: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """A job's parameters are its chunk's bounds; its other arguments are loaded from the
+        JOB_ARGS words into locals of their own names."""
+        params = [(par.begin, "i32"), (par.end, "i32")]
+        self._frame.locals = params + words
+        self._frame.live = {n for n, _ in self._frame.locals}
+        for n, _ in params:
+            self._bind(n, Local(n, "i32", False))
         self.emit(Comment("arguments from the JOB_ARGS words, one 4-byte word each"))
-        for i, (name, wt) in enumerate(params[2:]):
+        for i, (name, wt) in enumerate(words):
             load = Instr(f"{wt}.load", (f"offset={4 * i}",) if i else (), (I("global.get", "$JOB_ARGS"),))
             self.emit(I("local.set", f"${name}", load))
-        return params[:2]
+        return params
+
+    def _count_tree(self, e: A.Expr) -> int | str | list:
+        """The item count as the manifest writes it for hosts: a number, a parameter's name, or
+        [op, left, right] with op one of + - * / % on i32 (check.py allows nothing else);
+        constants, tune values and Q.block are folded."""
+        v = self._expr(e)
+        if v.code is None and isinstance(v.const, int):
+            return v.const
+        if isinstance(e, A.Name):
+            return e.id
+        assert isinstance(e, A.Binary), e
+        return [e.op, self._count_tree(e.left), self._count_tree(e.right)]
 
     def _quant_of(self, p: A.Param) -> QuantFormat:
         b = self._lookup(p.type)

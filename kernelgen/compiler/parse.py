@@ -96,6 +96,12 @@ def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
         raise
 
 
+def _no_parallel(stmts: tuple) -> None:
+    for s in stmts:
+        if isinstance(s, A.Parallel):
+            raise DslError(s.span, "'parallel' must be the kernel's first statement (after its tune and restrict lines)")
+
+
 def _int(tok: Token, filename: str) -> int:
     text = str(tok)
     span = A.Span(filename, tok.line or 1, tok.column or 1)
@@ -159,6 +165,7 @@ class _Build(Transformer):
 
     # ---- statements
     def block(self, meta, *stmts):
+        _no_parallel(stmts)
         return tuple(stmts)
 
     def let_stmt(self, meta, name, type_, value):
@@ -262,13 +269,22 @@ class _Build(Transformer):
     def restrict_decl(self, meta, expr):
         return A.Restrict(self._span(meta), expr)
 
+    def parallel_decl(self, meta, items, begin, end, start, count):
+        return A.Parallel(self._span(meta), str(items), str(begin), str(end), start, count)
+
     def kernel_decl(self, meta, mode, name, generics, *rest):
         params = tuple(r for r in rest if isinstance(r, A.Param))
+        first = next((r for r in rest if isinstance(r, A.Node)
+                      and not isinstance(r, (A.Param, A.Generic, A.Tune, A.Restrict))), None)
+        parallel = first if isinstance(first, A.Parallel) else None
         restricts = tuple(r for r in rest if isinstance(r, A.Restrict))
         ret = next((r for r in rest if isinstance(r, str)), None)
         tunes = tuple(r for r in rest if isinstance(r, A.Tune))
-        body = tuple(r for r in rest if isinstance(r, A.Node) and not isinstance(r, (A.Param, A.Tune, A.Restrict)))
-        return A.Kernel(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body, restricts)
+        body = tuple(r for r in rest if isinstance(r, A.Node)
+                     and not isinstance(r, (A.Param, A.Tune, A.Restrict)) and r is not parallel)
+        _no_parallel(body)
+        return A.Kernel(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body, restricts,
+                        parallel)
 
     def start(self, meta, *items):
         return A.Program(

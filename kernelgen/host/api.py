@@ -139,7 +139,6 @@ class Kernels:
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
             self._exports[(e["kernel"], e["quant"])] = name
-        self._jobs = {(j["kernel"], j["quant"]): name for name, j in manifest.get("jobs", {}).items()}
 
     # ---- generic access
     def export_name(self, kernel: str, quant: str | None = None) -> str:
@@ -151,31 +150,22 @@ class Kernels:
             raise KeyError(f"no export for kernel {kernel!r}{f' and quant {quant!r}' if quant else ''};"
                            f" kernels: {', '.join(have)}") from None
 
-    def job_name(self, kernel: str, quant: str | None = None) -> str:
-        """The job-table entry of job kernel `kernel` (for `quant`), e.g. qmatvec_job_q8_0__rows1."""
-        try:
-            return self._jobs[(kernel, quant)]
-        except KeyError:
-            raise KeyError(f"no job {kernel!r}{f' for quant {quant!r}' if quant else ''};"
-                           f" jobs: {', '.join(sorted({k for k, _ in self._jobs}))}") from None
-
     def pool(self, threads: int = 2) -> Pool:
         """Start a thread pool on this module (close it, or use it in a `with` block)."""
         return Pool(self, threads)
 
-    def _run(self, kernel: str, quant: str | None, export_args: list, job: str, job_args: list, count: int,
-             pool: Pool | None, chunk: int | None) -> None:
-        """Run `kernel` in this thread, or its job on `pool`'s threads (same results, bit for bit:
-        every output element is computed by one thread in a fixed order)."""
+    def run(self, kernel: str, quant: str | None, args: list[int | float], pool: Pool | None = None,
+            chunk: int | None = None) -> Any:
+        """Run `kernel`'s export with raw arguments in this thread, or, for a kernel declared
+        `parallel`, on `pool`'s threads, `chunk` items per claim (same results, bit for bit: every
+        output element is computed by one thread in a fixed order)."""
+        name = self.export_name(kernel, quant)
         if pool is None:
-            self.call(self.export_name(kernel, quant), *export_args)
-            return
+            return self.call(name, *args)
         if pool.kernels is not self:
             raise ValueError("this pool belongs to another module")
-        name = self.job_name(job, quant)
-        if chunk is None:
-            chunk = (self.manifest["jobs"][name].get("tuned") or {}).get("chunk") or max(1, -(-count // (pool.size * 4)))
-        pool.run(name, count, chunk, job_args)
+        pool.call(name, args, chunk)
+        return None
 
     def tune_of(self, kernel: str, quant: str | None = None) -> dict[str, int]:
         return parse_variant(self.export_name(kernel, quant)).tune
@@ -241,8 +231,7 @@ class Kernels:
             px = self.module.put(x)
             pq = self.module.alloc(x.size * self._act_dtype.itemsize)
             pd = self.module.alloc(x.size // 32 * 4)
-            self._run("quantize_act", None, [px, x.size, pq, pd], "quantize_act_job", [px, pq, pd], x.size // 32,
-                      pool, chunk)
+            self.run("quantize_act", None, [px, x.size, pq, pd], pool, chunk)
             return Act(self.module.get(pq, self._act_dtype, x.size).reshape(x.shape),
                        self.module.get(pd, np.float32, x.size // 32).reshape(*x.shape[:-1], k // 32))
 
@@ -292,8 +281,7 @@ class Kernels:
         with self.module.scope():
             a = self._act_args(act, w.k, "qmatvec")
             py = self.module.alloc(4 * w.rows)
-            self._run("qmatvec", w.quant, [*w.args, *a, py, w.rows, w.k], "qmatvec_job", [*w.args, *a, py, w.k],
-                      w.rows, pool, chunk)
+            self.run("qmatvec", w.quant, [*w.args, *a, py, w.rows, w.k], pool, chunk)
             return self.module.get(py, np.float32, w.rows)
 
     def qmatmul(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
@@ -304,8 +292,7 @@ class Kernels:
             a = self._act_args(act, w.k, "qmatmul", tokens=True)
             tokens = act.tokens
             py = self.module.alloc(4 * tokens * w.rows)
-            self._run("qmatmul", w.quant, [*w.args, *a, py, tokens, w.rows, w.k], "qmatmul_job",
-                      [*w.args, *a, py, tokens, w.rows, w.k], w.rows, pool, chunk)
+            self.run("qmatmul", w.quant, [*w.args, *a, py, tokens, w.rows, w.k], pool, chunk)
             return self.module.get(py, np.float32, tokens * w.rows).reshape(tokens, w.rows)
 
     def matmul_f32(self, a: np.ndarray, b: np.ndarray, b_transposed: bool = False, pool: Pool | None = None,
@@ -322,8 +309,7 @@ class Kernels:
         kernel = "matmul_f32_nt" if b_transposed else "matmul_f32_nn"
         with self.module.scope():
             pa, pb, py = self.module.put(a), self.module.put(b), self.module.alloc(4 * a.shape[0] * n)
-            self._run(kernel, None, [pa, pb, py, a.shape[0], n, k], f"{kernel}_job", [pa, pb, py, n, k],
-                      a.shape[0], pool, chunk)
+            self.run(kernel, None, [pa, pb, py, a.shape[0], n, k], pool, chunk)
             return self.module.get(py, np.float32, a.shape[0] * n).reshape(a.shape[0], n)
 
     def dot_f32(self, x: np.ndarray, y: np.ndarray) -> float:
@@ -340,16 +326,15 @@ class Kernels:
         with self.module.scope():
             py = self.module.alloc(4 * w.shape[0])
             pw, px = self.module.put(w), self.module.put(x)
-            self._run("matvec_f32", None, [pw, px, py, *w.shape], "matvec_f32_job", [pw, px, py, w.shape[1]],
-                      w.shape[0], pool, chunk)
+            self.run("matvec_f32", None, [pw, px, py, *w.shape], pool, chunk)
             return self.module.get(py, np.float32, w.shape[0])
 
 
     # ---- elementwise, softmax, RoPE
-    def _map(self, kernel: str, dtype: type, *arrays: np.ndarray, job: str | None = None,
-             pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
+    def _map(self, kernel: str, dtype: type, *arrays: np.ndarray, pool: Pool | None = None,
+             chunk: int | None = None) -> np.ndarray:
         """Run an elementwise kernel `kernel(in..., out, n)` over 1-D arrays of one length (on `pool`
-        with `job`, whose items are groups of 4 values)."""
+        if given)."""
         n = arrays[0].size
         for a in arrays:
             if a.shape != arrays[0].shape:
@@ -358,21 +343,19 @@ class Kernels:
             # The vector code reads a partial last vector whole: round the buffers up to 16 bytes.
             ins = [self.module.put(a, pad=16) for a in arrays]
             out = self.module.alloc(n * np.dtype(dtype).itemsize + 16)
-            if pool is not None and job is None:
-                raise ValueError(f"{kernel} has no pool job")
-            self._run(kernel, None, [*ins, out, n], job or "", [*ins, out, n], -(-n // 4), pool, chunk)
+            self.run(kernel, None, [*ins, out, n], pool, chunk)
             return self.module.get(out, dtype, n)
 
     def exp_f32(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
-        return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1), job="exp_job", pool=pool, chunk=chunk)
+        return self._map("exp_f32", np.float32, _f32("exp_f32 x", x, 1), pool=pool, chunk=chunk)
 
     def silu_f32(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
-        return self._map("silu_f32", np.float32, _f32("silu_f32 x", x, 1), job="silu_job", pool=pool, chunk=chunk)
+        return self._map("silu_f32", np.float32, _f32("silu_f32 x", x, 1), pool=pool, chunk=chunk)
 
     def swiglu_f32(self, x: np.ndarray, g: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """silu(x) * g."""
         return self._map("swiglu_f32", np.float32, _f32("swiglu_f32 x", x, 1), _f32("swiglu_f32 g", g, 1),
-                         job="swiglu_job", pool=pool, chunk=chunk)
+                         pool=pool, chunk=chunk)
 
     # ---- encoder layers (BERT)
     def erf_f32(self, x: np.ndarray) -> np.ndarray:
@@ -402,7 +385,7 @@ class Kernels:
         with self.module.scope():
             pb = self._put_row_vector("gelu_f32 bias", bias, n)
             px = self.module.put(x)
-            self._run("gelu_f32", None, [px, pb, px, rows, n], "gelu_job", [px, pb, px, n], rows, pool, chunk)
+            self.run("gelu_f32", None, [px, pb, px, rows, n], pool, chunk)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
 
     def add_bias_f32(self, x: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -432,8 +415,7 @@ class Kernels:
             pr = self.module.put(np.zeros_like(x) if residual is None else np.ascontiguousarray(residual))
             px = self.module.put(x)
             args = [px, pr, pb, pg, pbeta, px]
-            self._run("layernorm_f32", None, [*args, rows, n, float(eps)], "layernorm_job", [*args, n, float(eps)],
-                      rows, pool, chunk)
+            self.run("layernorm_f32", None, [*args, rows, n, float(eps)], pool, chunk)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
 
     def mean_pool_f32(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -498,7 +480,7 @@ class Kernels:
                              f"shape {x.shape} (pad rows with kernelgen.padded_rows)")
         with self.module.scope():
             p = self.module.put(x)
-            self._run("softmax_f32", None, [p, rows, t, stride], "softmax_job", [p, t, stride], rows, pool, chunk)
+            self.run("softmax_f32", None, [p, rows, t, stride], pool, chunk)
             return self.module.get(p, np.float32, x.size).reshape(x.shape)
 
     def rope_table(self, npos: int, dim: int, theta: float = 10000.0, pos0: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -532,8 +514,7 @@ class Kernels:
             p = self.module.put(x)
             kind = "pairs" if interleaved else "halves"
             pc, ps = self.module.put(cos), self.module.put(sin)
-            self._run(f"rope_{kind}_f32", None, [p, pc, ps, heads, dim], f"rope_{kind}_job", [p, pc, ps, dim],
-                      heads, pool, chunk)
+            self.run(f"rope_{kind}_f32", None, [p, pc, ps, heads, dim], pool, chunk)
             return self.module.get(p, np.float32, x.size).reshape(x.shape)
 
 

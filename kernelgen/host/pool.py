@@ -4,7 +4,9 @@ Each helper thread has its own wasmtime Store and Instance on the module's Share
 in the exported `pool_helper` loop; the calling thread is the driver and runs jobs through
 `par_for` (kernels.dsl, "the thread pool"). ctypes releases the GIL during wasm calls, so the
 threads run in parallel. A job is a job-table entry (manifest "jobs"), its item count, a chunk
-size and up to 16 argument words written to JOB_ARGS.
+size and up to 16 argument words written to JOB_ARGS. A kernel declared `parallel` is called on
+the pool with its own arguments (`Pool.call`): its manifest entry says which job runs it, how the
+item count follows from the arguments, and which arguments are the job's words (`job_call`).
 
 A helper whose job traps counts itself out (`pool_done`) and re-enters its loop, so the driver
 never waits for it; the trap is raised in the caller of `run` once the job has finished. The pool
@@ -21,7 +23,8 @@ import atexit
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import wasmtime
@@ -40,6 +43,47 @@ class JobError(RuntimeError):
         super().__init__(message)
         self.driver_error = driver_error
         self.helper_errors = helper_errors
+
+
+@dataclass(frozen=True)
+class JobCall:
+    """A call of a parallel export as the pool runs it."""
+
+    job: str  # the manifest "jobs" entry
+    count: int  # items
+    words: list[int | float]  # the job's arguments, JOB_ARGS words in order
+    items: str  # what an item is (rows, blocks, ...)
+
+
+def job_call(manifest: dict, export: str, args: Sequence[int | float]) -> JobCall:
+    """How a call of `export` with `args` (its parameters in order) runs on the pool, from its
+    manifest "parallel" entry."""
+    entry = manifest["exports"].get(export)
+    if entry is None:
+        raise KeyError(f"no export {export!r}")
+    par = entry.get("parallel")
+    if par is None:
+        raise ValueError(f"{entry['kernel']} has no pool job (its kernel has no 'parallel' declaration)")
+    names = [p["name"] for p in entry["params"]]
+    if len(args) != len(names):
+        raise ValueError(f"{export} takes {len(names)} arguments ({', '.join(names)}), got {len(args)}")
+    env = dict(zip(names, args))
+    words = [env[a["name"]] for a in manifest["jobs"][par["job"]]["args"]]
+    return JobCall(par["job"], _count(par["count"], env), words, par["items"])
+
+
+def _count(tree: int | str | list, env: dict[str, int | float]) -> int:
+    """Evaluate a manifest item count ([op, left, right], names, numbers) as wasm's i32 ops do."""
+    if isinstance(tree, str):
+        return int(env[tree])
+    if isinstance(tree, int):
+        return tree
+    op, a, b = tree[0], _count(tree[1], env), _count(tree[2], env)
+    if op in "/%" and b == 0:
+        raise ValueError(f"the item count divides by zero ({tree})")
+    q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1) if op in "/%" else 0  # i32.div_s truncates
+    value = {"+": a + b, "-": a - b, "*": a * b, "/": q, "%": a - q * b}[op]
+    return (value + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 class Pool:
@@ -85,6 +129,20 @@ class Pool:
         if job not in jobs:
             raise KeyError(f"no job {job!r}; jobs: {', '.join(jobs)}")
         return jobs[job]["index"]
+
+    def call(self, export: str, args: Sequence[int | float], chunk: int | None = None) -> None:
+        """Run parallel export `export` with its own arguments on this pool, `chunk` items per
+        claim (default: the job's tuned chunk, else about four claims per thread)."""
+        c = job_call(self.kernels.manifest, export, args)
+        if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk < 1:  # run() checks the rest
+            raise ValueError(f"{export}: chunk ({c.items} per claim) must be >= 1, got {chunk}")
+        self.run(c.job, c.count, self.default_chunk(c) if chunk is None else chunk, c.words)
+
+    def default_chunk(self, call: JobCall) -> int:
+        """Items per claim when the caller gives none: the job's tuned chunk, else about four
+        claims per thread."""
+        tuned = self.kernels.manifest["jobs"][call.job].get("tuned") or {}
+        return tuned.get("chunk") or max(1, -(-call.count // (self.size * 4)))
 
     def run(self, job: str, count: int, chunk: int, args: list[int | float]) -> None:
         """Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim.

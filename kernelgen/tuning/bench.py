@@ -37,7 +37,7 @@ from ..compiler.build import TARGET_NAMES, Built, compile_source, from_built
 from ..errors import KernelgenError
 from ..compiler.check import check
 from ..compiler.parse import parse
-from ..host.pool import Pool
+from ..host.pool import Pool, job_call
 from .. import library
 from ..names import variant_name
 from .store import Record
@@ -153,28 +153,30 @@ def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Ker
         rng = np.random.default_rng(1)
         w = k.pack(quant, _blocks(k, quant, rows, cols, rng))
         act = k.quantize_act(rng.standard_normal(cols).astype(np.float32))
-        aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * rows)
+        args = [*w.args, k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * rows), rows, cols]
         if not threads:
             fn = variant_name(repeat_name("qmatvec"), quant, {})
-            return measure(lambda reps: k.call(fn, reps, *w.args, aq, ad, y, rows, cols)).seconds
+            return measure(lambda reps: k.call(fn, reps, *args)).seconds
+        export = k.export_name("qmatvec", quant)
+        call = job_call(k.manifest, export, args)
         with Pool(k, threads) as pool:
-            job = k.job_name("qmatvec_job", quant)
-            pool.run(job, rows, 16, [*w.args, aq, ad, y, cols])  # publishes the arguments
-            index = pool.job_index(job)
-            return measure(lambda reps: k.call("bench_par_for", reps, index, rows, 16)).seconds
+            pool.call(export, args, 16)  # publishes the arguments
+            index = pool.job_index(call.job)
+            return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 16)).seconds
     return run
 
 
 def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Callable[[Kernels], float]:
-    """The streaming read of `quant`'s packed bytes as a pool job (bench_stream_job) on `threads`."""
+    """The streaming read of `quant`'s packed bytes on the pool (bench_stream_chunks) on `threads`."""
     def run(k: Kernels) -> float:
         nbytes = _packed_bytes(k, quant, rows, cols)
         chunks = max(1, nbytes // STREAM_CHUNK)
-        buf = _filled(k, chunks * STREAM_CHUNK)
+        args = [_filled(k, chunks * STREAM_CHUNK), chunks * STREAM_CHUNK]
+        call = job_call(k.manifest, "bench_stream_chunks", args)
         with Pool(k, threads) as pool:
-            pool.run("bench_stream_job", chunks, 1, [buf])
-            index = pool.job_index("bench_stream_job")
-            seconds = measure(lambda reps: k.call("bench_par_for", reps, index, chunks, 1)).seconds
+            pool.call("bench_stream_chunks", args, 1)  # publishes the arguments
+            index = pool.job_index(call.job)
+            seconds = measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 1)).seconds
         return seconds * nbytes / (chunks * STREAM_CHUNK)
     return run
 
@@ -193,14 +195,15 @@ def seed(rows: int, cols: int) -> Callable[[Kernels], float]:
     return run
 
 
-def _job(k: Kernels, threads: int, job: str, count: int, args: list) -> float:
-    """Seconds per run of `job` over `count` items on `threads` threads, through the pool's
+def _job(k: Kernels, threads: int, export: str, args: list) -> float:
+    """Seconds per run of parallel `export` with `args` on `threads` threads, through the pool's
     par_for, the job's tuned chunk (or the API's default)."""
-    chunk = (k.manifest["jobs"][job].get("tuned") or {}).get("chunk") or max(1, -(-count // (threads * 4)))
+    call = job_call(k.manifest, export, args)
     with Pool(k, threads) as pool:
-        pool.run(job, count, chunk, args)  # publishes the arguments
-        index = pool.job_index(job)
-        return measure(lambda reps: k.call("bench_par_for", reps, index, count, chunk)).seconds
+        chunk = pool.default_chunk(call)
+        pool.call(export, args, chunk)  # publishes the arguments
+        index = pool.job_index(call.job)
+        return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk)).seconds
 
 
 def roofline(op: str) -> Callable[[Kernels], float]:
@@ -217,7 +220,7 @@ def qmatmul(quant: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[
         act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
         aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * m * n)
         if threads:
-            return _job(k, threads, k.job_name("qmatmul_job", quant), n, [*w.args, aq, ad, y, m, n, kk])
+            return _job(k, threads, k.export_name("qmatmul", quant), [*w.args, aq, ad, y, m, n, kk])
         fn = variant_name(repeat_name("qmatmul"), quant, {})
         return measure(lambda reps: k.call(fn, reps, *w.args, aq, ad, y, m, n, kk)).seconds
     return run
@@ -235,7 +238,7 @@ def matmul_f32(form: str, m: int, n: int, kk: int, threads: int = 0) -> Callable
         a, b = _f32_operands(form, m, n, kk)
         pa, pb, py = k.module.put(a), k.module.put(b), k.module.alloc(4 * m * n)
         if threads:
-            return _job(k, threads, k.job_name(f"matmul_f32_{form}_job"), m, [pa, pb, py, n, kk])
+            return _job(k, threads, k.export_name(f"matmul_f32_{form}"), [pa, pb, py, m, n, kk])
         return measure(lambda reps: k.call(repeat_name(f"matmul_f32_{form}"), reps, pa, pb, py, m, n, kk)).seconds
     return run
 
@@ -254,7 +257,7 @@ def empty_job(threads: int) -> Callable[[Kernels], float]:
     """par_for over no items: the pool's dispatch cost."""
     def run(k: Kernels) -> float:
         with Pool(k, threads) as pool:
-            index = pool.job_index(k.job_name("qmatvec_job", "q8_0"))
+            index = pool.job_index(k.manifest["exports"][k.export_name("qmatvec", "q8_0")]["parallel"]["job"])
             return measure(lambda reps: k.call("bench_par_for", reps, index, 0, 1)).seconds
     return run
 

@@ -2,7 +2,7 @@
 // runs them. Started by kernelgen/tuning/bench.py as
 //   node --experimental-wasm-relaxed-simd --no-liftoff node_bench.mjs CONFIG_JSON
 // with CONFIG_JSON {out, target, seed, runtime, cases: [{quant, shape: [rows, cols], twoThreads}], minMs}:
-// `out` a build directory holding the bench module (the library plus bench_stream_job), `seed` the
+// `out` a build directory holding the bench module (the library plus bench_stream_chunks), `seed` the
 // seed-style peer's wasm, `runtime` the URL of runtime/kernelgen.mjs (kernelgen.library.runtime():
 // the checkout's, or the copy an installed wheel carries). Prints one JSON object: {engine, rows: [{kernel, quant, shape, threads, seconds}]},
 // kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream.
@@ -12,7 +12,7 @@
 
 import { readFile } from 'node:fs/promises';
 
-const STREAM_CHUNK = 1 << 16; // bench_stream_job's item, bytes (kernelgen/tuning/timing.py)
+const STREAM_CHUNK = 1 << 16; // bench_stream_chunks's item, bytes (kernelgen/tuning/timing.py)
 const config = JSON.parse(process.argv[2]);
 const { loadKernels, packPlanes } = await import(config.runtime);
 const minMs = config.minMs ?? 300;
@@ -115,7 +115,8 @@ for (const { quant, shape, twoThreads } of config.cases) {
   if (nbytes < STREAM_CHUNK) throw new RangeError(`${quant} ${r}x${c}: the streaming read needs at least ${STREAM_CHUNK} bytes of planes`);
   const chunks = Math.floor(nbytes / STREAM_CHUNK);
   const scale = nbytes / (chunks * STREAM_CHUNK); // the planes lie one after another from planes.q
-  const stream = async () => (await k.bench('runJob', ['bench_stream_job', chunks, 1, [Object.values(w.planes)[0]]], { minMs })).msPerCall / 1e3 * scale;
+  const streamArgs = [Object.values(w.planes)[0], chunks * STREAM_CHUNK];
+  const stream = async () => (await k.bench('run', ['bench_stream_chunks', null, streamArgs, { threads: true, chunk: 1 }], { minMs })).msPerCall / 1e3 * scale;
   row('stream', quant, shape, 1, await stream());
   if (quant === 'q8_0') {
     const peer = await seedPeer(seedWasm, spec, blocks, r, c, x);

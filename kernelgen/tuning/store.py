@@ -17,7 +17,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from ..compiler import ast as A
 from ..compiler.assemble import wabt_version
@@ -60,10 +59,11 @@ def wasmtime_version() -> str:
 
 def kernel_hash(checked: Checked, kernel: str) -> str:
     """sha256 of the source a kernel is built from: its declaration, every kernel it calls, the
-    consts and quant types it can reach. Editing an unrelated kernel keeps its tunings valid."""
+    consts and quant types it can reach. Editing an unrelated kernel keeps its tunings valid. A pool
+    job is built from its exported kernel, so it has that kernel's hash."""
     lines = checked.source.splitlines()
     seen: set[str] = set()
-    todo = [kernel]
+    todo = [checked.jobs[kernel].name if kernel in checked.jobs else kernel]
     texts: list[str] = []
     while todo:
         name = todo.pop()
@@ -76,22 +76,10 @@ def kernel_hash(checked: Checked, kernel: str) -> str:
         if decl is None:
             continue
         texts.append("\n".join(lines[decl.span.line - 1:decl.span.end_line]))
-        todo.extend(_names(decl))  # a kernel's callees and consts, a const's own consts
+        todo.extend(A.names_in(decl))  # a kernel's callees and consts, a const's own consts
         if node is not None and any(g.kind == "quant" for g in node.generics):
             todo.extend(q.name for q in checked.program.quants)
     return hashlib.sha256("\n\0".join(sorted(texts)).encode()).hexdigest()
-
-
-def _names(node: object) -> Iterable[str]:
-    if isinstance(node, A.Name):
-        yield node.id
-    if isinstance(node, tuple):
-        for item in node:
-            yield from _names(item)
-    elif isinstance(node, A.Node):
-        for f in node.__dataclass_fields__:
-            if f != "span":
-                yield from _names(getattr(node, f))
 
 
 # ---- records -----------------------------------------------------------------------------------
@@ -175,11 +163,12 @@ def usable(records: list[Record], checked: Checked) -> list[Record]:
     out = []
     hashes: dict[str, str] = {}
     for r in records:
-        k = checked.kernels.get(r.kernel)
+        job = r.kernel in checked.jobs
+        k = checked.jobs.get(r.kernel) or checked.kernels.get(r.kernel)
         if k is not None and r.dsl_hash != hashes.setdefault(r.kernel, kernel_hash(checked, r.kernel)):
             k = None  # another version of the kernel: best_tune ignores it anyway
         problem = None
-        if k is not None and k.ast.mode == "job":
+        if k is not None and job:
             bad = [f"{p}={r.tune.get(p)}" for p, (lo, hi) in JOB_TUNE.items() if not lo <= r.tune.get(p, 0) <= hi]
             if bad or set(r.tune) != set(JOB_TUNE):
                 problem = f"job tune values {r.tune}: need {', '.join(f'{p} in {lo}..{hi}' for p, (lo, hi) in JOB_TUNE.items())}"

@@ -38,9 +38,10 @@ export kernel bench_stream_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {
     return x;
 }
 
-# The roofline on the thread pool: items are STREAM_CHUNK-byte chunks of the buffer at p.
-job kernel bench_stream_job(begin: i32, end: i32, p: ptr) {
-    let x = bench_stream(p + begin * STREAM_CHUNK, (end - begin) * STREAM_CHUNK);
+# The roofline on the thread pool: the nbytes at p read in STREAM_CHUNK-byte chunks.
+export kernel bench_stream_chunks(p: ptr, nbytes: i32) {
+    parallel chunks c0..c1 in 0..nbytes / STREAM_CHUNK;
+    let x = bench_stream(p + c0 * STREAM_CHUNK, (c1 - c0) * STREAM_CHUNK);
 }
 """
 

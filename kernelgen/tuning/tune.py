@@ -26,7 +26,7 @@ from ..compiler.build import compile_source, from_built
 from ..compiler.check import Checked, check, variants
 from ..names import variant_name
 from ..compiler.parse import parse
-from ..host.pool import Pool
+from ..host.pool import Pool, job_call
 from .store import Record, append_record, host, kernel_hash, load_store
 from .timing import POOL_REPEAT, measure, repeat_name, repeat_source
 
@@ -156,14 +156,8 @@ SPECS: dict[str, tuple[Callable, list[tuple[int, ...]]]] = {
     "matmul_f32_nt_job": (_case_matmul_f32("nt"), ATTENTION_SHAPES["nt"][1:]),
     "matmul_f32_nn_job": (_case_matmul_f32("nn"), ATTENTION_SHAPES["nn"][1:]),
 }
-# Pool jobs are tuned at run time: threads taking part and items per claim. Each job reuses its
-# kernel's case: job -> the item count and the job's arguments, from the kernel's arguments.
-JOBS: dict[str, Callable[[list], tuple[int, list]]] = {
-    "qmatvec_job": lambda a: (a[-2], a[:-2] + a[-1:]),  # rows; (..., y, n, k) -> (..., y, k)
-    "qmatmul_job": lambda a: (a[-2], a),  # rows of W; the job takes every argument (n is y's stride)
-    "matmul_f32_nt_job": lambda a: (a[-3], a[:-3] + a[-2:]),  # rows of a; (a, b, y, m, n, k) -> (a, b, y, n, k)
-    "matmul_f32_nn_job": lambda a: (a[-3], a[:-3] + a[-2:]),
-}
+# Pool jobs (Checked.jobs) are tuned at run time: threads taking part and items per claim. Each
+# job reuses its kernel's case and is called as the hosts call it (pool.job_call).
 CHUNKS = (8, 32, 128, 512)
 
 
@@ -173,17 +167,18 @@ def job_variants() -> list[dict[str, int]]:
     return [{"threads": t, "chunk": c} for t in range(cores, 0, -1) for c in CHUNKS]
 
 
-def _run_job(k: Kernels, job: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
+def _run_job(k: Kernels, kernel: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
              samples: int) -> tuple[float | None, str]:
-    count, args = JOBS[job](case.args)
-    name = k.job_name(job, quant)
+    """Time parallel `kernel` on the pool with `tune`'s threads and chunk."""
+    export = k.export_name(kernel, quant)
+    call = job_call(k.manifest, export, case.args)
     with Pool(k, tune["threads"]) as pool:
-        pool.run(name, count, tune["chunk"], args)
+        pool.call(export, case.args, tune["chunk"])
         problem = case.verify(None)
         if problem:
             return None, f"failed: wrong results ({problem})"
-        index = pool.job_index(name)
-        timing = measure(lambda reps: k.call("bench_par_for", reps, index, count, tune["chunk"]), min_batch, samples)
+        index = pool.job_index(call.job)
+        timing = measure(lambda reps: k.call("bench_par_for", reps, index, call.count, tune["chunk"]), min_batch, samples)
     return timing.seconds, "ok"
 
 
@@ -218,15 +213,15 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
              tune: dict[str, int], min_batch: float = 0.02, samples: int = 5) -> tuple[float | None, str]:
     """Build one variant, verify it once, then time it inside wasm: (seconds per call, status)."""
     maker, _ = SPECS[kernel]
-    if kernel in JOBS:
+    if kernel in checked.jobs:
         (built,) = compile_source(source + POOL_REPEAT, targets=(target,))
     else:
         (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
     k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
-        if kernel in JOBS:
-            return _run_job(k, kernel, quant, case, tune, min_batch, samples)
+        if kernel in checked.jobs:
+            return _run_job(k, checked.jobs[kernel].name, quant, case, tune, min_batch, samples)
         problem = case.verify(k.call(k.export_name(kernel, quant), *case.args))
         if problem:
             return None, f"failed: wrong results ({problem})"
@@ -250,11 +245,11 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     plans: list[tuple[str, Plan]] = []
     for target in targets:
         for kernel in kernels:
-            kinfo = checked.kernels[kernel]
+            kinfo = checked.jobs.get(kernel) or checked.kernels[kernel]
             qs = (quants or list(checked.quants)) if kinfo.ast.generics else [None]
             for q in qs:
                 for shape in shapes.get(kernel) or SPECS[kernel][1]:
-                    for t in job_variants() if kernel in JOBS else variants(checked, kernel):
+                    for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
                         plans.append((target, Plan(kernel, q, shape, t)))
     def key(target: str, p: Plan) -> tuple:
         return p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True)
