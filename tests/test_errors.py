@@ -112,6 +112,11 @@ CASES = [
          "unexpected end of file, expected"),
     Case("syntax: end of file in kernels.dsl", TRUNCATED, TRUNCATED.count("\n") + 1,
          len(TRUNCATED.rsplit("\n", 1)[-1]) + 1, "unexpected end of file, expected"),
+    Case("syntax: terminals are spelled as written", K("for i in 0 n {\n    }"), 2, 16, "'..'"),
+    Case("syntax: static if with a runtime else if",
+         K("static if 1 == 1 {\n    } else if n > 0 {\n    }"), 3, 12, "write 'else static if'"),
+    Case("syntax: runtime if with a static else if",
+         K("if n > 0 {\n    } else static if 1 == 1 {\n    }"), 3, 12, "cannot be the 'else' of a runtime 'if'"),
     # ---- names and types
     Case("unknown name", K("i32.store(x, y);"), 2, 18, "unknown name 'y'", lowering=True),
     Case("unknown type of a parameter", "export kernel f(x: foo) {\n}\n", 1, 17, "unknown parameter type 'foo'"),

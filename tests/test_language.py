@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kernelgen.names import parse_variant
+
 from kernelgen.compiler.build import compile_kernels
 
 TARGETS = ("simd128", "relaxed-simd")
@@ -86,7 +88,9 @@ def k(request):
 def test_generic_kernel_instances_and_unroll_offsets_in_the_wat() -> None:
     from kernelgen.compiler.build import compile_source
     (built,) = compile_source(SOURCE, targets=("simd128",))
-    assert built.wat.count("(func $helper__2") == 1 and built.wat.count("(func $helper__3") == 1
+    # One function per distinct compile-time argument, named as exports are (names.variant_name).
+    assert built.wat.count("(func $helper__n2\n") == 1 and built.wat.count("(func $helper__n3\n") == 1
+    assert parse_variant("helper__n2").tune == {"n": 2}
     assert "(i32.store offset=12" in built.wat
 
 

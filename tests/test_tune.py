@@ -932,11 +932,12 @@ def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None
     assert [r.tune for r in first] == job_variants()
     assert all(r.status == "ok" and r.seconds > 0 for r in recs)
     (built,) = compile_source(SOURCE, targets=("simd128",), records=load_store(store), tune_host=S.host())
-    tuned = built.manifest["jobs"]["qmatvec_job_q8_0"]["tuned"]
+    job = built.manifest["exports"]["qmatvec_q8_0__rows1_accs1"]["parallel"]["job"]
+    tuned = built.manifest["jobs"][job]["tuned"]
     assert tuned in job_variants() and built.manifest["tune"]["host"] == S.host()
     assert built.manifest["jobs"]["softmax_f32_job"]["tuned"] is None  # not tuned: the API's own default
     k = compile_kernels(SOURCE, "simd128")
-    k.manifest["jobs"]["qmatvec_job_q8_0"]["tuned"] = tuned
+    k.manifest["jobs"][job]["tuned"] = tuned
     rng = np.random.default_rng(0)
     from kernelgen import reference
     w = k.pack("q8_0", reference.quantize_q8_0(rng.standard_normal((64, 256))))

@@ -87,14 +87,14 @@ Expr = IntLit | FloatLit | Name | Binary | Unary | Attr | Index | Call
 
 
 @dataclass(frozen=True)
-class Let(Node):
+class LetStmt(Node):
     name: str
     type: str | None
     value: Expr
 
 
 @dataclass(frozen=True)
-class Var(Node):
+class VarStmt(Node):
     """A mutable local, or with `size` a register array of compile-time length."""
 
     name: str
@@ -104,14 +104,14 @@ class Var(Node):
 
 
 @dataclass(frozen=True)
-class Assign(Node):
+class AssignStmt(Node):
     target: Expr
     op: str  # "=", "+=", "-=", "*="
     value: Expr
 
 
 @dataclass(frozen=True)
-class For(Node):
+class ForStmt(Node):
     var: str
     start: Expr
     stop: Expr
@@ -120,13 +120,13 @@ class For(Node):
 
 
 @dataclass(frozen=True)
-class While(Node):
+class WhileStmt(Node):
     cond: Expr
     body: tuple[Stmt, ...]
 
 
 @dataclass(frozen=True)
-class Unroll(Node):
+class UnrollStmt(Node):
     """A loop run by the compiler: the body is emitted once per value, `var` a constant in each copy."""
 
     var: str
@@ -136,7 +136,7 @@ class Unroll(Node):
 
 
 @dataclass(frozen=True)
-class If(Node):
+class IfStmt(Node):
     """`if`, or with `static` a compile-time choice whose taken arm shares the enclosing scope."""
 
     cond: Expr
@@ -146,7 +146,7 @@ class If(Node):
 
 
 @dataclass(frozen=True)
-class Return(Node):
+class ReturnStmt(Node):
     value: Expr | None
 
 
@@ -155,21 +155,21 @@ class ExprStmt(Node):
     expr: Expr
 
 
-Stmt = Let | Var | Assign | For | While | Unroll | If | Return | ExprStmt
+Stmt = LetStmt | VarStmt | AssignStmt | ForStmt | WhileStmt | UnrollStmt | IfStmt | ReturnStmt | ExprStmt
 
 
 # ---- declarations ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Const(Node):
+class ConstDecl(Node):
     name: str
     type: str
     value: Expr
 
 
 @dataclass(frozen=True)
-class Field(Node):
+class FieldDecl(Node):
     """One field of a stored quant block, in storage order: `d: f16`, `qs: i8[32]`."""
 
     name: str
@@ -178,7 +178,7 @@ class Field(Node):
 
 
 @dataclass(frozen=True)
-class Table(Node):
+class TableDecl(Node):
     """A codebook of a quant type: `table kv = {-127, -104, ...};`."""
 
     name: str
@@ -186,15 +186,15 @@ class Table(Node):
 
 
 @dataclass(frozen=True)
-class Quant(Node):
+class QuantDecl(Node):
     name: str
     block: int | None
-    fields: tuple[Field, ...]
+    fields: tuple[FieldDecl, ...]
     unpack: Expr | None
     dequant: Expr | None
-    tables: tuple[Table, ...] = ()
+    tables: tuple[TableDecl, ...] = ()
     sub: int | None = None
-    lets: tuple[Let, ...] = ()
+    lets: tuple[LetStmt, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ class Param(Node):
 
 
 @dataclass(frozen=True)
-class Tune(Node):
+class TuneDecl(Node):
     name: str
     type: str
     domain: tuple[int, ...]
@@ -219,14 +219,14 @@ class Tune(Node):
 
 
 @dataclass(frozen=True)
-class Restrict(Node):
+class RestrictDecl(Node):
     """`restrict EXPR;`: a condition on the kernel's tune values that every variant meets."""
 
     cond: Expr
 
 
 @dataclass(frozen=True)
-class Parallel(Node):
+class ParallelDecl(Node):
     """`parallel ITEMS BEGIN..END in 0..COUNT;`: the kernel's work splits into COUNT items (rows,
     blocks, vector groups, heads), done in chunks [BEGIN, END) on the thread pool's threads."""
 
@@ -238,16 +238,16 @@ class Parallel(Node):
 
 
 @dataclass(frozen=True)
-class Kernel(Node):
+class KernelDecl(Node):
     name: str
     mode: str  # "export", "inline" or "" (internal)
     generics: tuple[Generic, ...]
     params: tuple[Param, ...]
     ret: str | None
-    tunes: tuple[Tune, ...]
+    tunes: tuple[TuneDecl, ...]
     body: tuple[Stmt, ...]
-    restricts: tuple[Restrict, ...] = ()
-    parallel: Parallel | None = None
+    restricts: tuple[RestrictDecl, ...] = ()
+    parallel: ParallelDecl | None = None
 
     @property
     def exported(self) -> bool:
@@ -256,9 +256,9 @@ class Kernel(Node):
 
 @dataclass(frozen=True)
 class Program(Node):
-    consts: tuple[Const, ...]
-    quants: tuple[Quant, ...]
-    kernels: tuple[Kernel, ...]
+    consts: tuple[ConstDecl, ...]
+    quants: tuple[QuantDecl, ...]
+    kernels: tuple[KernelDecl, ...]
     source: str = field(compare=False, repr=False, default="")
 
 

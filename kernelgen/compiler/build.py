@@ -34,7 +34,8 @@ from .check import Checked, check, resolve_tune
 from ..tuning.store import Record, best_tune, host, load_store, usable
 from .emit import render_module
 from ..host.api import Kernels
-from .lower import lower
+from . import types as T
+from .lower import Export, lower
 from .ops import TARGETS
 from .parse import parse
 
@@ -89,14 +90,10 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                        "dtype": _act_dtype(t.constants)},
         "quants": {name: q.to_json() for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
-        # A parallel export says how a call runs on the pool: its "job", the item "count" from the
-        # call's arguments (see lower._count_tree) and the job's argument words (the job's "args",
-        # each an export parameter of the same name).
-        "exports": {e.name: {"kernel": e.kernel, "quant": e.quant, "tune": e.tune, "params": e.params,
-                             "result": e.result, "line": e.line, **({"parallel": e.parallel} if e.parallel else {})}
-                    for e in lowered.exports},
-        "jobs": {j.name: {"index": i, "kernel": j.kernel, "quant": j.quant, "args": j.params,
-                          "tuned": tune_info["pool"].get(j.kernel), "line": j.line}
+        "exports": {e.name: _export_entry(e) for e in lowered.exports},
+        "jobs": {j.name: {"index": i, "kernel": j.kernel.job, "quant": j.quant.name if j.quant else None,
+                          "args": _params(j), "tuned": tune_info["pool"].get(j.kernel.job),
+                          "line": j.kernel.ast.parallel.span.line}
                  for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
         "wasm_sha256": hashlib.sha256(wasm).hexdigest(),  # the hosts refuse a wasm from another build
@@ -108,6 +105,35 @@ def _act_dtype(constants: dict[str, int]) -> str:
     """The numpy/typed-array name of a stored activation: signed where stored as is, else unsigned."""
     bits = 8 * constants["ACT_BYTES"]
     return f"int{bits}" if constants["ACT_ZERO"] == 0 else f"uint{bits}"
+
+
+def _export_entry(e: Export) -> dict:
+    """An export as hosts see it. A parallel one says how a call runs on the pool: its "job", the
+    item "count" from the call's arguments (see Lowerer._count_tree) and, through the job's "args",
+    its argument words (each an export parameter of the same name)."""
+    k = e.kernel.ast
+    entry = {"kernel": e.kernel.name, "quant": e.quant.name if e.quant else None, "tune": e.tune,
+             "params": _params(e), "result": T.resolve(k.ret) if k.ret else None, "line": k.span.line}
+    if e.job is not None:
+        entry["parallel"] = {"items": k.parallel.items, "count": e.count, "job": e.job}
+    return entry
+
+
+def _params(e: Export) -> list[dict]:
+    """The wasm parameters of an export, or the argument words of a job: name, wasm type, meaning
+    (from the kernel's doc comment); a packed matrix is one pointer per plane of its quant type."""
+    out = []
+    for p in e.params:
+        meaning = e.kernel.param_docs.get(p.name, "")
+        if p.packed:
+            assert e.quant is not None
+            for plane, (_, per_block) in e.quant.planes.items():
+                out.append({"name": f"{p.name}_{plane}", "type": "i32", "dsl_type": "ptr",
+                            "meaning": f"{meaning} [{e.quant.name} plane {plane!r}: {per_block} bytes per block]".strip()})
+        else:
+            out.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"), "dsl_type": p.type,
+                        "meaning": meaning})
+    return out
 
 
 def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, int]] | None,

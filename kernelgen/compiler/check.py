@@ -25,7 +25,7 @@ _DOC_PARAM = re.compile(r"#\s+(\w+):\s+(.*)")
 
 @dataclass
 class KernelInfo:
-    ast: A.Kernel
+    ast: A.KernelDecl
     doc: list[str] = field(default_factory=list)  # the comment block above the kernel
     param_docs: dict[str, str] = field(default_factory=dict)  # from "#   name: meaning" lines in it
 
@@ -47,7 +47,7 @@ class KernelInfo:
         return job_params(self.ast)
 
 
-def job_params(k: A.Kernel) -> tuple[A.Param, ...]:
+def job_params(k: A.KernelDecl) -> tuple[A.Param, ...]:
     """The parameters a parallel kernel's job reads from JOB_ARGS words: those its body uses, in
     declaration order (one that only the item count uses, such as a row count, is left out)."""
     used = set(A.names_in(k.body))
@@ -134,7 +134,7 @@ def _const_value(e: A.Expr, consts: dict[str, Val]) -> int | float:
     raise DslError(e.span, "a const must be a compile-time number")
 
 
-def _check_kernel(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
+def _check_kernel(k: A.KernelDecl, quants: dict[str, QuantFormat]) -> None:
     names: dict[str, A.Node] = {}
 
     def local(name: str, node: A.Node) -> None:
@@ -149,6 +149,9 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
         local(g.name, g)
         if g.kind != "quant" and g.kind != "i32":
             raise DslError(g.span, f"{k.name}: a compile-time parameter is 'quant' or 'i32', not {g.kind!r}")
+        if g.kind == "i32" and not TUNE_NAME.fullmatch(g.name.lower().replace("_", "")):
+            raise DslError(g.span, f"{k.name}: compile-time parameter {g.name!r}: use letters and '_' only (its value"
+                                   " is part of the function's name)")
         generic_kinds[g.name] = g.kind
     if k.exported and (len(k.generics) > 1 or any(g.kind != "quant" for g in k.generics)):
         raise DslError(k.span, f"exported kernel {k.name}: only one [Q: quant] parameter is allowed; "
@@ -195,7 +198,7 @@ def _check_kernel(k: A.Kernel, quants: dict[str, QuantFormat]) -> None:
         _check_parallel(k, quants, local)
 
 
-def _check_restrict_names(k: A.Kernel, e: A.Expr, tunes: set[str]) -> None:
+def _check_restrict_names(k: A.KernelDecl, e: A.Expr, tunes: set[str]) -> None:
     if isinstance(e, A.Name) and e.id not in tunes:
         raise DslError(e.span, f"{k.name}: a restriction may use only tune parameters and numbers, not {e.id!r}")
     for child in (getattr(e, "left", None), getattr(e, "right", None), getattr(e, "operand", None)):
@@ -203,7 +206,7 @@ def _check_restrict_names(k: A.Kernel, e: A.Expr, tunes: set[str]) -> None:
             _check_restrict_names(k, child, tunes)
 
 
-def _check_parallel(k: A.Kernel, quants: dict[str, QuantFormat], local: Callable[[str, A.Node], None]) -> None:
+def _check_parallel(k: A.KernelDecl, quants: dict[str, QuantFormat], local: Callable[[str, A.Node], None]) -> None:
     """A parallel kernel: its body runs on items [begin, end); its job reads the parameters the
     body uses from JOB_ARGS words, and hosts compute the item count from the call's arguments."""
     par = k.parallel
@@ -229,7 +232,7 @@ def _check_parallel(k: A.Kernel, quants: dict[str, QuantFormat], local: Callable
         raise DslError(par.span, f"{k.name}: its job needs {words} argument words; JOB_ARGS holds {layout.JOB_ARG_WORDS}")
 
 
-def _check_count(k: A.Kernel, e: A.Expr, params: dict[str, A.Param], generics: set[str]) -> None:
+def _check_count(k: A.KernelDecl, e: A.Expr, params: dict[str, A.Param], generics: set[str]) -> None:
     """The item count is arithmetic (+ - * / %) on numbers, consts, tune values, Q.block and the
     kernel's i32 parameters: what both hosts can evaluate from a call's arguments (manifest
     "parallel".count)."""
@@ -246,15 +249,15 @@ def _check_count(k: A.Kernel, e: A.Expr, params: dict[str, A.Param], generics: s
                                " Q.block and i32 parameters")
 
 
-def _check_inline_returns(k: A.Kernel, body: tuple[A.Stmt, ...], top: bool) -> None:
+def _check_inline_returns(k: A.KernelDecl, body: tuple[A.Stmt, ...], top: bool) -> None:
     for i, s in enumerate(body):
-        if isinstance(s, A.Return) and not (top and i == len(body) - 1):
+        if isinstance(s, A.ReturnStmt) and not (top and i == len(body) - 1):
             raise DslError(s.span, f"inline kernel {k.name}: 'return' may only be its last statement")
         for sub in (getattr(s, "body", ()), getattr(s, "then", ()), getattr(s, "orelse", ())):
             _check_inline_returns(k, sub, top=False)
 
 
-def _with_docs(k: A.Kernel, lines: list[str]) -> KernelInfo:
+def _with_docs(k: A.KernelDecl, lines: list[str]) -> KernelInfo:
     doc: list[str] = []
     n = k.span.line - 2
     while n >= 0 and lines[n].lstrip().startswith("#"):
@@ -294,7 +297,7 @@ def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None =
     return result
 
 
-def _broken_restrict(checked: Checked, k: KernelInfo, values: dict[str, int]) -> A.Restrict | None:
+def _broken_restrict(checked: Checked, k: KernelInfo, values: dict[str, int]) -> A.RestrictDecl | None:
     env = {**checked.consts, **{n: Val(None, "i32", v) for n, v in values.items()}}
     for r in k.ast.restricts:
         if not _const_value(r.cond, env):

@@ -8,9 +8,10 @@ WAT. Types are computed here as the code is built; the rules for ops live in ops
 """
 from __future__ import annotations
 
-import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 from . import ast as A
 from . import layout
@@ -54,18 +55,18 @@ class Packed:
 Binding = Val | Local | Array | Packed | QuantFormat
 
 
-@dataclass
+@dataclass(frozen=True)
 class Export:
-    """One exported function of the module, as the manifest describes it."""
+    """A function the hosts call: an exported kernel, or a parallel kernel's pool job (called
+    through the job table). build.py describes it in the manifest."""
 
     name: str
-    kernel: str
-    quant: str | None
+    kernel: KernelInfo
+    quant: QuantFormat | None
     tune: dict[str, int]
-    params: list[dict]
-    result: str | None
-    line: int
-    parallel: dict | None = None  # a parallel kernel's items, item count (see _count_tree) and job
+    params: tuple[A.Param, ...]  # a job's: the parameters it reads from JOB_ARGS words
+    count: int | str | list | None = None  # a parallel export's item count (see Lowerer._count_tree)
+    job: str | None = None  # a parallel export's pool job
 
 
 MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
@@ -78,16 +79,99 @@ class _Return(Exception):
     """Raised past a non-inline `return` to skip dead code after it in the same block."""
 
 
-@dataclass
-class _Frame:
-    """The state of the wasm function being emitted."""
+class Instances:
+    """The functions kernels become, named by one scheme (names.variant_name: the kernel, its
+    quant type, then name-value pairs that parse back): an export carries its tune values
+    (`qmatvec_q8_0__rows1_accs1`), its pool job the same (`qmatvec_job_q8_0__rows1_accs1`), an
+    internal kernel its compile-time integers, lowercase without '_' (`qrows_q8_0__n4_a1`), one
+    function per distinct compile-time arguments, lowered after the exports."""
 
+    def __init__(self, tune: dict[str, dict[str, int]]) -> None:
+        self.tune = tune
+        self._names: dict[tuple, str] = {}
+        # Internal kernels still to lower, each with its instantiation chain (the instances that
+        # led to it): `g[N]` calling `g[N + 1]` would otherwise instantiate for ever.
+        self._pending: list[tuple[KernelInfo, dict[str, Binding], str, tuple[str, ...]]] = []
+        self._chain: tuple[str, ...] = ()  # that of the instance being lowered
+
+    def export(self, k: KernelInfo, quant: QuantFormat | None) -> str:
+        return variant_name(k.name, quant.name if quant else None, self.tune.get(k.name, {}))
+
+    def job(self, k: KernelInfo, quant: QuantFormat | None) -> str:
+        assert k.job is not None
+        return variant_name(k.job, quant.name if quant else None, self.tune.get(k.name, {}))
+
+    def internal(self, k: KernelInfo, generics: dict[str, Binding], error: Callable[[str], DslError]) -> str:
+        """The function of internal kernel `k` for these compile-time arguments (queued for
+        lowering the first time it is asked for; `error` makes the DslError of a limit broken)."""
+        key = (k.name, tuple(_show(v) for v in generics.values()))
+        if key not in self._names:
+            quants = "_".join(v.name for v in generics.values() if isinstance(v, QuantFormat))
+            values = {g.lower().replace("_", ""): v.const for g, v in generics.items() if isinstance(v, Val)}
+            name = variant_name(k.name, quants or None, values)
+            chain = (*self._chain, name)
+            if len(chain) > MAX_INSTANTIATION_DEPTH:
+                shown = " -> ".join(chain[:2] + ("...",) + chain[-2:])
+                raise error(f"instantiating {name}: {len(chain)} nested instantiations ({shown}), at most "
+                            f"{MAX_INSTANTIATION_DEPTH}; do its compile-time arguments grow without end?")
+            if len(self._names) >= MAX_INSTANCES:
+                raise error(f"instantiating {name}: more than {MAX_INSTANCES} instances of internal kernels")
+            self._names[key] = name
+            self._pending.append((k, generics, name, chain))
+        return self._names[key]
+
+    def take(self) -> Iterator[tuple[KernelInfo, dict[str, Binding], str]]:
+        """Each queued instance once, including those queued while lowering earlier ones."""
+        while self._pending:
+            k, generics, name, self._chain = self._pending.pop(0)
+            yield k, generics, name
+
+
+@dataclass
+class Frame:
+    """The wasm function being emitted: its locals (parameters first) and which are in scope, its
+    labels, the temporaries of the current statement, and the list code is emitted into."""
+
+    result: str | None = None
     locals: list[tuple[str, str]] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
     labels: set[str] = field(default_factory=set)
     temps: list[str] = field(default_factory=list)
-    result: str | None = None
     body: list[Stmt] = field(default_factory=list)
+
+    def params(self, params: list[tuple[str, str]]) -> None:
+        """Declare the parameters (in scope for the whole function; params and locals share one namespace)."""
+        self.locals = list(params)
+        self.live = {n for n, _ in params}
+
+    def new_local(self, name: str, wasm_type: str) -> str:
+        """A wasm local for a new binding: reuse one of the same name and type that is out of scope."""
+        for k in range(len(self.locals) + 1):
+            cand = name if k == 0 else f"{name}_{k}"
+            entry = next((t for n, t in self.locals if n == cand), None)
+            if entry is None:
+                self.locals.append((cand, wasm_type))
+                break
+            if entry == wasm_type and cand not in self.live:
+                break
+        self.live.add(cand)
+        return cand
+
+    def label(self, base: str) -> str:
+        k = 0
+        while (label := base if k == 0 else f"{base}_{k}") in self.labels:
+            k += 1
+        self.labels.add(label)
+        return label
+
+    @contextmanager
+    def into(self, body: list[Stmt]) -> Iterator[None]:
+        """Emit into `body` (a loop's or an if arm's) for the duration."""
+        saved, self.body = self.body, body
+        try:
+            yield
+        finally:
+            self.body = saved
 
 
 class Lowerer:
@@ -100,16 +184,12 @@ class Lowerer:
         self.funcs: list[Func] = []
         self.exports: list[Export] = []
         self.jobs: list[Export] = []  # the job table, in index order
+        self.instances = Instances(tune)
         self._inlining: list[str] = []  # inline kernels being expanded, outermost first
         self._inline_locals: list[set[str]] = []  # locals each expansion declared
-        self._instances: dict[tuple, str] = {}
-        # Internal kernels still to lower, each with its instantiation chain (the instances that
-        # led to it): `g[N]` calling `g[N + 1]` would otherwise instantiate for ever.
-        self._pending: list[tuple[KernelInfo, dict[str, Binding], str, tuple[str, ...]]] = []
-        self._chain: tuple[str, ...] = ()
         self._copies = 1  # copies the enclosing unrolls (inline expansions included) make of this statement
         self._span: A.Span | None = None
-        self._frame = _Frame()
+        self._frame = Frame()
         self._scopes: list[dict[str, Binding]] = []
 
     # ---- module ----------------------------------------------------------------------------------
@@ -122,18 +202,16 @@ class Lowerer:
                 if quant is not None:
                     generics[k.ast.generics[0].name] = quant
                 tune = self.tune.get(k.name, {})
-                name = variant_name(k.name, quant.name if quant else None, tune)
                 generics.update({n: Val(None, "i32", v) for n, v in tune.items()})
+                name = self.instances.export(k, quant)
                 count = self._lower_func(k, generics, name, "export")
-                parallel = None
+                job = None
                 if k.job:
-                    job = variant_name(k.job, quant.name if quant else None, {})
+                    job = self.instances.job(k, quant)
                     self._lower_func(k, generics, job, "job")
-                    self.jobs.append(self._export(k, quant, {}, job, k.job_params, k.job))
-                    parallel = {"items": k.ast.parallel.items, "count": count, "job": job}
-                self.exports.append(self._export(k, quant, tune, name, k.ast.params, k.name, parallel))
-        while self._pending:
-            k, generics, name, self._chain = self._pending.pop(0)
+                    self.jobs.append(Export(job, k, quant, tune, k.job_params))
+                self.exports.append(Export(name, k, quant, tune, k.ast.params, count, job))
+        for k, generics, name in self.instances.take():
             self._lower_func(k, generics, name, "internal")
         return self.funcs
 
@@ -141,22 +219,6 @@ class Lowerer:
         if not k.ast.generics:
             return [None]
         return list(self.c.quants.values())
-
-    def _export(self, k: KernelInfo, quant: QuantFormat | None, tune: dict[str, int], name: str,
-                params: tuple[A.Param, ...], kernel: str, parallel: dict | None = None) -> Export:
-        described = []
-        for p in params:
-            meaning = k.param_docs.get(p.name, "")
-            if p.packed:
-                assert quant is not None
-                for plane, (dtype, per_block) in quant.planes.items():
-                    described.append({"name": f"{p.name}_{plane}", "type": "i32", "dsl_type": "ptr",
-                                      "meaning": f"{meaning} [{quant.name} plane {plane!r}: {per_block} bytes per block]".strip()})
-            else:
-                described.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"),
-                                  "dsl_type": p.type, "meaning": meaning})
-        return Export(name, kernel, quant.name if quant else None, dict(tune), described,
-                      T.resolve(k.ast.ret) if k.ast.ret else None, k.ast.span.line, parallel)
 
     # ---- scopes and locals -----------------------------------------------------------------------
     def error(self, message: str) -> DslError:
@@ -175,38 +237,34 @@ class Lowerer:
         return None
 
     def _new_local(self, name: str, type_: str) -> str:
-        """A wasm local for a new binding: reuse one of the same name and type that is out of scope."""
-        wt = T.wasm_type(type_)
-        for k in range(len(self._frame.locals) + 1):
-            cand = name if k == 0 else f"{name}_{k}"
-            entry = next((t for n, t in self._frame.locals if n == cand), None)
-            if entry is None:
-                self._frame.locals.append((cand, wt))
-                break
-            if entry == wt and cand not in self._frame.live:
-                break
-        self._frame.live.add(cand)
+        local = self._frame.new_local(name, T.wasm_type(type_))
         if self._inline_locals:
-            self._inline_locals[-1].add(cand)
-        return cand
-
-    def _label(self, base: str) -> str:
-        k = 0
-        while (label := base if k == 0 else f"{base}_{k}") in self._frame.labels:
-            k += 1
-        self._frame.labels.add(label)
-        return label
+            self._inline_locals[-1].add(local)
+        return local
 
     def _bind(self, name: str, b: Binding) -> None:
         self._scopes[-1][name] = b
 
-    def _push(self) -> None:
+    @contextmanager
+    def _scope(self) -> Iterator[None]:
+        """A block's bindings: its locals go out of scope (reusable) when it ends."""
         self._scopes.append({})
+        try:
+            yield
+        finally:
+            for b in self._scopes.pop().values():
+                for n in (b.names if isinstance(b, Array) else (b.name,) if isinstance(b, Local) else ()):
+                    self._frame.live.discard(n)
 
-    def _pop(self) -> None:
-        for b in self._scopes.pop().values():
-            for n in (b.names if isinstance(b, Array) else (b.name,) if isinstance(b, Local) else ()):
-                self._frame.live.discard(n)
+    @contextmanager
+    def _context(self, frame: Frame | None, scopes: list[dict[str, Binding]], span: A.Span | None) -> Iterator[None]:
+        """Lower a function (a new frame) or an inline expansion (the caller's frame, new scopes)."""
+        saved = (self._frame, self._scopes, self._span)
+        self._frame, self._scopes, self._span = frame or self._frame, scopes, span
+        try:
+            yield
+        finally:
+            self._frame, self._scopes, self._span = saved
 
     def emit(self, s: Stmt) -> None:
         self._frame.body.append(s)
@@ -242,47 +300,41 @@ class Lowerer:
         return I("local.tee", f"${tmp}", code), I("local.get", f"${tmp}")
 
     # ---- functions -------------------------------------------------------------------------------
-    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> object:
+    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
         """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
         its pool "job". Returns, for a parallel export, its item count as hosts evaluate it."""
-        saved = (self._frame, self._scopes, self._span)
-        self._frame = _Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
-        self._scopes = [dict(generics)]
-        self._span = k.ast.span
-        params: list[tuple[str, str]] = []
-        self._push()
-        for p in k.job_params if role == "job" else k.ast.params:
-            self._span = p.span
-            if p.packed:
-                quant = self._quant_of(p)
-                planes = {plane: f"{p.name}_{plane}" for plane in quant.planes}
-                params += [(n, "i32") for n in planes.values()]
-                self._bind(p.name, Packed(quant, planes))
+        frame = Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
+        with self._context(frame, [dict(generics)], k.ast.span), self._scope():
+            params: list[tuple[str, str]] = []
+            for p in k.job_params if role == "job" else k.ast.params:
+                self._span = p.span
+                if p.packed:
+                    quant = self._quant_of(p)
+                    planes = {plane: f"{p.name}_{plane}" for plane in quant.planes}
+                    params += [(n, "i32") for n in planes.values()]
+                    self._bind(p.name, Packed(quant, planes))
+                else:
+                    t = T.resolve(p.type)
+                    params.append((p.name, T.wasm_type(t)))
+                    self._bind(p.name, Local(p.name, t, False))
+            par, count = k.ast.parallel, None
+            if role == "job":  # the chunk [begin, end) comes from the pool; the rest from JOB_ARGS words
+                params = self._job_args(par, params)
             else:
-                t = T.resolve(p.type)
-                params.append((p.name, T.wasm_type(t)))
-                self._bind(p.name, Local(p.name, t, False))
-        par, count = k.ast.parallel, None
-        if role == "job":  # the chunk [begin, end) comes from the pool; the rest from JOB_ARGS words
-            params = self._job_args(par, params)
-        else:
-            self._frame.locals = list(params)  # params and locals share one namespace
-            self._frame.live = {n for n, _ in params}
-            if par is not None:  # called directly: one chunk of every item
-                self._span = par.span
-                self._bind(par.begin, Val(None, "i32", 0))
-                self._bind(par.end, self._coerce(self._expr(par.count), "i32"))
-                count = self._count_tree(par.count)
-        try:
-            self._block(k.ast.body)
-            returned = False
-        except _Return:
-            returned = True
-        if self._frame.result and not returned and not _ends_in_return(k.ast.body):
-            raise DslError(k.ast.span, f"{k.name} returns {self._frame.result} but its end can be reached"
-                                       " without 'return'")
-        self._pop()
-        frame = self._frame
+                frame.params(params)
+                if par is not None:  # called directly: one chunk of every item
+                    self._span = par.span
+                    self._bind(par.begin, Val(None, "i32", 0))
+                    self._bind(par.end, self._coerce(self._expr(par.count), "i32"))
+                    count = self._count_tree(par.count)
+            try:
+                self._block(k.ast.body)
+                returned = False
+            except _Return:
+                returned = True
+            if frame.result and not returned and not _ends_in_return(k.ast.body):
+                raise DslError(k.ast.span, f"{k.name} returns {frame.result} but its end can be reached"
+                                           " without 'return'")
         where = f"{Path(k.ast.span.file).name}:{k.ast.span.line}"
         shown = f"{k.ast.name}{'[' + ', '.join(_show(v) for v in generics.values()) + ']' if generics else ''}"
         if role == "job":
@@ -290,15 +342,13 @@ class Lowerer:
         doc = [f"{shown} -- {where}"] + [f"  {d}" for d in k.doc]
         self.funcs.append(Func(name, params, frame.result, frame.locals[len(params):], frame.body,
                                export=name if role == "export" else None, doc=doc, span=k.ast.span))
-        self._frame, self._scopes, self._span = saved
         return count
 
-    def _job_args(self, par: A.Parallel, words: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    def _job_args(self, par: A.ParallelDecl, words: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """A job's parameters are its chunk's bounds; its other arguments are loaded from the
         JOB_ARGS words into locals of their own names."""
         params = [(par.begin, "i32"), (par.end, "i32")]
-        self._frame.locals = params + words
-        self._frame.live = {n for n, _ in self._frame.locals}
+        self._frame.params(params + words)
         for n, _ in params:
             self._bind(n, Local(n, "i32", False))
         self.emit(Comment("arguments from the JOB_ARGS words, one 4-byte word each"))
@@ -327,12 +377,9 @@ class Lowerer:
 
     # ---- statements ------------------------------------------------------------------------------
     def _block(self, stmts: tuple[A.Stmt, ...]) -> None:
-        self._push()
-        try:
+        with self._scope():
             for s in stmts:
                 self._stmt(s)
-        finally:
-            self._pop()
 
     def _comment(self, s: A.Node) -> None:
         self._comment_at(s.span)
@@ -355,7 +402,7 @@ class Lowerer:
             del self._frame.temps[outer_temps:]
 
     def _stmt_inner(self, s: A.Stmt) -> None:
-        if isinstance(s, A.Let):
+        if isinstance(s, A.LetStmt):
             v = self._expr(s.value)
             t = self._declared(s.type, v)
             if v.const is not None and v.code is None:
@@ -365,7 +412,7 @@ class Lowerer:
             local = self._new_local(s.name, t)
             self.emit(I("local.set", f"${local}", self.materialize(v, t)))
             self._bind(s.name, Local(local, t, False))
-        elif isinstance(s, A.Var):
+        elif isinstance(s, A.VarStmt):
             self._comment(s)
             v = self._expr(s.value)
             t = self._declared(s.type, v)
@@ -382,14 +429,14 @@ class Lowerer:
             for local in names:
                 self.emit(I("local.set", f"${local}", code))
             self._bind(s.name, Array(names, t))
-        elif isinstance(s, A.Assign):
+        elif isinstance(s, A.AssignStmt):
             self._comment(s)
             self._assign(s)
-        elif isinstance(s, A.For):
+        elif isinstance(s, A.ForStmt):
             self._for(s)
-        elif isinstance(s, A.While):
+        elif isinstance(s, A.WhileStmt):
             self._while(s)
-        elif isinstance(s, A.Unroll):
+        elif isinstance(s, A.UnrollStmt):
             start = self._const_int(s.start, "an unroll bound")
             stop = self._const_int(s.stop, "an unroll bound")
             copies = self._copies * max(stop - start, 1)
@@ -399,15 +446,14 @@ class Lowerer:
             saved, self._copies = self._copies, copies
             try:
                 for k in range(start, stop):
-                    self._push()
-                    self._bind(s.var, Val(None, "i32", k))
-                    self._block(s.body)
-                    self._pop()
+                    with self._scope():
+                        self._bind(s.var, Val(None, "i32", k))
+                        self._block(s.body)
             finally:
                 self._copies = saved
-        elif isinstance(s, A.If):
+        elif isinstance(s, A.IfStmt):
             self._if(s)
-        elif isinstance(s, A.Return):
+        elif isinstance(s, A.ReturnStmt):
             self._return(s)
         elif isinstance(s, A.ExprStmt):
             self._comment(s)
@@ -433,7 +479,7 @@ class Lowerer:
             raise self.error(f"type mismatch: declared {t}, value is {v.type}")
         return t
 
-    def _assign(self, s: A.Assign) -> None:
+    def _assign(self, s: A.AssignStmt) -> None:
         tgt = s.target
         if isinstance(tgt, A.Name):
             b = self._lookup(tgt.id)
@@ -460,7 +506,7 @@ class Lowerer:
             raise DslError(node.span, f"index {k} out of range 0..{len(b.names) - 1}")
         return k
 
-    def _for(self, s: A.For) -> None:
+    def _for(self, s: A.ForStmt) -> None:
         self._comment(s)
         start = self._expr(s.start)
         stop = self._expr(s.stop)
@@ -470,20 +516,19 @@ class Lowerer:
         step = 1 if s.step is None else self._const_int(s.step, "a loop step")
         if step <= 0:
             raise self.error(f"loop step must be a positive constant, got {step}")
-        self._push()
-        var = self._new_local(s.var, "i32")
-        end = self.materialize(stop, "i32")
-        if not (end.op == "local.get" or end.op.endswith(".const")):
-            end_local = self._new_local(f"{s.var}_end", "i32")
-            self.emit(I("local.set", f"${end_local}", end))
-            end = I("local.get", f"${end_local}")
-        self.emit(I("local.set", f"${var}", self.materialize(start, "i32")))
-        self._bind(s.var, Local(var, "i32", False))
-        step_code = I("local.set", f"${var}", I("i32.add", I("local.get", f"${var}"), I("i32.const", step)))
-        self._loop(s.var, lambda: I("i32.ge_s", I("local.get", f"${var}"), end), s.body, [step_code])
-        self._pop()
+        with self._scope():
+            var = self._new_local(s.var, "i32")
+            end = self.materialize(stop, "i32")
+            if not (end.op == "local.get" or end.op.endswith(".const")):
+                end_local = self._new_local(f"{s.var}_end", "i32")
+                self.emit(I("local.set", f"${end_local}", end))
+                end = I("local.get", f"${end_local}")
+            self.emit(I("local.set", f"${var}", self.materialize(start, "i32")))
+            self._bind(s.var, Local(var, "i32", False))
+            step_code = I("local.set", f"${var}", I("i32.add", I("local.get", f"${var}"), I("i32.const", step)))
+            self._loop(s.var, lambda: I("i32.ge_s", I("local.get", f"${var}"), end), s.body, [step_code])
 
-    def _while(self, s: A.While) -> None:
+    def _while(self, s: A.WhileStmt) -> None:
         self._comment(s)
 
         def exit_test() -> Instr:
@@ -497,22 +542,20 @@ class Lowerer:
     def _loop(self, name: str, exit_test, body: tuple[A.Stmt, ...], after: list[Instr]) -> None:
         """(block $NAME_done (loop $NAME_loop (br_if $NAME_done EXIT) BODY AFTER (br $NAME_loop)));
         the exit test is lowered inside the loop, so it is evaluated on every round."""
-        done, again = self._label(f"{name}_done"), self._label(f"{name}_loop")
+        done, again = self._frame.label(f"{name}_done"), self._frame.label(f"{name}_loop")
         outer, inner = Block("block", done), Block("loop", again)
         outer.body.append(inner)
         self.emit(outer)
-        saved = self._frame.body
-        self._frame.body = inner.body
-        inner.body.append(I("br_if", f"${done}", exit_test()))
-        try:
-            self._block(body)
-        except _Return:
-            pass
+        with self._frame.into(inner.body):
+            inner.body.append(I("br_if", f"${done}", exit_test()))
+            try:
+                self._block(body)
+            except _Return:
+                pass
         inner.body.extend(after)
         inner.body.append(I("br", f"${again}"))
-        self._frame.body = saved
 
-    def _if(self, s: A.If) -> None:
+    def _if(self, s: A.IfStmt) -> None:
         cond = self._expr(s.cond)
         if cond.type not in ("i32", T.INT_LIT):
             raise DslError(s.cond.span, f"a condition must be i32, not {cond.type}")
@@ -529,16 +572,14 @@ class Lowerer:
         self._comment(s)
         node = If(self.materialize(cond, "i32"), [], [])
         self.emit(node)
-        saved = self._frame.body
         for arm, target in ((s.then, node.then), (s.orelse, node.orelse)):
-            self._frame.body = target
-            try:
-                self._block(arm)
-            except _Return:
-                pass
-        self._frame.body = saved
+            with self._frame.into(target):
+                try:
+                    self._block(arm)
+                except _Return:
+                    pass
 
-    def _return(self, s: A.Return) -> None:
+    def _return(self, s: A.ReturnStmt) -> None:
         self._comment(s)
         want = self._frame.result
         if s.value is None:
@@ -733,22 +774,11 @@ class Lowerer:
                 args.append(self._coerce(self._expr(a), T.resolve(p.type)))
         if k.inline:
             return self._inline(k, generics, args)
-        key = (k.name, tuple(_show(v) for v in generics.values()))
-        name = self._instances.get(key)
         if k.ast.exported:  # the exported function itself (this build's variant), lowered once by run()
             quant = next(iter(generics.values()), None)
-            name = variant_name(k.name, quant.name if isinstance(quant, QuantFormat) else None, self.tune.get(k.name, {}))
-        elif name is None:
-            name = "__".join([k.name, *key[1]]) if key[1] else k.name
-            chain = (*self._chain, name)
-            if len(chain) > MAX_INSTANTIATION_DEPTH:
-                shown = " -> ".join(chain[:2] + ("...",) + chain[-2:])
-                raise self.error(f"instantiating {name}: {len(chain)} nested instantiations ({shown}), at most "
-                                 f"{MAX_INSTANTIATION_DEPTH}; do its compile-time arguments grow without end?")
-            if len(self._instances) >= MAX_INSTANCES:
-                raise self.error(f"instantiating {name}: more than {MAX_INSTANCES} instances of internal kernels")
-            self._instances[key] = name
-            self._pending.append((k, generics, name, chain))
+            name = self.instances.export(k, quant if isinstance(quant, QuantFormat) else None)
+        else:
+            name = self.instances.internal(k, generics, self.error)
         flat: list[Instr] = []
         for p, a in zip(k.ast.params, args):
             if isinstance(a, Packed):
@@ -766,30 +796,27 @@ class Lowerer:
                              " inline kernels are expanded, so they cannot recurse")
         self._inlining.append(k.name)
         self._inline_locals.append(set())
-        saved_scopes, saved_span = self._scopes, self._span
-        self._scopes = [dict(generics)]
-        self._push()
-        for p, a in zip(k.ast.params, args):
-            if isinstance(a, Val) and a.code is not None and a.code.op != "local.get":
-                local = self._new_local(p.name, a.type)
-                self.emit(I("local.set", f"${local}", a.code))
-                a = Local(local, a.type, False)
-            self._bind(p.name, a)
+        call_span = self._span
         body, last = k.ast.body, None
-        if body and isinstance(body[-1], A.Return):
+        if body and isinstance(body[-1], A.ReturnStmt):
             body, last = body[:-1], body[-1]
         result = Val(None, "void")
         try:
-            for s in body:
-                self._stmt(s)
-            if last is not None and last.value is not None:
-                self._span = last.span
-                ret = T.resolve(k.ast.ret)
-                v = self._coerce(self._expr(last.value), ret)
-                result = Val(self.materialize(v, ret), ret)
+            with self._context(None, [dict(generics)], call_span), self._scope():
+                for p, a in zip(k.ast.params, args):
+                    if isinstance(a, Val) and a.code is not None and a.code.op != "local.get":
+                        local = self._new_local(p.name, a.type)
+                        self.emit(I("local.set", f"${local}", a.code))
+                        a = Local(local, a.type, False)
+                    self._bind(p.name, a)
+                for s in body:
+                    self._stmt(s)
+                if last is not None and last.value is not None:
+                    self._span = last.span
+                    ret = T.resolve(k.ast.ret)
+                    v = self._coerce(self._expr(last.value), ret)
+                    result = Val(self.materialize(v, ret), ret)
         finally:
-            self._pop()
-            self._scopes, self._span = saved_scopes, saved_span
             self._inlining.pop()
             own = self._inline_locals.pop()
         if result.code is not None and _reads_any(result.code, own):
@@ -800,7 +827,7 @@ class Lowerer:
             self.emit(I("local.set", f"${tmp}", result.code))
             result = Val(I("local.get", f"${tmp}"), result.type)
         if body:
-            self._comment_at(saved_span)  # the calling statement's own code follows the inlined body
+            self._comment_at(call_span)  # the calling statement's own code follows the inlined body
         return result
 
 
@@ -816,9 +843,9 @@ def _ends_in_return(body: tuple[A.Stmt, ...]) -> bool:
     if not body:
         return False
     last = body[-1]
-    if isinstance(last, A.Return):
+    if isinstance(last, A.ReturnStmt):
         return True
-    return isinstance(last, A.If) and _ends_in_return(last.then) and _ends_in_return(last.orelse)
+    return isinstance(last, A.IfStmt) and _ends_in_return(last.then) and _ends_in_return(last.orelse)
 
 
 def _show(b: Binding | None) -> str:

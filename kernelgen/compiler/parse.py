@@ -16,14 +16,14 @@ from ..errors import DslError
 @cache
 def _parser() -> lark.Lark:
     grammar = resources.files("kernelgen.compiler").joinpath("grammar.lark").read_text(encoding="utf-8")
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    return lark.Lark(grammar, parser="lalr", start="program", propagate_positions=True, maybe_placeholders=True)
 
 
 # Terminal names lark reports in "expected ..." lists, spelled as the user would type them.
 _TERMINAL_TEXT = {
     "SEMICOLON": "';'", "COLON": "':'", "COMMA": "','", "DOT": "'.'", "LPAR": "'('", "RPAR": "')'",
-    "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'", "EQUAL": "'='", "MORETHAN": "'>'",
-    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "__ANON_0": "'->'", "__ANON_1": "'..'",
+    "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'", "EQUAL": "'='",
+    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "_ARROW": "'->'", "_DOTDOT": "'..'",
     "CMP_OP": "a comparison", "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/' or '%'", "ASSIGN_OP": "'='",
     "UNARY_OP": "'-' or '~'", "SHIFT_OP": "'<<' or '>>'", "OR_OP": "'|'", "AND_OP": "'&'", "XOR_OP": "'^'",
     "$END": "end of file",
@@ -98,7 +98,7 @@ def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
 
 def _no_parallel(stmts: tuple) -> None:
     for s in stmts:
-        if isinstance(s, A.Parallel):
+        if isinstance(s, A.ParallelDecl):
             raise DslError(s.span, "'parallel' must be the kernel's first statement (after its tune and restrict lines)")
 
 
@@ -169,43 +169,43 @@ class _Build(Transformer):
         return tuple(stmts)
 
     def let_stmt(self, meta, name, type_, value):
-        return A.Let(self._span(meta), str(name), str(type_) if type_ is not None else None, value)
+        return A.LetStmt(self._span(meta), str(name), str(type_) if type_ is not None else None, value)
 
     def array_size(self, meta, expr):
         return expr
 
     def var_stmt(self, meta, name, size, type_, value):
-        return A.Var(self._span(meta), str(name), size, str(type_), value)
+        return A.VarStmt(self._span(meta), str(name), size, str(type_), value)
 
     def assign_stmt(self, meta, target, op, value):
-        return A.Assign(self._span(meta), target, str(op), value)
+        return A.AssignStmt(self._span(meta), target, str(op), value)
 
     def for_stmt(self, meta, var, start, stop, step, body):
-        return A.For(self._span(meta), str(var), start, stop, step, body)
+        return A.ForStmt(self._span(meta), str(var), start, stop, step, body)
 
     def while_stmt(self, meta, cond, body):
-        return A.While(self._span(meta), cond, body)
+        return A.WhileStmt(self._span(meta), cond, body)
 
     def unroll_stmt(self, meta, var, start, stop, body):
-        return A.Unroll(self._span(meta), str(var), start, stop, body)
+        return A.UnrollStmt(self._span(meta), str(var), start, stop, body)
 
-    def if_stmt(self, meta, cond, then, orelse, static=False):
-        if isinstance(orelse, A.If):
+    def if_stmt(self, meta, static, cond, then, orelse):
+        if isinstance(orelse, A.IfStmt):
+            if orelse.static != bool(static):
+                raise DslError(orelse.span, "an 'else if' is static exactly when its 'if' is: write 'else static if'"
+                                            if static else "a 'static if' cannot be the 'else' of a runtime 'if'")
             orelse = (orelse,)
-        return A.If(self._span(meta), cond, then, orelse or (), static)
-
-    def static_if(self, meta, cond, then, orelse):
-        return self.if_stmt(meta, cond, then, orelse, static=True)
+        return A.IfStmt(self._span(meta), cond, then, orelse or (), bool(static))
 
     def return_stmt(self, meta, value):
-        return A.Return(self._span(meta), value)
+        return A.ReturnStmt(self._span(meta), value)
 
     def expr_stmt(self, meta, expr):
         return A.ExprStmt(self._span(meta), expr)
 
     # ---- declarations
     def const_decl(self, meta, name, type_, value):
-        return A.Const(self._span(meta), str(name), str(type_), value)
+        return A.ConstDecl(self._span(meta), str(name), str(type_), value)
 
     def block_decl(self, meta, size):
         return ("block", _int(size, self.filename), self._span(meta))
@@ -214,16 +214,16 @@ class _Build(Transformer):
         return _int(n, self.filename)
 
     def field_decl(self, meta, name, type_, count):
-        return ("field", A.Field(self._span(meta), str(name), str(type_), count), self._span(meta))
+        return ("field", A.FieldDecl(self._span(meta), str(name), str(type_), count), self._span(meta))
 
     def sub_decl(self, meta, size):
         return ("sub", _int(size, self.filename), self._span(meta))
 
     def let_decl(self, meta, name, value):
-        return ("let", A.Let(self._span(meta), str(name), None, value), self._span(meta))
+        return ("let", A.LetStmt(self._span(meta), str(name), None, value), self._span(meta))
 
     def table_decl(self, meta, name, *values):
-        return ("table", A.Table(self._span(meta), str(name), tuple(values)), self._span(meta))
+        return ("table", A.TableDecl(self._span(meta), str(name), tuple(values)), self._span(meta))
 
     def unpack_decl(self, meta, expr):
         return ("unpack", expr, self._span(meta))
@@ -241,7 +241,7 @@ class _Build(Transformer):
                 raise DslError(span, f"quant {name}: '{kind}' given twice")
             else:
                 parts[kind] = value
-        return A.Quant(self._span(meta), str(name), parts["block"], tuple(lists["field"]), parts["unpack"],
+        return A.QuantDecl(self._span(meta), str(name), parts["block"], tuple(lists["field"]), parts["unpack"],
                        parts["dequant"], tuple(lists["table"]), parts["sub"], tuple(lists["let"]))
 
     def mode(self, meta, tok):
@@ -264,33 +264,33 @@ class _Build(Transformer):
 
     def tune_decl(self, meta, name, type_, *values):
         *domain, default = (_int(v, self.filename) for v in values)
-        return A.Tune(self._span(meta), str(name), str(type_), tuple(domain), default)
+        return A.TuneDecl(self._span(meta), str(name), str(type_), tuple(domain), default)
 
     def restrict_decl(self, meta, expr):
-        return A.Restrict(self._span(meta), expr)
+        return A.RestrictDecl(self._span(meta), expr)
 
     def parallel_decl(self, meta, items, begin, end, start, count):
-        return A.Parallel(self._span(meta), str(items), str(begin), str(end), start, count)
+        return A.ParallelDecl(self._span(meta), str(items), str(begin), str(end), start, count)
 
     def kernel_decl(self, meta, mode, name, generics, *rest):
         params = tuple(r for r in rest if isinstance(r, A.Param))
         first = next((r for r in rest if isinstance(r, A.Node)
-                      and not isinstance(r, (A.Param, A.Generic, A.Tune, A.Restrict))), None)
-        parallel = first if isinstance(first, A.Parallel) else None
-        restricts = tuple(r for r in rest if isinstance(r, A.Restrict))
+                      and not isinstance(r, (A.Param, A.Generic, A.TuneDecl, A.RestrictDecl))), None)
+        parallel = first if isinstance(first, A.ParallelDecl) else None
+        restricts = tuple(r for r in rest if isinstance(r, A.RestrictDecl))
         ret = next((r for r in rest if isinstance(r, str)), None)
-        tunes = tuple(r for r in rest if isinstance(r, A.Tune))
+        tunes = tuple(r for r in rest if isinstance(r, A.TuneDecl))
         body = tuple(r for r in rest if isinstance(r, A.Node)
-                     and not isinstance(r, (A.Param, A.Tune, A.Restrict)) and r is not parallel)
+                     and not isinstance(r, (A.Param, A.TuneDecl, A.RestrictDecl)) and r is not parallel)
         _no_parallel(body)
-        return A.Kernel(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body, restricts,
+        return A.KernelDecl(self._span(meta), str(name), mode or "", generics or (), params, ret, tunes, body, restricts,
                         parallel)
 
-    def start(self, meta, *items):
+    def program(self, meta, *items):
         return A.Program(
             self._span(meta),
-            consts=tuple(i for i in items if isinstance(i, A.Const)),
-            quants=tuple(i for i in items if isinstance(i, A.Quant)),
-            kernels=tuple(i for i in items if isinstance(i, A.Kernel)),
+            consts=tuple(i for i in items if isinstance(i, A.ConstDecl)),
+            quants=tuple(i for i in items if isinstance(i, A.QuantDecl)),
+            kernels=tuple(i for i in items if isinstance(i, A.KernelDecl)),
             source=self.source,
         )

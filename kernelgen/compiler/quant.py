@@ -90,7 +90,7 @@ class _CheckUnpack:
     """unpack reads byte arrays element-wise and byte scalars, with + - | & and << by a constant.
     Records how each field is read in `used`."""
 
-    def __init__(self, q: A.Quant, fields: dict[str, FieldInfo]) -> None:
+    def __init__(self, q: A.QuantDecl, fields: dict[str, FieldInfo]) -> None:
         self.q, self.fields = q, fields
         self.used: list[tuple[str, str]] = []
 
@@ -152,7 +152,7 @@ class _CheckUnpack:
 class _CheckScalar:
     """Scale and offset formulas: scalar fields, numbers and + - * /."""
 
-    def __init__(self, q: A.Quant, fields: dict[str, FieldInfo]) -> None:
+    def __init__(self, q: A.QuantDecl, fields: dict[str, FieldInfo]) -> None:
         self.q, self.fields = q, fields
 
     def err(self, node: Node, msg: str) -> DslError:
@@ -195,7 +195,7 @@ class _CheckSuper:
     sub-block `s`). Array fields are indexed by integer formulas of that index alone, checked to
     stay inside the field for every element or sub-block."""
 
-    def __init__(self, q: A.Quant, fields: dict[str, FieldInfo], what: str, var: str, count: int) -> None:
+    def __init__(self, q: A.QuantDecl, fields: dict[str, FieldInfo], what: str, var: str, count: int) -> None:
         self.q, self.fields, self.what, self.var = q, fields, what, var
         self.at = {var: np.arange(count)}  # the index's values
         self.used: list[tuple[str, str]] = []
@@ -253,7 +253,7 @@ class _CheckSuper:
 
 
 
-def check_quant(q: A.Quant) -> QuantFormat:
+def check_quant(q: A.QuantDecl) -> QuantFormat:
     """Validate a quant declaration and derive its format; DslError at the offending span."""
     if q.block is None:
         raise DslError(q.span, f"quant {q.name}: missing 'block N;'")
@@ -335,7 +335,7 @@ def check_quant(q: A.Quant) -> QuantFormat:
     return qf
 
 
-def _tables(q: A.Quant, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ...]]:
+def _tables(q: A.QuantDecl, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ...]]:
     """The declaration's codebooks: 16 int8 constants each (the kernels' weights are int8)."""
     tables: dict[str, tuple[int, ...]] = {}
     for t in q.tables:
@@ -355,7 +355,7 @@ def _tables(q: A.Quant, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ..
     return tables
 
 
-def _split_dequant(q: A.Quant, e: Node) -> tuple[Node, Node | None]:
+def _split_dequant(q: A.QuantDecl, e: Node) -> tuple[Node, Node | None]:
     """`S * q`, `q * S`, `S * q + M`, `S * q - M` -> (S, M)."""
     def mentions_q(n: Node) -> bool:
         return fold(n, _MentionsQ())

@@ -111,7 +111,7 @@ def repeat_name(kernel: str) -> str:
 
 def repeat_source(checked: Checked, kernel: str) -> str:
     """DSL for `export kernel bench_<kernel>[Q](reps: i32, <kernel's params>)` calling it reps times."""
-    k: A.Kernel = checked.kernels[kernel].ast
+    k: A.KernelDecl = checked.kernels[kernel].ast
     generics = f"[{', '.join(f'{g.name}: {g.kind}' for g in k.generics)}]" if k.generics else ""
     params = ", ".join(f"{p.name}: {'packed ' if p.packed else ''}{p.type}" for p in k.params)
     call_generics = f"[{', '.join(g.name for g in k.generics)}]" if k.generics else ""

@@ -22,30 +22,30 @@
   (type $job (func (param i32 i32)))
   (table $jobs 32 funcref)
   (elem (table $jobs) (i32.const 0) func
-    $matvec_f32_job  ;; 0
-    $matmul_f32_nt_job  ;; 1
-    $matmul_f32_nn_job  ;; 2
+    $matvec_f32_job__unroll4  ;; 0
+    $matmul_f32_nt_job__tokens4_rows2  ;; 1
+    $matmul_f32_nn_job__tokens4_cols2  ;; 2
     $quantize_act_job  ;; 3
-    $qmatvec_job_q8_0  ;; 4
-    $qmatvec_job_q4_0  ;; 5
-    $qmatvec_job_q4_1  ;; 6
-    $qmatvec_job_q5_1  ;; 7
-    $qmatvec_job_iq4_nl  ;; 8
-    $qmatvec_job_mxfp4  ;; 9
-    $qmatvec_job_q4_k  ;; 10
-    $qmatvec_job_q5_k  ;; 11
-    $qmatvec_job_q6_k  ;; 12
-    $qmatvec_job_q4_onnx  ;; 13
-    $qmatmul_job_q8_0  ;; 14
-    $qmatmul_job_q4_0  ;; 15
-    $qmatmul_job_q4_1  ;; 16
-    $qmatmul_job_q5_1  ;; 17
-    $qmatmul_job_iq4_nl  ;; 18
-    $qmatmul_job_mxfp4  ;; 19
-    $qmatmul_job_q4_k  ;; 20
-    $qmatmul_job_q5_k  ;; 21
-    $qmatmul_job_q6_k  ;; 22
-    $qmatmul_job_q4_onnx  ;; 23
+    $qmatvec_job_q8_0__rows1_accs1  ;; 4
+    $qmatvec_job_q4_0__rows1_accs1  ;; 5
+    $qmatvec_job_q4_1__rows1_accs1  ;; 6
+    $qmatvec_job_q5_1__rows1_accs1  ;; 7
+    $qmatvec_job_iq4_nl__rows1_accs1  ;; 8
+    $qmatvec_job_mxfp4__rows1_accs1  ;; 9
+    $qmatvec_job_q4_k__rows1_accs1  ;; 10
+    $qmatvec_job_q5_k__rows1_accs1  ;; 11
+    $qmatvec_job_q6_k__rows1_accs1  ;; 12
+    $qmatvec_job_q4_onnx__rows1_accs1  ;; 13
+    $qmatmul_job_q8_0__tokens2_rows1  ;; 14
+    $qmatmul_job_q4_0__tokens2_rows1  ;; 15
+    $qmatmul_job_q4_1__tokens2_rows1  ;; 16
+    $qmatmul_job_q5_1__tokens2_rows1  ;; 17
+    $qmatmul_job_iq4_nl__tokens2_rows1  ;; 18
+    $qmatmul_job_mxfp4__tokens2_rows1  ;; 19
+    $qmatmul_job_q4_k__tokens2_rows1  ;; 20
+    $qmatmul_job_q5_k__tokens2_rows1  ;; 21
+    $qmatmul_job_q6_k__tokens2_rows1  ;; 22
+    $qmatmul_job_q4_onnx__tokens2_rows1  ;; 23
     $exp_f32_job  ;; 24
     $softmax_f32_job  ;; 25
     $swiglu_f32_job  ;; 26
@@ -142,7 +142,7 @@
   (func $matvec_f32__unroll4 (export "matvec_f32__unroll4")
     (param $w i32) (param $x i32) (param $y i32) (param $rows i32) (param $k i32)
     ;; kernels.dsl:180: fmatvec_rows[unroll](w, x, y, r0, r1, k);
-    (call $fmatvec_rows__4
+    (call $fmatvec_rows__u4
       (local.get $w)
       (local.get $x)
       (local.get $y)
@@ -152,7 +152,7 @@
 
   ;; matvec_f32[4] on the thread pool: its rows r0..r1 -- kernels.dsl:177
   ;;   y = W x for a row-major f32 matrix.
-  (func $matvec_f32_job
+  (func $matvec_f32_job__unroll4
     (param $r0 i32) (param $r1 i32)
     (local $w i32) (local $x i32) (local $y i32) (local $k i32)
     ;; arguments from the JOB_ARGS words, one 4-byte word each
@@ -161,7 +161,7 @@
     (local.set $y (i32.load offset=8 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:180: fmatvec_rows[unroll](w, x, y, r0, r1, k);
-    (call $fmatvec_rows__4
+    (call $fmatvec_rows__u4
       (local.get $w)
       (local.get $x)
       (local.get $y)
@@ -177,7 +177,7 @@
   (func $matmul_f32_nt__tokens4_rows2 (export "matmul_f32_nt__tokens4_rows2")
     (param $a i32) (param $b i32) (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:255: ftiles_nt[tokens, rows](a, b, y, t0, t1, n, k);
-    (call $ftiles_nt__4__2
+    (call $ftiles_nt__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -191,7 +191,7 @@
   ;;   Each output is one dot in ftile_nt's order, where a product passes through at most k / 4 + 6
   ;;   roundings (its own, its lane's adds, hsum's two, the tail's three), each of at most 2^-24 of a
   ;;   partial sum of |a_i b_i|: |error| <= (k / 4 + 6) * 2^-24 * sum |a_i b_i| (to first order).
-  (func $matmul_f32_nt_job
+  (func $matmul_f32_nt_job__tokens4_rows2
     (param $t0 i32) (param $t1 i32)
     (local $a i32) (local $b i32) (local $y i32) (local $n i32) (local $k i32)
     ;; arguments from the JOB_ARGS words, one 4-byte word each
@@ -201,7 +201,7 @@
     (local.set $n (i32.load offset=12 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=16 (global.get $JOB_ARGS)))
     ;; kernels.dsl:255: ftiles_nt[tokens, rows](a, b, y, t0, t1, n, k);
-    (call $ftiles_nt__4__2
+    (call $ftiles_nt__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -217,7 +217,7 @@
   (func $matmul_f32_nn__tokens4_cols2 (export "matmul_f32_nn__tokens4_cols2")
     (param $a i32) (param $b i32) (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:330: ftiles_nn[tokens, cols](a, b, y, t0, t1, n, k);
-    (call $ftiles_nn__4__2
+    (call $ftiles_nn__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -230,7 +230,7 @@
   ;;   y = A B (attention output: P V), both row-major, k the inner dimension (A's columns, B's rows).
   ;;   Each output sums its k products in order (a product's own rounding and up to k - 1 adds):
   ;;   |error| <= (k + 1) * 2^-24 * sum |a_i b_i| (to first order).
-  (func $matmul_f32_nn_job
+  (func $matmul_f32_nn_job__tokens4_cols2
     (param $t0 i32) (param $t1 i32)
     (local $a i32) (local $b i32) (local $y i32) (local $n i32) (local $k i32)
     ;; arguments from the JOB_ARGS words, one 4-byte word each
@@ -240,7 +240,7 @@
     (local.set $n (i32.load offset=12 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=16 (global.get $JOB_ARGS)))
     ;; kernels.dsl:330: ftiles_nn[tokens, cols](a, b, y, t0, t1, n, k);
-    (call $ftiles_nn__4__2
+    (call $ftiles_nn__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -287,7 +287,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q8_0__1
+      (call $qrowsum_q8_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -303,7 +303,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_0__1
+      (call $qrowsum_q4_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -320,7 +320,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_1__1
+      (call $qrowsum_q4_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -338,7 +338,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q5_1__1
+      (call $qrowsum_q5_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -355,7 +355,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__iq4_nl__1
+      (call $qrowsum_iq4_nl__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -371,7 +371,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__mxfp4__1
+      (call $qrowsum_mxfp4__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -388,7 +388,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_k__1
+      (call $qrowsum_q4_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -406,7 +406,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q5_k__1
+      (call $qrowsum_q5_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -423,7 +423,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q6_k__1
+      (call $qrowsum_q6_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -439,7 +439,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_onnx__1
+      (call $qrowsum_q4_onnx__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -454,7 +454,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__1__1__1
+    (call $qtiles_q8_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -469,7 +469,7 @@
 
   ;; qmatvec[q8_0, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q8_0
+  (func $qmatvec_job_q8_0__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -483,7 +483,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__1__1__1
+    (call $qtiles_q8_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -502,7 +502,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__1__1__1
+    (call $qtiles_q4_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -517,7 +517,7 @@
 
   ;; qmatvec[q4_0, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_0
+  (func $qmatvec_job_q4_0__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -531,7 +531,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__1__1__1
+    (call $qtiles_q4_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -550,7 +550,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__1__1__1
+    (call $qtiles_q4_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -566,7 +566,7 @@
 
   ;; qmatvec[q4_1, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_1
+  (func $qmatvec_job_q4_1__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -581,7 +581,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__1__1__1
+    (call $qtiles_q4_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -601,7 +601,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__1__1__1
+    (call $qtiles_q5_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -617,7 +617,7 @@
 
   ;; qmatvec[q5_1, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q5_1
+  (func $qmatvec_job_q5_1__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -632,7 +632,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__1__1__1
+    (call $qtiles_q5_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -652,7 +652,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__1__1__1
+    (call $qtiles_iq4_nl__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -667,7 +667,7 @@
 
   ;; qmatvec[iq4_nl, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_iq4_nl
+  (func $qmatvec_job_iq4_nl__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -681,7 +681,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__1__1__1
+    (call $qtiles_iq4_nl__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -700,7 +700,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__1__1__1
+    (call $qtiles_mxfp4__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -715,7 +715,7 @@
 
   ;; qmatvec[mxfp4, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_mxfp4
+  (func $qmatvec_job_mxfp4__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -729,7 +729,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__1__1__1
+    (call $qtiles_mxfp4__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -748,7 +748,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__1__1__1
+    (call $qtiles_q4_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -764,7 +764,7 @@
 
   ;; qmatvec[q4_k, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_k
+  (func $qmatvec_job_q4_k__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -779,7 +779,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__1__1__1
+    (call $qtiles_q4_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -799,7 +799,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__1__1__1
+    (call $qtiles_q5_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -815,7 +815,7 @@
 
   ;; qmatvec[q5_k, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q5_k
+  (func $qmatvec_job_q5_k__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -830,7 +830,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__1__1__1
+    (call $qtiles_q5_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -850,7 +850,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__1__1__1
+    (call $qtiles_q6_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -865,7 +865,7 @@
 
   ;; qmatvec[q6_k, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q6_k
+  (func $qmatvec_job_q6_k__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -879,7 +879,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__1__1__1
+    (call $qtiles_q6_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -898,7 +898,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__1__1__1
+    (call $qtiles_q4_onnx__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -913,7 +913,7 @@
 
   ;; qmatvec[q4_onnx, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_onnx
+  (func $qmatvec_job_q4_onnx__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -927,7 +927,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__1__1__1
+    (call $qtiles_q4_onnx__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -947,7 +947,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__2__1__1
+    (call $qtiles_q8_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -963,7 +963,7 @@
   ;; qmatmul[q8_0, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q8_0
+  (func $qmatmul_job_q8_0__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -978,7 +978,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__2__1__1
+    (call $qtiles_q8_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -998,7 +998,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__2__1__1
+    (call $qtiles_q4_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1014,7 +1014,7 @@
   ;; qmatmul[q4_0, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_0
+  (func $qmatmul_job_q4_0__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1029,7 +1029,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__2__1__1
+    (call $qtiles_q4_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1049,7 +1049,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__2__1__1
+    (call $qtiles_q4_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1066,7 +1066,7 @@
   ;; qmatmul[q4_1, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_1
+  (func $qmatmul_job_q4_1__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1082,7 +1082,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__2__1__1
+    (call $qtiles_q4_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1103,7 +1103,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__2__1__1
+    (call $qtiles_q5_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1120,7 +1120,7 @@
   ;; qmatmul[q5_1, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q5_1
+  (func $qmatmul_job_q5_1__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1136,7 +1136,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__2__1__1
+    (call $qtiles_q5_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1157,7 +1157,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__2__1__1
+    (call $qtiles_iq4_nl__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1173,7 +1173,7 @@
   ;; qmatmul[iq4_nl, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_iq4_nl
+  (func $qmatmul_job_iq4_nl__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1188,7 +1188,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__2__1__1
+    (call $qtiles_iq4_nl__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1208,7 +1208,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__2__1__1
+    (call $qtiles_mxfp4__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1224,7 +1224,7 @@
   ;; qmatmul[mxfp4, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_mxfp4
+  (func $qmatmul_job_mxfp4__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1239,7 +1239,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__2__1__1
+    (call $qtiles_mxfp4__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1259,7 +1259,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__2__1__1
+    (call $qtiles_q4_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1276,7 +1276,7 @@
   ;; qmatmul[q4_k, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_k
+  (func $qmatmul_job_q4_k__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1292,7 +1292,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__2__1__1
+    (call $qtiles_q4_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1313,7 +1313,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__2__1__1
+    (call $qtiles_q5_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1330,7 +1330,7 @@
   ;; qmatmul[q5_k, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q5_k
+  (func $qmatmul_job_q5_k__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1346,7 +1346,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__2__1__1
+    (call $qtiles_q5_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1367,7 +1367,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__2__1__1
+    (call $qtiles_q6_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1383,7 +1383,7 @@
   ;; qmatmul[q6_k, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q6_k
+  (func $qmatmul_job_q6_k__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1398,7 +1398,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__2__1__1
+    (call $qtiles_q6_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1418,7 +1418,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__2__1__1
+    (call $qtiles_q4_onnx__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1434,7 +1434,7 @@
   ;; qmatmul[q4_onnx, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_onnx
+  (func $qmatmul_job_q4_onnx__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1449,7 +1449,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__2__1__1
+    (call $qtiles_q4_onnx__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1928,7 +1928,7 @@
         ;; kernels.dsl:1221: f64.store(y + i * 8, sincos64[0](f64.load(x + i * 8)));
         (f64.store
           (i32.add (local.get $y) (i32.mul (local.get $i) (i32.const 8)))
-          (call $sincos64__0
+          (call $sincos64__wantcos0
             (f64.load (i32.add (local.get $x) (i32.mul (local.get $i) (i32.const 8))))))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
         (br $i_loop))))
@@ -1946,7 +1946,7 @@
         ;; kernels.dsl:1231: f64.store(y + i * 8, sincos64[1](f64.load(x + i * 8)));
         (f64.store
           (i32.add (local.get $y) (i32.mul (local.get $i) (i32.const 8)))
-          (call $sincos64__1
+          (call $sincos64__wantcos1
             (f64.load (i32.add (local.get $x) (i32.mul (local.get $i) (i32.const 8))))))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
         (br $i_loop))))
@@ -2028,11 +2028,11 @@
             ;; kernels.dsl:1271: f32.store(cos + at, f32(sincos64[1](angle)));
             (f32.store
               (i32.add (local.get $cos) (local.get $at))
-              (f32.demote_f64 (call $sincos64__1 (local.get $angle))))
+              (f32.demote_f64 (call $sincos64__wantcos1 (local.get $angle))))
             ;; kernels.dsl:1272: f32.store(sin + at, f32(sincos64[0](angle)));
             (f32.store
               (i32.add (local.get $sin) (local.get $at))
-              (f32.demote_f64 (call $sincos64__0 (local.get $angle))))
+              (f32.demote_f64 (call $sincos64__wantcos0 (local.get $angle))))
             (local.set $p (i32.add (local.get $p) (i32.const 1)))
             (br $p_loop)))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
@@ -2044,7 +2044,7 @@
   (func $rope_halves_f32 (export "rope_halves_f32")
     (param $x i32) (param $cos i32) (param $sin i32) (param $heads i32) (param $dim i32)
     ;; kernels.dsl:1321: rope_heads[0](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__0
+    (call $rope_heads__pairs0
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2064,7 +2064,7 @@
     (local.set $sin (i32.load offset=8 (global.get $JOB_ARGS)))
     (local.set $dim (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:1321: rope_heads[0](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__0
+    (call $rope_heads__pairs0
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2078,7 +2078,7 @@
   (func $rope_pairs_f32 (export "rope_pairs_f32")
     (param $x i32) (param $cos i32) (param $sin i32) (param $heads i32) (param $dim i32)
     ;; kernels.dsl:1333: rope_heads[1](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__1
+    (call $rope_heads__pairs1
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2098,7 +2098,7 @@
     (local.set $sin (i32.load offset=8 (global.get $JOB_ARGS)))
     (local.set $dim (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:1333: rope_heads[1](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__1
+    (call $rope_heads__pairs1
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2251,7 +2251,7 @@
 
   ;; fmatvec_rows[4] -- kernels.dsl:165
   ;;   Rows r0 .. r1 - 1 of y = W x.
-  (func $fmatvec_rows__4
+  (func $fmatvec_rows__u4
     (param $w i32) (param $x i32) (param $y i32) (param $r0 i32) (param $r1 i32) (param $k i32)
     (local $r i32) (local $x_1 i32) (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128)
     (local $body i32) (local $i i32) (local $s f32) (local $ret f32)
@@ -2344,7 +2344,7 @@
 
   ;; ftiles_nt[4, 2] -- kernels.dsl:220
   ;;   Tokens t0 .. t1 - 1 of y = A B^T: tiles of MR tokens x NR rows of B, the rest one dot at a time.
-  (func $ftiles_nt__4__2
+  (func $ftiles_nt__mr4_nr2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $t1 i32) (param $n i32)
     (param $k i32)
     (local $tfull i32) (local $rfull i32) (local $t i32) (local $r i32) (local $tt i32) (local $tt_end i32)
@@ -2364,7 +2364,7 @@
           (loop $r_loop
             (br_if $r_done (i32.ge_s (local.get $r) (local.get $rfull)))
             ;; kernels.dsl:225: ftile_nt[MR, NR](a, b, y, t, r, n, k);
-            (call $ftile_nt__4__2
+            (call $ftile_nt__m4_n2
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2386,7 +2386,7 @@
               (loop $r_loop_1
                 (br_if $r_done_1 (i32.ge_s (local.get $r) (local.get $n)))
                 ;; kernels.dsl:229: ftile_nt[1, 1](a, b, y, tt, r, n, k);
-                (call $ftile_nt__1__1
+                (call $ftile_nt__m1_n1
                   (local.get $a)
                   (local.get $b)
                   (local.get $y)
@@ -2411,7 +2411,7 @@
           (loop $r_loop_2
             (br_if $r_done_2 (i32.ge_s (local.get $r) (local.get $n)))
             ;; kernels.dsl:235: ftile_nt[1, 1](a, b, y, t, r, n, k);
-            (call $ftile_nt__1__1
+            (call $ftile_nt__m1_n1
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2427,7 +2427,7 @@
   ;; ftiles_nn[4, 2] -- kernels.dsl:290
   ;;   Tokens t0 .. t1 - 1 of y = A B: tiles of MR tokens x NR vectors of columns, the rest one vector
   ;;   (or, past the last whole vector, one column) at a time.
-  (func $ftiles_nn__4__2
+  (func $ftiles_nn__mr4_nr2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $t1 i32) (param $n i32)
     (param $k i32)
     (local $tfull i32) (local $nv i32) (local $vfull i32) (local $t i32) (local $v i32) (local $tt i32)
@@ -2450,7 +2450,7 @@
           (loop $v_loop
             (br_if $v_done (i32.ge_s (local.get $v) (local.get $vfull)))
             ;; kernels.dsl:296: ftile_nn[MR, NR](a, b, y, t, v * 4, n, k);
-            (call $ftile_nn__4__2
+            (call $ftile_nn__m4_n2
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2472,7 +2472,7 @@
               (loop $v_loop_1
                 (br_if $v_done_1 (i32.ge_s (local.get $v) (local.get $nv)))
                 ;; kernels.dsl:300: ftile_nn[1, 1](a, b, y, tt, v * 4, n, k);
-                (call $ftile_nn__1__1
+                (call $ftile_nn__m1_n1
                   (local.get $a)
                   (local.get $b)
                   (local.get $y)
@@ -2497,7 +2497,7 @@
           (loop $v_loop_2
             (br_if $v_done_2 (i32.ge_s (local.get $v) (local.get $nv)))
             ;; kernels.dsl:306: ftile_nn[1, 1](a, b, y, t, v * 4, n, k);
-            (call $ftile_nn__1__1
+            (call $ftile_nn__m1_n1
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2695,7 +2695,7 @@
   ;; qrowsum[q8_0, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q8_0__1
+  (func $qrowsum_q8_0__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -2933,7 +2933,7 @@
   ;; qrowsum[q4_0, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_0__1
+  (func $qrowsum_q4_0__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -3195,7 +3195,7 @@
   ;; qrowsum[q4_1, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_1__1
+  (func $qrowsum_q4_1__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -3569,7 +3569,7 @@
   ;; qrowsum[q5_1, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q5_1__1
+  (func $qrowsum_q5_1__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -4018,7 +4018,7 @@
   ;; qrowsum[iq4_nl, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__iq4_nl__1
+  (func $qrowsum_iq4_nl__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -4280,7 +4280,7 @@
   ;; qrowsum[mxfp4, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__mxfp4__1
+  (func $qrowsum_mxfp4__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -4542,7 +4542,7 @@
   ;; qrowsum[q4_k, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_k__1
+  (func $qrowsum_q4_k__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -4916,7 +4916,7 @@
   ;; qrowsum[q5_k, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q5_k__1
+  (func $qrowsum_q5_k__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -5281,7 +5281,7 @@
   ;; qrowsum[q6_k, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q6_k__1
+  (func $qrowsum_q6_k__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -5547,7 +5547,7 @@
   ;; qrowsum[q4_onnx, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_onnx__1
+  (func $qrowsum_q4_onnx__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -5811,7 +5811,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q8_0__1__1__1
+  (func $qtiles_q8_0__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -5831,7 +5831,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__1__1__1
+            (call $qtile_q8_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -5856,7 +5856,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q8_0__1__1__1
+                (call $qtile_q8_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -5884,7 +5884,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__1__1__1
+            (call $qtile_q8_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -5905,7 +5905,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_0__1__1__1
+  (func $qtiles_q4_0__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -5925,7 +5925,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__1__1__1
+            (call $qtile_q4_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -5950,7 +5950,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_0__1__1__1
+                (call $qtile_q4_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -5978,7 +5978,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__1__1__1
+            (call $qtile_q4_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -5999,7 +5999,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_1__1__1__1
+  (func $qtiles_q4_1__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6019,7 +6019,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__1__1__1
+            (call $qtile_q4_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6045,7 +6045,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_1__1__1__1
+                (call $qtile_q4_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6074,7 +6074,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__1__1__1
+            (call $qtile_q4_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6096,7 +6096,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_1__1__1__1
+  (func $qtiles_q5_1__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6116,7 +6116,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__1__1__1
+            (call $qtile_q5_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6142,7 +6142,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_1__1__1__1
+                (call $qtile_q5_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6171,7 +6171,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__1__1__1
+            (call $qtile_q5_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6193,7 +6193,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__iq4_nl__1__1__1
+  (func $qtiles_iq4_nl__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6213,7 +6213,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__1__1__1
+            (call $qtile_iq4_nl__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6238,7 +6238,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__iq4_nl__1__1__1
+                (call $qtile_iq4_nl__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6266,7 +6266,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__1__1__1
+            (call $qtile_iq4_nl__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6287,7 +6287,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__mxfp4__1__1__1
+  (func $qtiles_mxfp4__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6307,7 +6307,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__1__1__1
+            (call $qtile_mxfp4__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6332,7 +6332,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__mxfp4__1__1__1
+                (call $qtile_mxfp4__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6360,7 +6360,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__1__1__1
+            (call $qtile_mxfp4__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6381,7 +6381,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_k__1__1__1
+  (func $qtiles_q4_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6401,7 +6401,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__1__1__1
+            (call $qtile_q4_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6427,7 +6427,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_k__1__1__1
+                (call $qtile_q4_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6456,7 +6456,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__1__1__1
+            (call $qtile_q4_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6478,7 +6478,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_k__1__1__1
+  (func $qtiles_q5_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6498,7 +6498,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__1__1__1
+            (call $qtile_q5_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6524,7 +6524,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_k__1__1__1
+                (call $qtile_q5_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6553,7 +6553,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__1__1__1
+            (call $qtile_q5_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6575,7 +6575,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q6_k__1__1__1
+  (func $qtiles_q6_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6595,7 +6595,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__1__1__1
+            (call $qtile_q6_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6620,7 +6620,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q6_k__1__1__1
+                (call $qtile_q6_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6648,7 +6648,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__1__1__1
+            (call $qtile_q6_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6669,7 +6669,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_onnx__1__1__1
+  (func $qtiles_q4_onnx__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6689,7 +6689,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__1__1__1
+            (call $qtile_q4_onnx__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6714,7 +6714,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_onnx__1__1__1
+                (call $qtile_q4_onnx__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6742,7 +6742,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__1__1__1
+            (call $qtile_q4_onnx__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6763,7 +6763,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q8_0__2__1__1
+  (func $qtiles_q8_0__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6783,7 +6783,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__2__1__1
+            (call $qtile_q8_0__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6808,7 +6808,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q8_0__1__1__1
+                (call $qtile_q8_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6836,7 +6836,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__1__1__1
+            (call $qtile_q8_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6857,7 +6857,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_0__2__1__1
+  (func $qtiles_q4_0__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6877,7 +6877,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__2__1__1
+            (call $qtile_q4_0__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6902,7 +6902,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_0__1__1__1
+                (call $qtile_q4_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6930,7 +6930,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__1__1__1
+            (call $qtile_q4_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6951,7 +6951,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_1__2__1__1
+  (func $qtiles_q4_1__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6971,7 +6971,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__2__1__1
+            (call $qtile_q4_1__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6997,7 +6997,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_1__1__1__1
+                (call $qtile_q4_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7026,7 +7026,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__1__1__1
+            (call $qtile_q4_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7048,7 +7048,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_1__2__1__1
+  (func $qtiles_q5_1__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7068,7 +7068,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__2__1__1
+            (call $qtile_q5_1__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7094,7 +7094,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_1__1__1__1
+                (call $qtile_q5_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7123,7 +7123,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__1__1__1
+            (call $qtile_q5_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7145,7 +7145,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__iq4_nl__2__1__1
+  (func $qtiles_iq4_nl__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7165,7 +7165,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__2__1__1
+            (call $qtile_iq4_nl__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7190,7 +7190,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__iq4_nl__1__1__1
+                (call $qtile_iq4_nl__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7218,7 +7218,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__1__1__1
+            (call $qtile_iq4_nl__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7239,7 +7239,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__mxfp4__2__1__1
+  (func $qtiles_mxfp4__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7259,7 +7259,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__2__1__1
+            (call $qtile_mxfp4__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7284,7 +7284,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__mxfp4__1__1__1
+                (call $qtile_mxfp4__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7312,7 +7312,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__1__1__1
+            (call $qtile_mxfp4__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7333,7 +7333,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_k__2__1__1
+  (func $qtiles_q4_k__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7353,7 +7353,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__2__1__1
+            (call $qtile_q4_k__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7379,7 +7379,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_k__1__1__1
+                (call $qtile_q4_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7408,7 +7408,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__1__1__1
+            (call $qtile_q4_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7430,7 +7430,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_k__2__1__1
+  (func $qtiles_q5_k__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7450,7 +7450,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__2__1__1
+            (call $qtile_q5_k__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7476,7 +7476,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_k__1__1__1
+                (call $qtile_q5_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7505,7 +7505,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__1__1__1
+            (call $qtile_q5_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7527,7 +7527,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q6_k__2__1__1
+  (func $qtiles_q6_k__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7547,7 +7547,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__2__1__1
+            (call $qtile_q6_k__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7572,7 +7572,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q6_k__1__1__1
+                (call $qtile_q6_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7600,7 +7600,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__1__1__1
+            (call $qtile_q6_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7621,7 +7621,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_onnx__2__1__1
+  (func $qtiles_q4_onnx__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7641,7 +7641,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__2__1__1
+            (call $qtile_q4_onnx__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7666,7 +7666,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_onnx__1__1__1
+                (call $qtile_q4_onnx__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7694,7 +7694,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__1__1__1
+            (call $qtile_q4_onnx__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -8709,7 +8709,7 @@
   ;; sincos64[0] -- kernels.dsl:1120
   ;;   sin (want_cos = 0) or cos (1) of x: x = n pi/2 + (r + rl) by three-part Cody-Waite reduction,
   ;;   then the kernel of the quadrant (n + want_cos) mod 4.
-  (func $sincos64__0
+  (func $sincos64__wantcos0
     (param $x f64)
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
@@ -8835,7 +8835,7 @@
   ;; sincos64[1] -- kernels.dsl:1120
   ;;   sin (want_cos = 0) or cos (1) of x: x = n pi/2 + (r + rl) by three-part Cody-Waite reduction,
   ;;   then the kernel of the quadrant (n + want_cos) mod 4.
-  (func $sincos64__1
+  (func $sincos64__wantcos1
     (param $x f64)
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
@@ -9135,7 +9135,7 @@
 
   ;; rope_heads[0] -- kernels.dsl:1278
   ;;   Rotate heads h0 .. h1 - 1 (see rope_halves_f32 and rope_pairs_f32).
-  (func $rope_heads__0
+  (func $rope_heads__pairs0
     (param $x i32) (param $cos i32) (param $sin i32) (param $h0 i32) (param $h1 i32) (param $dim i32)
     (local $half i32) (local $h i32) (local $a i32) (local $b i32) (local $i i32) (local $c v128)
     (local $s v128) (local $x0 v128) (local $x1 v128)
@@ -9189,7 +9189,7 @@
 
   ;; rope_heads[1] -- kernels.dsl:1278
   ;;   Rotate heads h0 .. h1 - 1 (see rope_halves_f32 and rope_pairs_f32).
-  (func $rope_heads__1
+  (func $rope_heads__pairs1
     (param $x i32) (param $cos i32) (param $sin i32) (param $h0 i32) (param $h1 i32) (param $dim i32)
     (local $h i32) (local $a i32) (local $i i32) (local $i_end i32) (local $c v128) (local $s v128)
     (local $u v128) (local $v v128) (local $even v128) (local $odd v128) (local $e v128) (local $o v128)
@@ -9288,7 +9288,7 @@
   ;;   y[t, r] = A[t, :] . B[r, :] for tokens t0 .. t0 + M - 1 and rows r0 .. r0 + N - 1 of B. Order of
   ;;   each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, one madd each),
   ;;   hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
-  (func $ftile_nt__4__2
+  (func $ftile_nt__m4_n2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $r0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $acc_4 v128) (local $acc_5 v128)
@@ -9718,7 +9718,7 @@
   ;;   y[t, r] = A[t, :] . B[r, :] for tokens t0 .. t0 + M - 1 and rows r0 .. r0 + N - 1 of B. Order of
   ;;   each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, one madd each),
   ;;   hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
-  (func $ftile_nt__1__1
+  (func $ftile_nt__m1_n1
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $r0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $bv_0 v128) (local $body i32) (local $i i32) (local $av v128) (local $at i32)
@@ -9793,7 +9793,7 @@
   ;; ftile_nn[4, 2] -- kernels.dsl:260
   ;;   y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
   ;;   columns per token. Order of each output: the k products in order of i, one madd each.
-  (func $ftile_nn__4__2
+  (func $ftile_nn__m4_n2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $c0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $acc_4 v128) (local $acc_5 v128)
@@ -9955,7 +9955,7 @@
   ;; ftile_nn[1, 1] -- kernels.dsl:260
   ;;   y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
   ;;   columns per token. Order of each output: the k products in order of i, one madd each.
-  (func $ftile_nn__1__1
+  (func $ftile_nn__m1_n1
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $c0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $bv_0 v128) (local $i i32) (local $av v128)
@@ -10046,7 +10046,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q8_0__1__1__1
+  (func $qtile_q8_0__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10054,7 +10054,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q8_0__1
+      (call $qrowsum_q8_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10078,7 +10078,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_0__1__1__1
+  (func $qtile_q4_0__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10086,7 +10086,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_0__1
+      (call $qrowsum_q4_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10110,7 +10110,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_1__1__1__1
+  (func $qtile_q4_1__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10118,7 +10118,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_1__1
+      (call $qrowsum_q4_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10143,7 +10143,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_1__1__1__1
+  (func $qtile_q5_1__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10151,7 +10151,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q5_1__1
+      (call $qrowsum_q5_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10176,7 +10176,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__iq4_nl__1__1__1
+  (func $qtile_iq4_nl__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10184,7 +10184,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__iq4_nl__1
+      (call $qrowsum_iq4_nl__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10208,7 +10208,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__mxfp4__1__1__1
+  (func $qtile_mxfp4__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10216,7 +10216,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__mxfp4__1
+      (call $qrowsum_mxfp4__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10240,7 +10240,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_k__1__1__1
+  (func $qtile_q4_k__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10248,7 +10248,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_k__1
+      (call $qrowsum_q4_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10273,7 +10273,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_k__1__1__1
+  (func $qtile_q5_k__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10281,7 +10281,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q5_k__1
+      (call $qrowsum_q5_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10306,7 +10306,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q6_k__1__1__1
+  (func $qtile_q6_k__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10314,7 +10314,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q6_k__1
+      (call $qrowsum_q6_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10338,7 +10338,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_onnx__1__1__1
+  (func $qtile_q4_onnx__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10346,7 +10346,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_onnx__1
+      (call $qrowsum_q4_onnx__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10370,7 +10370,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q8_0__2__1__1
+  (func $qtile_q8_0__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -11188,7 +11188,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_0__2__1__1
+  (func $qtile_q4_0__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -12053,7 +12053,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_1__2__1__1
+  (func $qtile_q4_1__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -13143,7 +13143,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_1__2__1__1
+  (func $qtile_q5_1__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -14405,7 +14405,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__iq4_nl__2__1__1
+  (func $qtile_iq4_nl__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -15270,7 +15270,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__mxfp4__2__1__1
+  (func $qtile_mxfp4__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -16135,7 +16135,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_k__2__1__1
+  (func $qtile_q4_k__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -17225,7 +17225,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_k__2__1__1
+  (func $qtile_q5_k__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -18294,7 +18294,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q6_k__2__1__1
+  (func $qtile_q6_k__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -19202,7 +19202,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_onnx__2__1__1
+  (func $qtile_q4_onnx__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)

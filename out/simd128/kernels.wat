@@ -22,30 +22,30 @@
   (type $job (func (param i32 i32)))
   (table $jobs 32 funcref)
   (elem (table $jobs) (i32.const 0) func
-    $matvec_f32_job  ;; 0
-    $matmul_f32_nt_job  ;; 1
-    $matmul_f32_nn_job  ;; 2
+    $matvec_f32_job__unroll4  ;; 0
+    $matmul_f32_nt_job__tokens4_rows2  ;; 1
+    $matmul_f32_nn_job__tokens4_cols2  ;; 2
     $quantize_act_job  ;; 3
-    $qmatvec_job_q8_0  ;; 4
-    $qmatvec_job_q4_0  ;; 5
-    $qmatvec_job_q4_1  ;; 6
-    $qmatvec_job_q5_1  ;; 7
-    $qmatvec_job_iq4_nl  ;; 8
-    $qmatvec_job_mxfp4  ;; 9
-    $qmatvec_job_q4_k  ;; 10
-    $qmatvec_job_q5_k  ;; 11
-    $qmatvec_job_q6_k  ;; 12
-    $qmatvec_job_q4_onnx  ;; 13
-    $qmatmul_job_q8_0  ;; 14
-    $qmatmul_job_q4_0  ;; 15
-    $qmatmul_job_q4_1  ;; 16
-    $qmatmul_job_q5_1  ;; 17
-    $qmatmul_job_iq4_nl  ;; 18
-    $qmatmul_job_mxfp4  ;; 19
-    $qmatmul_job_q4_k  ;; 20
-    $qmatmul_job_q5_k  ;; 21
-    $qmatmul_job_q6_k  ;; 22
-    $qmatmul_job_q4_onnx  ;; 23
+    $qmatvec_job_q8_0__rows1_accs1  ;; 4
+    $qmatvec_job_q4_0__rows1_accs1  ;; 5
+    $qmatvec_job_q4_1__rows1_accs1  ;; 6
+    $qmatvec_job_q5_1__rows1_accs1  ;; 7
+    $qmatvec_job_iq4_nl__rows1_accs1  ;; 8
+    $qmatvec_job_mxfp4__rows1_accs1  ;; 9
+    $qmatvec_job_q4_k__rows1_accs1  ;; 10
+    $qmatvec_job_q5_k__rows1_accs1  ;; 11
+    $qmatvec_job_q6_k__rows1_accs1  ;; 12
+    $qmatvec_job_q4_onnx__rows1_accs1  ;; 13
+    $qmatmul_job_q8_0__tokens2_rows1  ;; 14
+    $qmatmul_job_q4_0__tokens2_rows1  ;; 15
+    $qmatmul_job_q4_1__tokens2_rows1  ;; 16
+    $qmatmul_job_q5_1__tokens2_rows1  ;; 17
+    $qmatmul_job_iq4_nl__tokens2_rows1  ;; 18
+    $qmatmul_job_mxfp4__tokens2_rows1  ;; 19
+    $qmatmul_job_q4_k__tokens2_rows1  ;; 20
+    $qmatmul_job_q5_k__tokens2_rows1  ;; 21
+    $qmatmul_job_q6_k__tokens2_rows1  ;; 22
+    $qmatmul_job_q4_onnx__tokens2_rows1  ;; 23
     $exp_f32_job  ;; 24
     $softmax_f32_job  ;; 25
     $swiglu_f32_job  ;; 26
@@ -146,7 +146,7 @@
   (func $matvec_f32__unroll4 (export "matvec_f32__unroll4")
     (param $w i32) (param $x i32) (param $y i32) (param $rows i32) (param $k i32)
     ;; kernels.dsl:180: fmatvec_rows[unroll](w, x, y, r0, r1, k);
-    (call $fmatvec_rows__4
+    (call $fmatvec_rows__u4
       (local.get $w)
       (local.get $x)
       (local.get $y)
@@ -156,7 +156,7 @@
 
   ;; matvec_f32[4] on the thread pool: its rows r0..r1 -- kernels.dsl:177
   ;;   y = W x for a row-major f32 matrix.
-  (func $matvec_f32_job
+  (func $matvec_f32_job__unroll4
     (param $r0 i32) (param $r1 i32)
     (local $w i32) (local $x i32) (local $y i32) (local $k i32)
     ;; arguments from the JOB_ARGS words, one 4-byte word each
@@ -165,7 +165,7 @@
     (local.set $y (i32.load offset=8 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:180: fmatvec_rows[unroll](w, x, y, r0, r1, k);
-    (call $fmatvec_rows__4
+    (call $fmatvec_rows__u4
       (local.get $w)
       (local.get $x)
       (local.get $y)
@@ -181,7 +181,7 @@
   (func $matmul_f32_nt__tokens4_rows2 (export "matmul_f32_nt__tokens4_rows2")
     (param $a i32) (param $b i32) (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:255: ftiles_nt[tokens, rows](a, b, y, t0, t1, n, k);
-    (call $ftiles_nt__4__2
+    (call $ftiles_nt__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -195,7 +195,7 @@
   ;;   Each output is one dot in ftile_nt's order, where a product passes through at most k / 4 + 6
   ;;   roundings (its own, its lane's adds, hsum's two, the tail's three), each of at most 2^-24 of a
   ;;   partial sum of |a_i b_i|: |error| <= (k / 4 + 6) * 2^-24 * sum |a_i b_i| (to first order).
-  (func $matmul_f32_nt_job
+  (func $matmul_f32_nt_job__tokens4_rows2
     (param $t0 i32) (param $t1 i32)
     (local $a i32) (local $b i32) (local $y i32) (local $n i32) (local $k i32)
     ;; arguments from the JOB_ARGS words, one 4-byte word each
@@ -205,7 +205,7 @@
     (local.set $n (i32.load offset=12 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=16 (global.get $JOB_ARGS)))
     ;; kernels.dsl:255: ftiles_nt[tokens, rows](a, b, y, t0, t1, n, k);
-    (call $ftiles_nt__4__2
+    (call $ftiles_nt__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -221,7 +221,7 @@
   (func $matmul_f32_nn__tokens4_cols2 (export "matmul_f32_nn__tokens4_cols2")
     (param $a i32) (param $b i32) (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:330: ftiles_nn[tokens, cols](a, b, y, t0, t1, n, k);
-    (call $ftiles_nn__4__2
+    (call $ftiles_nn__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -234,7 +234,7 @@
   ;;   y = A B (attention output: P V), both row-major, k the inner dimension (A's columns, B's rows).
   ;;   Each output sums its k products in order (a product's own rounding and up to k - 1 adds):
   ;;   |error| <= (k + 1) * 2^-24 * sum |a_i b_i| (to first order).
-  (func $matmul_f32_nn_job
+  (func $matmul_f32_nn_job__tokens4_cols2
     (param $t0 i32) (param $t1 i32)
     (local $a i32) (local $b i32) (local $y i32) (local $n i32) (local $k i32)
     ;; arguments from the JOB_ARGS words, one 4-byte word each
@@ -244,7 +244,7 @@
     (local.set $n (i32.load offset=12 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=16 (global.get $JOB_ARGS)))
     ;; kernels.dsl:330: ftiles_nn[tokens, cols](a, b, y, t0, t1, n, k);
-    (call $ftiles_nn__4__2
+    (call $ftiles_nn__mr4_nr2
       (local.get $a)
       (local.get $b)
       (local.get $y)
@@ -291,7 +291,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q8_0__1
+      (call $qrowsum_q8_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -307,7 +307,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_0__1
+      (call $qrowsum_q4_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -324,7 +324,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_1__1
+      (call $qrowsum_q4_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -342,7 +342,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q5_1__1
+      (call $qrowsum_q5_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -359,7 +359,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__iq4_nl__1
+      (call $qrowsum_iq4_nl__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -375,7 +375,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__mxfp4__1
+      (call $qrowsum_mxfp4__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -392,7 +392,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_k__1
+      (call $qrowsum_q4_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -410,7 +410,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q5_k__1
+      (call $qrowsum_q5_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -427,7 +427,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q6_k__1
+      (call $qrowsum_q6_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -443,7 +443,7 @@
     (result f32)
     ;; kernels.dsl:537: return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
     (return
-      (call $qrowsum__q4_onnx__1
+      (call $qrowsum_q4_onnx__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -458,7 +458,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__1__1__1
+    (call $qtiles_q8_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -473,7 +473,7 @@
 
   ;; qmatvec[q8_0, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q8_0
+  (func $qmatvec_job_q8_0__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -487,7 +487,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__1__1__1
+    (call $qtiles_q8_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -506,7 +506,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__1__1__1
+    (call $qtiles_q4_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -521,7 +521,7 @@
 
   ;; qmatvec[q4_0, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_0
+  (func $qmatvec_job_q4_0__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -535,7 +535,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__1__1__1
+    (call $qtiles_q4_0__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -554,7 +554,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__1__1__1
+    (call $qtiles_q4_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -570,7 +570,7 @@
 
   ;; qmatvec[q4_1, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_1
+  (func $qmatvec_job_q4_1__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -585,7 +585,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__1__1__1
+    (call $qtiles_q4_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -605,7 +605,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__1__1__1
+    (call $qtiles_q5_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -621,7 +621,7 @@
 
   ;; qmatvec[q5_1, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q5_1
+  (func $qmatvec_job_q5_1__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -636,7 +636,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__1__1__1
+    (call $qtiles_q5_1__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -656,7 +656,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__1__1__1
+    (call $qtiles_iq4_nl__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -671,7 +671,7 @@
 
   ;; qmatvec[iq4_nl, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_iq4_nl
+  (func $qmatvec_job_iq4_nl__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -685,7 +685,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__1__1__1
+    (call $qtiles_iq4_nl__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -704,7 +704,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__1__1__1
+    (call $qtiles_mxfp4__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -719,7 +719,7 @@
 
   ;; qmatvec[mxfp4, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_mxfp4
+  (func $qmatvec_job_mxfp4__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -733,7 +733,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__1__1__1
+    (call $qtiles_mxfp4__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -752,7 +752,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__1__1__1
+    (call $qtiles_q4_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -768,7 +768,7 @@
 
   ;; qmatvec[q4_k, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_k
+  (func $qmatvec_job_q4_k__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -783,7 +783,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__1__1__1
+    (call $qtiles_q4_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -803,7 +803,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__1__1__1
+    (call $qtiles_q5_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -819,7 +819,7 @@
 
   ;; qmatvec[q5_k, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q5_k
+  (func $qmatvec_job_q5_k__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $n i32) (local $k i32)
@@ -834,7 +834,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__1__1__1
+    (call $qtiles_q5_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -854,7 +854,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__1__1__1
+    (call $qtiles_q6_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -869,7 +869,7 @@
 
   ;; qmatvec[q6_k, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q6_k
+  (func $qmatvec_job_q6_k__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -883,7 +883,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__1__1__1
+    (call $qtiles_q6_k__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -902,7 +902,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $n i32) (param $k i32)
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__1__1__1
+    (call $qtiles_q4_onnx__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -917,7 +917,7 @@
 
   ;; qmatvec[q4_onnx, 1, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:654
   ;;   y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-  (func $qmatvec_job_q4_onnx
+  (func $qmatvec_job_q4_onnx__rows1_accs1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $n i32) (local $k i32)
@@ -931,7 +931,7 @@
     (local.set $n (i32.load offset=24 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=28 (global.get $JOB_ARGS)))
     ;; kernels.dsl:659: qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__1__1__1
+    (call $qtiles_q4_onnx__mr1_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -951,7 +951,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__2__1__1
+    (call $qtiles_q8_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -967,7 +967,7 @@
   ;; qmatmul[q8_0, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q8_0
+  (func $qmatmul_job_q8_0__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -982,7 +982,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q8_0__2__1__1
+    (call $qtiles_q8_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1002,7 +1002,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__2__1__1
+    (call $qtiles_q4_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1018,7 +1018,7 @@
   ;; qmatmul[q4_0, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_0
+  (func $qmatmul_job_q4_0__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1033,7 +1033,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_0__2__1__1
+    (call $qtiles_q4_0__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1053,7 +1053,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__2__1__1
+    (call $qtiles_q4_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1070,7 +1070,7 @@
   ;; qmatmul[q4_1, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_1
+  (func $qmatmul_job_q4_1__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1086,7 +1086,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_1__2__1__1
+    (call $qtiles_q4_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1107,7 +1107,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__2__1__1
+    (call $qtiles_q5_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1124,7 +1124,7 @@
   ;; qmatmul[q5_1, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q5_1
+  (func $qmatmul_job_q5_1__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1140,7 +1140,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_1__2__1__1
+    (call $qtiles_q5_1__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1161,7 +1161,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__2__1__1
+    (call $qtiles_iq4_nl__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1177,7 +1177,7 @@
   ;; qmatmul[iq4_nl, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_iq4_nl
+  (func $qmatmul_job_iq4_nl__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1192,7 +1192,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__iq4_nl__2__1__1
+    (call $qtiles_iq4_nl__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1212,7 +1212,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__2__1__1
+    (call $qtiles_mxfp4__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1228,7 +1228,7 @@
   ;; qmatmul[mxfp4, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_mxfp4
+  (func $qmatmul_job_mxfp4__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1243,7 +1243,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__mxfp4__2__1__1
+    (call $qtiles_mxfp4__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1263,7 +1263,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__2__1__1
+    (call $qtiles_q4_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1280,7 +1280,7 @@
   ;; qmatmul[q4_k, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_k
+  (func $qmatmul_job_q4_k__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1296,7 +1296,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_k__2__1__1
+    (call $qtiles_q4_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1317,7 +1317,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__2__1__1
+    (call $qtiles_q5_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1334,7 +1334,7 @@
   ;; qmatmul[q5_k, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q5_k
+  (func $qmatmul_job_q5_k__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_offset i32) (local $w_sum i32) (local $aq i32) (local $ad i32)
     (local $y i32) (local $m i32) (local $n i32) (local $k i32)
@@ -1350,7 +1350,7 @@
     (local.set $n (i32.load offset=32 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=36 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q5_k__2__1__1
+    (call $qtiles_q5_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_offset)
@@ -1371,7 +1371,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__2__1__1
+    (call $qtiles_q6_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1387,7 +1387,7 @@
   ;; qmatmul[q6_k, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q6_k
+  (func $qmatmul_job_q6_k__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1402,7 +1402,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q6_k__2__1__1
+    (call $qtiles_q6_k__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1422,7 +1422,7 @@
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $n i32) (param $k i32)
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__2__1__1
+    (call $qtiles_q4_onnx__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1438,7 +1438,7 @@
   ;; qmatmul[q4_onnx, 2, 1] on the thread pool: its rows r0..r1 -- kernels.dsl:671
   ;;   Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
   ;;   of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-  (func $qmatmul_job_q4_onnx
+  (func $qmatmul_job_q4_onnx__tokens2_rows1
     (param $r0 i32) (param $r1 i32)
     (local $w_q i32) (local $w_scale i32) (local $w_sum i32) (local $aq i32) (local $ad i32) (local $y i32)
     (local $m i32) (local $n i32) (local $k i32)
@@ -1453,7 +1453,7 @@
     (local.set $n (i32.load offset=28 (global.get $JOB_ARGS)))
     (local.set $k (i32.load offset=32 (global.get $JOB_ARGS)))
     ;; kernels.dsl:676: qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
-    (call $qtiles__q4_onnx__2__1__1
+    (call $qtiles_q4_onnx__mr2_nr1_a1
       (local.get $w_q)
       (local.get $w_scale)
       (local.get $w_sum)
@@ -1933,7 +1933,7 @@
         ;; kernels.dsl:1221: f64.store(y + i * 8, sincos64[0](f64.load(x + i * 8)));
         (f64.store
           (i32.add (local.get $y) (i32.mul (local.get $i) (i32.const 8)))
-          (call $sincos64__0
+          (call $sincos64__wantcos0
             (f64.load (i32.add (local.get $x) (i32.mul (local.get $i) (i32.const 8))))))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
         (br $i_loop))))
@@ -1951,7 +1951,7 @@
         ;; kernels.dsl:1231: f64.store(y + i * 8, sincos64[1](f64.load(x + i * 8)));
         (f64.store
           (i32.add (local.get $y) (i32.mul (local.get $i) (i32.const 8)))
-          (call $sincos64__1
+          (call $sincos64__wantcos1
             (f64.load (i32.add (local.get $x) (i32.mul (local.get $i) (i32.const 8))))))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
         (br $i_loop))))
@@ -2033,11 +2033,11 @@
             ;; kernels.dsl:1271: f32.store(cos + at, f32(sincos64[1](angle)));
             (f32.store
               (i32.add (local.get $cos) (local.get $at))
-              (f32.demote_f64 (call $sincos64__1 (local.get $angle))))
+              (f32.demote_f64 (call $sincos64__wantcos1 (local.get $angle))))
             ;; kernels.dsl:1272: f32.store(sin + at, f32(sincos64[0](angle)));
             (f32.store
               (i32.add (local.get $sin) (local.get $at))
-              (f32.demote_f64 (call $sincos64__0 (local.get $angle))))
+              (f32.demote_f64 (call $sincos64__wantcos0 (local.get $angle))))
             (local.set $p (i32.add (local.get $p) (i32.const 1)))
             (br $p_loop)))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
@@ -2049,7 +2049,7 @@
   (func $rope_halves_f32 (export "rope_halves_f32")
     (param $x i32) (param $cos i32) (param $sin i32) (param $heads i32) (param $dim i32)
     ;; kernels.dsl:1321: rope_heads[0](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__0
+    (call $rope_heads__pairs0
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2069,7 +2069,7 @@
     (local.set $sin (i32.load offset=8 (global.get $JOB_ARGS)))
     (local.set $dim (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:1321: rope_heads[0](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__0
+    (call $rope_heads__pairs0
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2083,7 +2083,7 @@
   (func $rope_pairs_f32 (export "rope_pairs_f32")
     (param $x i32) (param $cos i32) (param $sin i32) (param $heads i32) (param $dim i32)
     ;; kernels.dsl:1333: rope_heads[1](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__1
+    (call $rope_heads__pairs1
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2103,7 +2103,7 @@
     (local.set $sin (i32.load offset=8 (global.get $JOB_ARGS)))
     (local.set $dim (i32.load offset=12 (global.get $JOB_ARGS)))
     ;; kernels.dsl:1333: rope_heads[1](x, cos, sin, h0, h1, dim);
-    (call $rope_heads__1
+    (call $rope_heads__pairs1
       (local.get $x)
       (local.get $cos)
       (local.get $sin)
@@ -2256,7 +2256,7 @@
 
   ;; fmatvec_rows[4] -- kernels.dsl:165
   ;;   Rows r0 .. r1 - 1 of y = W x.
-  (func $fmatvec_rows__4
+  (func $fmatvec_rows__u4
     (param $w i32) (param $x i32) (param $y i32) (param $r0 i32) (param $r1 i32) (param $k i32)
     (local $r i32) (local $x_1 i32) (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128)
     (local $body i32) (local $i i32) (local $s f32) (local $ret f32)
@@ -2353,7 +2353,7 @@
 
   ;; ftiles_nt[4, 2] -- kernels.dsl:220
   ;;   Tokens t0 .. t1 - 1 of y = A B^T: tiles of MR tokens x NR rows of B, the rest one dot at a time.
-  (func $ftiles_nt__4__2
+  (func $ftiles_nt__mr4_nr2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $t1 i32) (param $n i32)
     (param $k i32)
     (local $tfull i32) (local $rfull i32) (local $t i32) (local $r i32) (local $tt i32) (local $tt_end i32)
@@ -2373,7 +2373,7 @@
           (loop $r_loop
             (br_if $r_done (i32.ge_s (local.get $r) (local.get $rfull)))
             ;; kernels.dsl:225: ftile_nt[MR, NR](a, b, y, t, r, n, k);
-            (call $ftile_nt__4__2
+            (call $ftile_nt__m4_n2
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2395,7 +2395,7 @@
               (loop $r_loop_1
                 (br_if $r_done_1 (i32.ge_s (local.get $r) (local.get $n)))
                 ;; kernels.dsl:229: ftile_nt[1, 1](a, b, y, tt, r, n, k);
-                (call $ftile_nt__1__1
+                (call $ftile_nt__m1_n1
                   (local.get $a)
                   (local.get $b)
                   (local.get $y)
@@ -2420,7 +2420,7 @@
           (loop $r_loop_2
             (br_if $r_done_2 (i32.ge_s (local.get $r) (local.get $n)))
             ;; kernels.dsl:235: ftile_nt[1, 1](a, b, y, t, r, n, k);
-            (call $ftile_nt__1__1
+            (call $ftile_nt__m1_n1
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2436,7 +2436,7 @@
   ;; ftiles_nn[4, 2] -- kernels.dsl:290
   ;;   Tokens t0 .. t1 - 1 of y = A B: tiles of MR tokens x NR vectors of columns, the rest one vector
   ;;   (or, past the last whole vector, one column) at a time.
-  (func $ftiles_nn__4__2
+  (func $ftiles_nn__mr4_nr2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $t1 i32) (param $n i32)
     (param $k i32)
     (local $tfull i32) (local $nv i32) (local $vfull i32) (local $t i32) (local $v i32) (local $tt i32)
@@ -2459,7 +2459,7 @@
           (loop $v_loop
             (br_if $v_done (i32.ge_s (local.get $v) (local.get $vfull)))
             ;; kernels.dsl:296: ftile_nn[MR, NR](a, b, y, t, v * 4, n, k);
-            (call $ftile_nn__4__2
+            (call $ftile_nn__m4_n2
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2481,7 +2481,7 @@
               (loop $v_loop_1
                 (br_if $v_done_1 (i32.ge_s (local.get $v) (local.get $nv)))
                 ;; kernels.dsl:300: ftile_nn[1, 1](a, b, y, tt, v * 4, n, k);
-                (call $ftile_nn__1__1
+                (call $ftile_nn__m1_n1
                   (local.get $a)
                   (local.get $b)
                   (local.get $y)
@@ -2506,7 +2506,7 @@
           (loop $v_loop_2
             (br_if $v_done_2 (i32.ge_s (local.get $v) (local.get $nv)))
             ;; kernels.dsl:306: ftile_nn[1, 1](a, b, y, t, v * 4, n, k);
-            (call $ftile_nn__1__1
+            (call $ftile_nn__m1_n1
               (local.get $a)
               (local.get $b)
               (local.get $y)
@@ -2708,7 +2708,7 @@
   ;; qrowsum[q8_0, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q8_0__1
+  (func $qrowsum_q8_0__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -2963,7 +2963,7 @@
   ;; qrowsum[q4_0, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_0__1
+  (func $qrowsum_q4_0__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -3242,7 +3242,7 @@
   ;; qrowsum[q4_1, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_1__1
+  (func $qrowsum_q4_1__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -3686,7 +3686,7 @@
   ;; qrowsum[q5_1, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q5_1__1
+  (func $qrowsum_q5_1__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -4205,7 +4205,7 @@
   ;; qrowsum[iq4_nl, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__iq4_nl__1
+  (func $qrowsum_iq4_nl__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -4484,7 +4484,7 @@
   ;; qrowsum[mxfp4, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__mxfp4__1
+  (func $qrowsum_mxfp4__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -4763,7 +4763,7 @@
   ;; qrowsum[q4_k, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_k__1
+  (func $qrowsum_q4_k__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -5207,7 +5207,7 @@
   ;; qrowsum[q5_k, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q5_k__1
+  (func $qrowsum_q5_k__a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $r i32) (param $nb i32)
     (result f32)
@@ -5642,7 +5642,7 @@
   ;; qrowsum[q6_k, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q6_k__1
+  (func $qrowsum_q6_k__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -5913,7 +5913,7 @@
   ;; qrowsum[q4_onnx, 1] -- kernels.dsl:512
   ;;   Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
   ;;   the leftover blocks one at a time. One function serves qdot and every one-row pass of qmatvec.
-  (func $qrowsum__q4_onnx__1
+  (func $qrowsum_q4_onnx__a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $r i32)
     (param $nb i32)
     (result f32)
@@ -6194,7 +6194,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q8_0__1__1__1
+  (func $qtiles_q8_0__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6214,7 +6214,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__1__1__1
+            (call $qtile_q8_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6239,7 +6239,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q8_0__1__1__1
+                (call $qtile_q8_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6267,7 +6267,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__1__1__1
+            (call $qtile_q8_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6288,7 +6288,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_0__1__1__1
+  (func $qtiles_q4_0__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6308,7 +6308,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__1__1__1
+            (call $qtile_q4_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6333,7 +6333,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_0__1__1__1
+                (call $qtile_q4_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6361,7 +6361,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__1__1__1
+            (call $qtile_q4_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6382,7 +6382,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_1__1__1__1
+  (func $qtiles_q4_1__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6402,7 +6402,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__1__1__1
+            (call $qtile_q4_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6428,7 +6428,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_1__1__1__1
+                (call $qtile_q4_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6457,7 +6457,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__1__1__1
+            (call $qtile_q4_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6479,7 +6479,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_1__1__1__1
+  (func $qtiles_q5_1__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6499,7 +6499,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__1__1__1
+            (call $qtile_q5_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6525,7 +6525,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_1__1__1__1
+                (call $qtile_q5_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6554,7 +6554,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__1__1__1
+            (call $qtile_q5_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6576,7 +6576,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__iq4_nl__1__1__1
+  (func $qtiles_iq4_nl__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6596,7 +6596,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__1__1__1
+            (call $qtile_iq4_nl__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6621,7 +6621,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__iq4_nl__1__1__1
+                (call $qtile_iq4_nl__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6649,7 +6649,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__1__1__1
+            (call $qtile_iq4_nl__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6670,7 +6670,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__mxfp4__1__1__1
+  (func $qtiles_mxfp4__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6690,7 +6690,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__1__1__1
+            (call $qtile_mxfp4__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6715,7 +6715,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__mxfp4__1__1__1
+                (call $qtile_mxfp4__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -6743,7 +6743,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__1__1__1
+            (call $qtile_mxfp4__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -6764,7 +6764,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_k__1__1__1
+  (func $qtiles_q4_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6784,7 +6784,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__1__1__1
+            (call $qtile_q4_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6810,7 +6810,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_k__1__1__1
+                (call $qtile_q4_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6839,7 +6839,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__1__1__1
+            (call $qtile_q4_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6861,7 +6861,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_k__1__1__1
+  (func $qtiles_q5_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6881,7 +6881,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__1__1__1
+            (call $qtile_q5_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6907,7 +6907,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_k__1__1__1
+                (call $qtile_q5_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -6936,7 +6936,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__1__1__1
+            (call $qtile_q5_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -6958,7 +6958,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q6_k__1__1__1
+  (func $qtiles_q6_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -6978,7 +6978,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__1__1__1
+            (call $qtile_q6_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7003,7 +7003,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q6_k__1__1__1
+                (call $qtile_q6_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7031,7 +7031,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__1__1__1
+            (call $qtile_q6_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7052,7 +7052,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_onnx__1__1__1
+  (func $qtiles_q4_onnx__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7072,7 +7072,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__1__1__1
+            (call $qtile_q4_onnx__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7097,7 +7097,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_onnx__1__1__1
+                (call $qtile_q4_onnx__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7125,7 +7125,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__1__1__1
+            (call $qtile_q4_onnx__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7146,7 +7146,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q8_0__2__1__1
+  (func $qtiles_q8_0__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7166,7 +7166,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__2__1__1
+            (call $qtile_q8_0__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7191,7 +7191,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q8_0__1__1__1
+                (call $qtile_q8_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7219,7 +7219,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q8_0__1__1__1
+            (call $qtile_q8_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7240,7 +7240,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_0__2__1__1
+  (func $qtiles_q4_0__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7260,7 +7260,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__2__1__1
+            (call $qtile_q4_0__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7285,7 +7285,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_0__1__1__1
+                (call $qtile_q4_0__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7313,7 +7313,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_0__1__1__1
+            (call $qtile_q4_0__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7334,7 +7334,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_1__2__1__1
+  (func $qtiles_q4_1__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7354,7 +7354,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__2__1__1
+            (call $qtile_q4_1__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7380,7 +7380,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_1__1__1__1
+                (call $qtile_q4_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7409,7 +7409,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_1__1__1__1
+            (call $qtile_q4_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7431,7 +7431,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_1__2__1__1
+  (func $qtiles_q5_1__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7451,7 +7451,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__2__1__1
+            (call $qtile_q5_1__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7477,7 +7477,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_1__1__1__1
+                (call $qtile_q5_1__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7506,7 +7506,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_1__1__1__1
+            (call $qtile_q5_1__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7528,7 +7528,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__iq4_nl__2__1__1
+  (func $qtiles_iq4_nl__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7548,7 +7548,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__2__1__1
+            (call $qtile_iq4_nl__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7573,7 +7573,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__iq4_nl__1__1__1
+                (call $qtile_iq4_nl__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7601,7 +7601,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__iq4_nl__1__1__1
+            (call $qtile_iq4_nl__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7622,7 +7622,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__mxfp4__2__1__1
+  (func $qtiles_mxfp4__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7642,7 +7642,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__2__1__1
+            (call $qtile_mxfp4__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7667,7 +7667,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__mxfp4__1__1__1
+                (call $qtile_mxfp4__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7695,7 +7695,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__mxfp4__1__1__1
+            (call $qtile_mxfp4__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7716,7 +7716,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_k__2__1__1
+  (func $qtiles_q4_k__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7736,7 +7736,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__2__1__1
+            (call $qtile_q4_k__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7762,7 +7762,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_k__1__1__1
+                (call $qtile_q4_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7791,7 +7791,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_k__1__1__1
+            (call $qtile_q4_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7813,7 +7813,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q5_k__2__1__1
+  (func $qtiles_q5_k__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7833,7 +7833,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__2__1__1
+            (call $qtile_q5_k__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7859,7 +7859,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q5_k__1__1__1
+                (call $qtile_q5_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_offset)
@@ -7888,7 +7888,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q5_k__1__1__1
+            (call $qtile_q5_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_offset)
@@ -7910,7 +7910,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q6_k__2__1__1
+  (func $qtiles_q6_k__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -7930,7 +7930,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__2__1__1
+            (call $qtile_q6_k__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -7955,7 +7955,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q6_k__1__1__1
+                (call $qtile_q6_k__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -7983,7 +7983,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q6_k__1__1__1
+            (call $qtile_q6_k__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -8004,7 +8004,7 @@
   ;;   over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
   ;;   stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
   ;;   tiling (see qtile), and only the full tile and the single dot are instantiated.
-  (func $qtiles__q4_onnx__2__1__1
+  (func $qtiles_q4_onnx__mr2_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $rfull i32) (local $tfull i32) (local $r i32) (local $t i32) (local $rr i32) (local $rr_end i32)
@@ -8024,7 +8024,7 @@
           (loop $t_loop
             (br_if $t_done (i32.ge_s (local.get $t) (local.get $tfull)))
             ;; kernels.dsl:632: qtile[Q, MR, NR, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__2__1__1
+            (call $qtile_q4_onnx__m2_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -8049,7 +8049,7 @@
               (loop $rr_loop
                 (br_if $rr_done (i32.ge_s (local.get $rr) (local.get $rr_end)))
                 ;; kernels.dsl:636: qtile[Q, 1, 1, A](w, aq, ad, y, t, rr, nb, n);
-                (call $qtile__q4_onnx__1__1__1
+                (call $qtile_q4_onnx__m1_n1_a1
                   (local.get $w_q)
                   (local.get $w_scale)
                   (local.get $w_sum)
@@ -8077,7 +8077,7 @@
           (loop $t_loop_2
             (br_if $t_done_2 (i32.ge_s (local.get $t) (local.get $m)))
             ;; kernels.dsl:642: qtile[Q, 1, 1, A](w, aq, ad, y, t, r, nb, n);
-            (call $qtile__q4_onnx__1__1__1
+            (call $qtile_q4_onnx__m1_n1_a1
               (local.get $w_q)
               (local.get $w_scale)
               (local.get $w_sum)
@@ -9048,7 +9048,7 @@
   ;; sincos64[0] -- kernels.dsl:1120
   ;;   sin (want_cos = 0) or cos (1) of x: x = n pi/2 + (r + rl) by three-part Cody-Waite reduction,
   ;;   then the kernel of the quadrant (n + want_cos) mod 4.
-  (func $sincos64__0
+  (func $sincos64__wantcos0
     (param $x f64)
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
@@ -9174,7 +9174,7 @@
   ;; sincos64[1] -- kernels.dsl:1120
   ;;   sin (want_cos = 0) or cos (1) of x: x = n pi/2 + (r + rl) by three-part Cody-Waite reduction,
   ;;   then the kernel of the quadrant (n + want_cos) mod 4.
-  (func $sincos64__1
+  (func $sincos64__wantcos1
     (param $x f64)
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
@@ -9474,7 +9474,7 @@
 
   ;; rope_heads[0] -- kernels.dsl:1278
   ;;   Rotate heads h0 .. h1 - 1 (see rope_halves_f32 and rope_pairs_f32).
-  (func $rope_heads__0
+  (func $rope_heads__pairs0
     (param $x i32) (param $cos i32) (param $sin i32) (param $h0 i32) (param $h1 i32) (param $dim i32)
     (local $half i32) (local $h i32) (local $a i32) (local $b i32) (local $i i32) (local $c v128)
     (local $s v128) (local $x0 v128) (local $x1 v128)
@@ -9528,7 +9528,7 @@
 
   ;; rope_heads[1] -- kernels.dsl:1278
   ;;   Rotate heads h0 .. h1 - 1 (see rope_halves_f32 and rope_pairs_f32).
-  (func $rope_heads__1
+  (func $rope_heads__pairs1
     (param $x i32) (param $cos i32) (param $sin i32) (param $h0 i32) (param $h1 i32) (param $dim i32)
     (local $h i32) (local $a i32) (local $i i32) (local $i_end i32) (local $c v128) (local $s v128)
     (local $u v128) (local $v v128) (local $even v128) (local $odd v128) (local $e v128) (local $o v128)
@@ -9627,7 +9627,7 @@
   ;;   y[t, r] = A[t, :] . B[r, :] for tokens t0 .. t0 + M - 1 and rows r0 .. r0 + N - 1 of B. Order of
   ;;   each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, one madd each),
   ;;   hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
-  (func $ftile_nt__4__2
+  (func $ftile_nt__m4_n2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $r0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $acc_4 v128) (local $acc_5 v128)
@@ -10065,7 +10065,7 @@
   ;;   y[t, r] = A[t, :] . B[r, :] for tokens t0 .. t0 + M - 1 and rows r0 .. r0 + N - 1 of B. Order of
   ;;   each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, one madd each),
   ;;   hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
-  (func $ftile_nt__1__1
+  (func $ftile_nt__m1_n1
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $r0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $bv_0 v128) (local $body i32) (local $i i32) (local $av v128) (local $at i32)
@@ -10141,7 +10141,7 @@
   ;; ftile_nn[4, 2] -- kernels.dsl:260
   ;;   y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
   ;;   columns per token. Order of each output: the k products in order of i, one madd each.
-  (func $ftile_nn__4__2
+  (func $ftile_nn__m4_n2
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $c0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $acc_4 v128) (local $acc_5 v128)
@@ -10311,7 +10311,7 @@
   ;; ftile_nn[1, 1] -- kernels.dsl:260
   ;;   y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
   ;;   columns per token. Order of each output: the k products in order of i, one madd each.
-  (func $ftile_nn__1__1
+  (func $ftile_nn__m1_n1
     (param $a i32) (param $b i32) (param $y i32) (param $t0 i32) (param $c0 i32) (param $n i32)
     (param $k i32)
     (local $acc_0 v128) (local $bv_0 v128) (local $i i32) (local $av v128)
@@ -10403,7 +10403,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q8_0__1__1__1
+  (func $qtile_q8_0__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10411,7 +10411,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q8_0__1
+      (call $qrowsum_q8_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10435,7 +10435,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_0__1__1__1
+  (func $qtile_q4_0__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10443,7 +10443,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_0__1
+      (call $qrowsum_q4_0__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10467,7 +10467,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_1__1__1__1
+  (func $qtile_q4_1__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10475,7 +10475,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_1__1
+      (call $qrowsum_q4_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10500,7 +10500,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_1__1__1__1
+  (func $qtile_q5_1__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10508,7 +10508,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q5_1__1
+      (call $qrowsum_q5_1__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10533,7 +10533,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__iq4_nl__1__1__1
+  (func $qtile_iq4_nl__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10541,7 +10541,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__iq4_nl__1
+      (call $qrowsum_iq4_nl__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10565,7 +10565,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__mxfp4__1__1__1
+  (func $qtile_mxfp4__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10573,7 +10573,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__mxfp4__1
+      (call $qrowsum_mxfp4__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10597,7 +10597,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_k__1__1__1
+  (func $qtile_q4_k__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10605,7 +10605,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_k__1
+      (call $qrowsum_q4_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10630,7 +10630,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_k__1__1__1
+  (func $qtile_q5_k__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10638,7 +10638,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q5_k__1
+      (call $qrowsum_q5_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_offset)
@@ -10663,7 +10663,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q6_k__1__1__1
+  (func $qtile_q6_k__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10671,7 +10671,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q6_k__1
+      (call $qrowsum_q6_k__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10695,7 +10695,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_onnx__1__1__1
+  (func $qtile_q4_onnx__m1_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     ;; kernels.dsl:552: f32.store(y + (t0 * n + r0) * 4, qrowsum[Q, A](w, aq + t0 * nb * Q.block * ACT_BYTES, a...
@@ -10703,7 +10703,7 @@
       (i32.add
         (local.get $y)
         (i32.mul (i32.add (i32.mul (local.get $t0) (local.get $n)) (local.get $r0)) (i32.const 4)))
-      (call $qrowsum__q4_onnx__1
+      (call $qrowsum_q4_onnx__a1
         (local.get $w_q)
         (local.get $w_scale)
         (local.get $w_sum)
@@ -10727,7 +10727,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q8_0__2__1__1
+  (func $qtile_q8_0__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -11619,7 +11619,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_0__2__1__1
+  (func $qtile_q4_0__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -12558,7 +12558,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_1__2__1__1
+  (func $qtile_q4_1__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -13828,7 +13828,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_1__2__1__1
+  (func $qtile_q5_1__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -15270,7 +15270,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__iq4_nl__2__1__1
+  (func $qtile_iq4_nl__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -16209,7 +16209,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__mxfp4__2__1__1
+  (func $qtile_mxfp4__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -17148,7 +17148,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_k__2__1__1
+  (func $qtile_q4_k__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -18418,7 +18418,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q5_k__2__1__1
+  (func $qtile_q5_k__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $w_sum i32) (param $aq i32) (param $ad i32)
     (param $y i32) (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -19667,7 +19667,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q6_k__2__1__1
+  (func $qtile_q6_k__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
@@ -20609,7 +20609,7 @@
   ;;   result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
   ;;   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
   ;;   y[t, r] at y + (t * n + r) * 4
-  (func $qtile__q4_onnx__2__1__1
+  (func $qtile_q4_onnx__m2_n1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_sum i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $t0 i32) (param $r0 i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $arow_0 i32) (local $arow_1 i32) (local $nbs i32)
