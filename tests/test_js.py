@@ -175,7 +175,7 @@ def write_vectors(root: Path) -> None:
     v.case("l2_normalize_f32", "l2Normalize", [args["residual"], 36])
 
     # Relaxed SIMD as the engine natively lowers it (the default), as V8 does; the kernels' 7-bit
-    # contract makes it equal to the deterministic lowering (tests/test_kernels.py checks that).
+    # contract makes it equal to the deterministic lowering (tests/test_q8_0.py checks that).
     for target in TARGETS:
         k = kernelgen.load(ROOT / "out", target)
         v.index["builds"][target] = k.manifest["inputs_sha256"]

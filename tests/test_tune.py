@@ -13,7 +13,6 @@ import math
 import shutil
 import types
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
