@@ -387,8 +387,8 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 # wq points at the block's packed codes, a at its activations. Types with sub-blocks of 16 (Q6_K)
 # multiply each half's dot by its integer scale, two i32 stored after the codes (Q.sub_scales_at).
 inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
-    var acc: i32x4 = i32x4.splat(0);
-    unroll h in 0..Q.block / 16 {
+    var acc: i32x4 = qhalf[Q](i32x4.splat(0), Q.unpack(wq, 0), wq, a, 0);
+    unroll h in 1..Q.block / 16 {
         acc = qhalf[Q](acc, Q.unpack(wq, h), wq, a, h);
     }
     return acc;
@@ -399,13 +399,11 @@ inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
 # half's dot is multiplied by its integer scale, stored after the codes (Q.sub_scales_at). The one
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
 inline kernel qhalf[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
-    var r: i32x4 = acc;
     static if Q.has_sub_scales {
-        r = r + idot(i32x4.splat(0), wv, a, h * 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
+        return acc + idot(i32x4.splat(0), wv, a, h * 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
     } else {
-        r = idot(r, wv, a, h * 16);
+        return idot(acc, wv, a, h * 16);
     }
-    return r;
 }
 
 # One block's exact integer dot. On relaxed SIMD the activations carry +ACT_ZERO;
@@ -563,31 +561,30 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
     for b in 0..nbs step 4 * A {
         unroll s in 0..A {
             let blk = b + 4 * s;
-            var d[M * N]: i32x4 = i32x4.splat(0);
-            unroll p in 0..2 {
+            var d[M * N * 2]: i32x4 = i32x4.splat(0);  # dot i's lanepairs: 2i blocks 0-1, 2i + 1 blocks 2-3
+            var pb: i32 = blk;
+            for p in 0..2 {
                 var raw[M * N * 2]: i32x4 = i32x4.splat(0);
                 unroll j in 0..2 {
                     unroll h in 0..Q.block / 16 {
                         var wv[N]: i8x16 = i8x16.splat(0);
                         unroll r in 0..N {
-                            wv[r] = Q.unpack(wrow[r] + (blk + 2 * p + j) * Q.bytes, h);
+                            wv[r] = Q.unpack(wrow[r] + (pb + j) * Q.bytes, h);
                         }
                         unroll t in 0..M {
-                            let at = arow[t] + (blk + 2 * p + j) * Q.block * ACT_BYTES;
+                            let at = arow[t] + (pb + j) * Q.block * ACT_BYTES;
                             unroll r in 0..N {
                                 let i = (t * N + r) * 2 + j;
-                                raw[i] = qhalf[Q](raw[i], wv[r], wrow[r] + (blk + 2 * p + j) * Q.bytes, at, h);
+                                raw[i] = qhalf[Q](raw[i], wv[r], wrow[r] + (pb + j) * Q.bytes, at, h);
                             }
                         }
                     }
                 }
                 unroll i in 0..M * N {
-                    static if p == 0 {
-                        d[i] = lanepairs(raw[2 * i], raw[2 * i + 1]);
-                    } else {
-                        d[i] = lanequads(d[i], lanepairs(raw[2 * i], raw[2 * i + 1]));
-                    }
+                    d[2 * i] = d[2 * i + 1];
+                    d[2 * i + 1] = lanepairs(raw[2 * i], raw[2 * i + 1]);
                 }
+                pb = pb + 2;
             }
             unroll t in 0..M {
                 let da4 = f32x4.load(ad + ((t0 + t) * nb + blk) * 4);
@@ -595,7 +592,8 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
                 unroll r in 0..N {
                     let rb = (r0 + r) * nb + blk;
                     let i = (t * N + r) * A + s;
-                    acc[i] = qscale4[Q](w, rb, qexact4[Q](w, rb, d[t * N + r]), da4, as4, acc[i]);
+                    let di = 2 * (t * N + r);
+                    acc[i] = qscale4[Q](w, rb, qexact4[Q](w, rb, lanequads(d[di], d[di + 1])), da4, as4, acc[i]);
                 }
             }
         }

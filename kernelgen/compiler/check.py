@@ -250,11 +250,15 @@ def _check_count(k: A.KernelDecl, e: A.Expr, params: dict[str, A.Param], generic
 
 
 def _check_inline_returns(k: A.KernelDecl, body: tuple[A.Stmt, ...], top: bool) -> None:
+    """An inline kernel's value is its last statement's `return`, or that of the last statement of
+    each arm of a final `static if` (the arm taken is known where it is expanded)."""
     for i, s in enumerate(body):
-        if isinstance(s, A.ReturnStmt) and not (top and i == len(body) - 1):
+        last = top and i == len(body) - 1
+        if isinstance(s, A.ReturnStmt) and not last:
             raise DslError(s.span, f"inline kernel {k.name}: 'return' may only be its last statement")
+        arms_last = last and isinstance(s, A.IfStmt) and s.static
         for sub in (getattr(s, "body", ()), getattr(s, "then", ()), getattr(s, "orelse", ())):
-            _check_inline_returns(k, sub, top=False)
+            _check_inline_returns(k, sub, top=arms_last)
 
 
 def _with_docs(k: A.KernelDecl, lines: list[str]) -> KernelInfo:

@@ -19,7 +19,7 @@ from . import types as T
 from .check import Checked, KernelInfo
 from ..errors import DslError
 from ..names import variant_name
-from .ops import TARGETS, Target, Val, fold, wrap
+from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
 from ..quantformat import SUB_SCALES, QuantFormat
 from .quant import unpack_lanes
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
@@ -670,6 +670,8 @@ class Lowerer:
             a = self._coerce(a, "i32" if a.type == T.INT_LIT else "f32")
         if T.is_int(a.type) and b.const == 0 and b.code is None and op in ("+", "-", "|", "^", "<<", ">>"):
             return a  # x + 0 and friends: common after target constants fold (ACT_ZERO on simd128)
+        if op == "+" and T.is_int(a.type) and T.is_vector(a.type) and (is_zero_vector(a) or is_zero_vector(b)):
+            return b if is_zero_vector(a) else a  # a zero accumulator passed to an inline kernel
         t = a.type
         if "void" in (a.type, b.type):
             raise self.error("an expression without a value cannot be an operand")
@@ -798,19 +800,34 @@ class Lowerer:
         self._inline_locals.append(set())
         call_span = self._span
         body, last = k.ast.body, None
-        if body and isinstance(body[-1], A.ReturnStmt):
-            body, last = body[:-1], body[-1]
         result = Val(None, "void")
         try:
             with self._context(None, [dict(generics)], call_span), self._scope():
                 for p, a in zip(k.ast.params, args):
-                    if isinstance(a, Val) and a.code is not None and a.code.op != "local.get":
+                    # a local read or a constant binds as itself: a constant stays visible to the
+                    # ops (idot of a zero accumulator adds nothing); anything else is computed once
+                    if isinstance(a, Val) and a.code is not None and not _repeatable(a.code):
                         local = self._new_local(p.name, a.type)
                         self.emit(I("local.set", f"${local}", a.code))
                         a = Local(local, a.type, False)
                     self._bind(p.name, a)
-                for s in body:
-                    self._stmt(s)
+                # the value is the final `return`, or that of the taken arm of a final `static if`
+                statements = 0
+                while body:
+                    *init, tail = body
+                    for s in init:
+                        self._stmt(s)
+                    statements, body = statements + len(init), ()
+                    if isinstance(tail, A.ReturnStmt):
+                        last = tail
+                    elif isinstance(tail, A.IfStmt) and tail.static:
+                        cond = self._expr(tail.cond)
+                        if cond.const is None or cond.code is not None:
+                            raise DslError(tail.cond.span, "'static if' needs a compile-time condition")
+                        body = tail.then if cond.const else tail.orelse
+                    else:
+                        self._stmt(tail)
+                        statements += 1
                 if last is not None and last.value is not None:
                     self._span = last.span
                     ret = T.resolve(k.ast.ret)
@@ -826,9 +843,14 @@ class Lowerer:
             self._frame.temps.append(tmp)
             self.emit(I("local.set", f"${tmp}", result.code))
             result = Val(I("local.get", f"${tmp}"), result.type)
-        if body:
+        if statements:
             self._comment_at(call_span)  # the calling statement's own code follows the inlined body
         return result
+
+
+def _repeatable(code: Instr) -> bool:
+    """A local read or a constant: as cheap to repeat as to keep in a local."""
+    return code.op == "local.get" or (code.op.endswith(".const") and not code.args)
 
 
 def _reads_any(code: Instr, names: set[str]) -> bool:

@@ -492,12 +492,12 @@ def _idot_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), a_lo)
     hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), a_hi)
     dots = I("i32x4.add", lo, hi)
-    if _is_zero_vector(acc):  # a block's first dot: nothing to add it to (engines keep the add)
+    if is_zero_vector(acc):  # a block's first dot: nothing to add it to (engines keep the add)
         return Val(dots, "i32x4")
     return Val(I("i32x4.add", c.materialize(acc), dots), "i32x4")
 
 
-def _is_zero_vector(v: Val) -> bool:
+def is_zero_vector(v: Val) -> bool:
     code = v.code
     return (code is not None and code.op == "v128.const" and not code.args
             and all(float(x) == 0 for x in code.imms[1:]))
