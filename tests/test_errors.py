@@ -162,6 +162,9 @@ CASES = [
     Case("return nested in an inline kernel",
          "inline kernel g(a: i32) -> i32 {\n    if a > 0 {\n        return 1;\n    }\n    return a;\n}\n"
          "export kernel f(x: ptr) {\n}\n", 3, 9, "'return' may only be its last statement"),
+    Case("return in a static if that is not an inline kernel's last statement",
+         "inline kernel g(a: i32) -> i32 {\n    static if 1 {\n        return 1;\n    }\n    return a;\n}\n"
+         "export kernel f(x: ptr) {\n}\n", 3, 9, "'return' may only be its last statement"),
     Case("wrong argument count to a kernel",
          "kernel g(a: i32) {\n}\nexport kernel f(x: ptr) {\n    g(x, 1);\n}\n", 4, 5, "g takes 1 argument(s), got 2",
          lowering=True),

@@ -38,6 +38,23 @@ export kernel static_choice(a: i32, b: i32) -> i32 {
     return visible;
 }
 
+# An inline kernel's value may come from the taken arm of a final static if; a constant argument
+# (the zero vector) reaches the ops as a constant.
+inline kernel arm[FIRST: i32](acc: i32x4, a: i32) -> i32x4 {
+    var lift: i32 = a;
+    lift = lift + 1;
+    static if FIRST {
+        return acc + i32x4.splat(lift * 10);
+    } else {
+        return acc - i32x4.splat(lift);
+    }
+}
+
+export kernel static_arms(a: i32) -> i32 {
+    let v = arm[0](arm[1](i32x4.splat(0), a), a);
+    return extract(v, 0) * 1000 + extract(arm[1](i32x4.splat(7), a), 3);
+}
+
 export kernel while_count(n: i32) -> i32 {
     var i: i32 = 0;
     var s: i32 = 0;
@@ -100,6 +117,12 @@ def test_each_inline_expansion_keeps_its_own_result(k) -> None:
 
 def test_static_if_picks_an_arm_and_its_bindings_stay_visible(k) -> None:
     assert k.call("static_choice", 7, 2) == 72
+
+
+def test_inline_returns_from_the_taken_arm_of_a_final_static_if(k) -> None:
+    # arm[1](0, 4) = 50, arm[0](50, 4) = 45; arm[1](7, 4) = 57
+    assert k.call("static_arms", 4) == 45 * 1000 + 57
+    assert k.call("static_arms", -1) == 0 * 1000 + 7
 
 
 def test_while_loop(k) -> None:
