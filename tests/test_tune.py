@@ -947,3 +947,26 @@ def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None
         pool.run = lambda job, count, chunk, args: (chunks.append(chunk), run(job, count, chunk, args))
         assert k.qmatvec(w, act, pool).tobytes() == k.qmatvec(w, act).tobytes()
         assert chunks == [tuned["chunk"]]
+
+
+@pytest.mark.parametrize("target", ["simd128", "relaxed-simd"])
+def test_roofline_loops_do_the_work_they_are_counted_for(target: str) -> None:
+    """Every accumulator count of the compute rooflines does ROOF_OPS operations per group on its
+    changing operand tile: the returned value equals numpy's replay of those operations."""
+    from kernelgen.compiler.build import from_built
+    from kernelgen.tuning.timing import COMPUTE_SOURCE, ROOF_ACCS, ROOF_OPS, roof_name
+    (built,) = compile_source(SOURCE + COMPUTE_SOURCE, targets=(target,))
+    k = from_built(built)
+    iters, seed = 3, 1
+    for accs, (nw, na) in ROOF_ACCS.items():
+        acc = np.full(accs, seed, np.int64)
+        w, a = np.full(nw, seed, np.int64), np.full(na, seed + 1, np.int64)
+        x = np.full(accs, seed, np.float32)
+        for _ in range(iters * ROOF_OPS // accs):
+            acc += [4 * w[u % nw] * a[u // nw] for u in range(accs)]  # a lane: 4 equal products
+            w, a = w + 1, a + 1
+            x = x * np.float32(seed) + np.float32(seed - 1)
+        want = functools.reduce(lambda p, q: p ^ q, acc.astype(np.int32).tolist())
+        assert k.call(roof_name("idot", accs), iters, seed) == want, accs
+        assert k.call(roof_name("madd", accs), iters, float(seed)) == 4 * accs * x[0], accs
+    k.reset()

@@ -47,50 +47,66 @@ export kernel bench_stream_chunks(p: ptr, nbytes: i32) {
 
 
 # The compute rooflines the matrix products are measured against: the target's integer dot and the
-# f32 multiply-add in registers only, twelve independent accumulators (more than latency x
-# throughput on current cores). The dots' operands are a 3 x 4 tile that changes every iteration,
-# as loaded vectors would (constant operands would let the engine hoist the widening or the
-# multiplies out of the loop); the multiply-adds are acc * x + y, nothing to hoist, with seed 1.0
-# every value stays 1.0. One call: `iters` iterations of 12 operations.
-COMPUTE_SOURCE = """
-export kernel bench_idot_roof(iters: i32, seed: i32) -> i32 {
-    var acc[12]: i32x4 = i32x4.splat(seed);
-    var w[3]: i8x16 = i8x16.splat(seed);
-    var a[4]: i8x16 = i8x16.splat(seed + 1);
-    for i in 0..iters {
-        unroll u in 0..12 {
-            acc[u] = idot(acc[u], w[u % 3], a[u / 3]);
-        }
-        unroll j in 0..3 {
-            w[j] = w[j] + i8x16.splat(1);
-        }
-        unroll j in 0..4 {
-            a[j] = a[j] + i8x16.splat(1);
-        }
-    }
-    unroll u in 1..12 {
-        acc[0] = acc[0] ^ acc[u];
-    }
-    return extract(acc[0], 0);
-}
+# f32 multiply-add in registers only, as loops of ROOF_ACCS[u] independent accumulators. The fastest
+# count is the roofline: too few leave the operation's latency exposed, too many spill. (Twelve dots
+# with their seven operand vectors need 19 of x86-64's 16 vector registers: wasmtime's code then
+# stores and reloads accumulators every iteration, and the relaxed dot measured 54 instead of 65 G
+# MACs/s on an AVX-512 VNNI EPYC, where 6 accumulators reach one dot per cycle.) The dots' operands
+# are a tile of w x a vectors that changes every iteration, as loaded vectors would (constant operands
+# let the engine hoist the widening or the multiplies out of the loop); the multiply-adds are
+# acc * x + y, nothing to hoist, with seed 1.0 every value stays 1.0. Every loop does ROOF_OPS
+# operations per iteration-group, so one call of `iters` groups is the same work whatever the count.
+ROOF_ITERS = 1000  # iteration-groups per timed call of a roofline loop
+ROOF_OPS = 12  # operations per group: one iteration of 12 accumulators, two of 6, three of 4
+ROOF_ACCS = {4: (2, 2), 6: (3, 2), 12: (3, 4)}  # accumulators -> the operand tile (w x a, or x x y)
 
-export kernel bench_madd_roof(iters: i32, seed: f32) -> f32 {
-    var acc[12]: f32x4 = f32x4.splat(seed);
-    var x[3]: f32x4 = f32x4.splat(seed);
-    var y[4]: f32x4 = f32x4.splat(seed - 1.0);
-    for i in 0..iters {
-        unroll u in 0..12 {
-            acc[u] = madd(acc[u], x[u % 3], y[u / 3]);
-        }
-    }
-    unroll u in 1..12 {
+
+def roof_name(op: str, accs: int) -> str:
+    return f"bench_{op}_roof_{accs}"
+
+
+def _roof_source(accs: int, nw: int, na: int) -> str:
+    groups = ROOF_OPS // accs
+    return f"""
+export kernel {roof_name("idot", accs)}(iters: i32, seed: i32) -> i32 {{
+    var acc[{accs}]: i32x4 = i32x4.splat(seed);
+    var w[{nw}]: i8x16 = i8x16.splat(seed);
+    var a[{na}]: i8x16 = i8x16.splat(seed + 1);
+    for i in 0..iters * {groups} {{
+        unroll u in 0..{accs} {{
+            acc[u] = idot(acc[u], w[u % {nw}], a[u / {nw}]);
+        }}
+        unroll j in 0..{nw} {{
+            w[j] = w[j] + i8x16.splat(1);
+        }}
+        unroll j in 0..{na} {{
+            a[j] = a[j] + i8x16.splat(1);
+        }}
+    }}
+    unroll u in 1..{accs} {{
+        acc[0] = acc[0] ^ acc[u];
+    }}
+    return extract(acc[0], 0);
+}}
+
+export kernel {roof_name("madd", accs)}(iters: i32, seed: f32) -> f32 {{
+    var acc[{accs}]: f32x4 = f32x4.splat(seed);
+    var x[{nw}]: f32x4 = f32x4.splat(seed);
+    var y[{na}]: f32x4 = f32x4.splat(seed - 1.0);
+    for i in 0..iters * {groups} {{
+        unroll u in 0..{accs} {{
+            acc[u] = madd(acc[u], x[u % {nw}], y[u / {nw}]);
+        }}
+    }}
+    unroll u in 1..{accs} {{
         acc[0] = acc[0] + acc[u];
-    }
+    }}
     return hsum(acc[0]);
-}
+}}
 """
-ROOF_ITERS = 1000  # iterations per timed call of a roofline loop
-ROOF_OPS = 12  # operations per iteration
+
+
+COMPUTE_SOURCE = "".join(_roof_source(accs, nw, na) for accs, (nw, na) in ROOF_ACCS.items())
 
 
 MAX_REPS = 1 << 24
