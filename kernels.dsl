@@ -188,20 +188,26 @@ export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
 # depends on the tiling or on how rows are split over threads.
 
 # y[t, r] = A[t, :] . B[r, :] for tokens t0 .. t0 + M - 1 and rows r0 .. r0 + N - 1 of B. Order of
-# each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, one madd each),
-# hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
+# each dot: four lane sums (lane j adds the products i = j mod 4 in order of i, each product
+# rounded, then added), hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
+# A multiply and an add, not madd: wasmtime's x86 lowering of relaxed_madd overwrites a factor, so
+# each of a tile's shared A and B vectors is copied before every use (12-14 register moves per 8
+# multiply-adds, seen in the disassembly); mul and add leave the factors alone. Loads go from row
+# pointers at a byte offset, one address add each.
 kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32, n: i32, k: i32) {
     var acc[M * N]: f32x4 = f32x4.splat(0.0);
     var bv[N]: f32x4 = f32x4.splat(0.0);
     let body = k - k % 4;
-    for i in 0..body step 4 {
+    let arow = a + t0 * k * 4;
+    let brow = b + r0 * k * 4;
+    for i in 0..body * 4 step 16 {  # i: bytes
         unroll r in 0..N {
-            bv[r] = f32x4.load(b + ((r0 + r) * k + i) * 4);
+            bv[r] = f32x4.load(brow + r * k * 4 + i);
         }
         unroll t in 0..M {
-            let av = f32x4.load(a + ((t0 + t) * k + i) * 4);
+            let av = f32x4.load(arow + t * k * 4 + i);
             unroll r in 0..N {
-                acc[t * N + r] = madd(av, bv[r], acc[t * N + r]);
+                acc[t * N + r] = acc[t * N + r] + av * bv[r];
             }
         }
     }
