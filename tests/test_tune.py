@@ -726,6 +726,23 @@ def test_measure_stops_growing_for_a_call_that_takes_no_time(monkeypatch: pytest
     assert t.seconds == 0.0
 
 
+def test_measure_by_thread_time_leaves_out_waiting() -> None:
+    """thread_time=True counts this thread's CPU time: a call that spends most of its wall time
+    waiting (here asleep, as when other work holds the core) measures its work alone."""
+    import time
+
+    def call(reps: int) -> None:
+        time.sleep(0.02)
+        end = time.thread_time() + reps * 1e-5
+        while time.thread_time() < end:
+            pass
+
+    cpu = measure(call, min_batch=0.002, samples=3, thread_time=True)
+    wall = measure(call, min_batch=0.002, samples=3)
+    assert 1e-5 <= cpu.seconds < 2e-5 and cpu.reps > 1
+    assert wall.seconds > 10 * cpu.seconds
+
+
 def test_measure_with_a_real_counting_call() -> None:
     count = []
     t = measure(lambda reps: count.append(reps), min_batch=0.0005, samples=3)

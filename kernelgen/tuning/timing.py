@@ -145,22 +145,26 @@ class Timing:
     reps: int
 
 
-def measure(call: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:
-    """`call(reps)` runs the kernel reps times inside wasm; returns the median time per run."""
+def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: bool = False) -> Timing:
+    """`call(reps)` runs the kernel reps times inside wasm; returns the median time per run.
+    `thread_time`: count the calling thread's CPU time instead of the wall clock, for a call that
+    runs only on this thread: on a machine other work shares, the time the thread waits for a core
+    is then left out (the tuner's single-thread kernels; a pool job's helpers run on other threads)."""
+    now = time.thread_time if thread_time else time.perf_counter
     reps = 1
     while True:
-        t0 = time.perf_counter()
+        t0 = now()
         call(reps)
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         if dt >= min_batch or reps >= MAX_REPS:
             break
         reps = min(MAX_REPS, max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2)))
     call(reps)  # warm-up at the final size
     times = []
     for _ in range(samples):
-        t0 = time.perf_counter()
+        t0 = now()
         call(reps)
-        times.append((time.perf_counter() - t0) / reps)
+        times.append((now() - t0) / reps)
     return Timing(statistics.median(times), tuple(times), reps)
 
 

@@ -226,7 +226,7 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         if problem:
             return None, f"failed: wrong results ({problem})"
         bench = variant_name(repeat_name(kernel), quant, {})
-        timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples)
+        timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         return None, f"failed: trapped ({str(e).splitlines()[0]})"
     return timing.seconds, "ok"
