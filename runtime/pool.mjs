@@ -48,6 +48,13 @@ export function jobCall(manifest, exportName, args) {
   return { job: par.job, count: itemCount(par.count, env), words, items: par.items };
 }
 
+/** Items per claim for a jobCall `call` when the caller gives none, on a pool of `threads`: the
+ * job's tuned chunk (the manifest's jobs.<job>.tuned, which `kernelgen build` takes from the tuning
+ * store), else about four claims per thread. As Pool.default_chunk in kernelgen/host/pool.py. */
+export function defaultChunk(manifest, call, threads) {
+  return manifest.jobs[call.job].tuned?.chunk ?? Math.max(1, Math.ceil(call.count / (threads * 4)));
+}
+
 /** Evaluate a manifest item count ([op, left, right], names, numbers) as wasm's i32 ops do. */
 function itemCount(tree, env) {
   if (typeof tree === 'string') return env[tree] | 0;
@@ -211,8 +218,7 @@ export class Pool {
     if (chunk !== undefined && !(Number.isInteger(chunk) && chunk >= 1)) {
       throw new RangeError(`${exportName}: chunk (${c.items} per claim) must be an integer >= 1, got ${chunk}`);
     }
-    const tuned = this.manifest.jobs[c.job].tuned?.chunk;
-    this.run(c.job, c.count, chunk ?? tuned ?? Math.max(1, Math.ceil(c.count / (this.size * 4))), c.words);
+    this.run(c.job, c.count, chunk ?? defaultChunk(this.manifest, c, this.size), c.words);
   }
 
   /** Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim.

@@ -10,6 +10,7 @@ import { Worker } from 'node:worker_threads';
 
 import { JobError, loadKernels, probeRelaxedDot } from '../kernelgen.mjs';
 import { halfToFloat } from '../pack.mjs';
+import { defaultChunk, jobCall } from '../pool.mjs';
 import { firstDifference, runVectors } from '../testing/vectors.mjs';
 import { random } from '../testing/random.mjs';
 
@@ -43,6 +44,19 @@ test('halfToFloat decodes normals, subnormals, zeros, infinities and NaN', () =>
   const cases = [[0x3c00, 1], [0xc000, -2], [0x7bff, 65504], [0x0001, 2 ** -24], [0x8000, -0], [0x7c00, Infinity], [0xfc00, -Infinity]];
   for (const [bits, want] of cases) assert.ok(Object.is(halfToFloat(bits), want), `0x${bits.toString(16)}`);
   assert.ok(Number.isNaN(halfToFloat(0x7e00)));
+});
+
+test('a job called without a chunk takes the manifest\'s tuned chunk, else about four claims per thread', async () => {
+  for (const target of ['simd128', 'relaxed-simd']) {
+    const manifest = JSON.parse(await readFile(new URL(`../../out/${target}/kernels.json`, import.meta.url), 'utf8'));
+    const name = Object.keys(manifest.exports).find((e) => manifest.exports[e].kernel === 'matvec_f32');
+    const call = jobCall(manifest, name, [0, 0, 0, 1000, 64]); // 1000 rows of 64
+    const job = manifest.jobs[call.job];
+    delete job.tuned;
+    assert.equal(defaultChunk(manifest, call, 3), Math.ceil(1000 / 12));
+    job.tuned = { threads: 2, chunk: 37 };
+    assert.equal(defaultChunk(manifest, call, 3), 37);
+  }
 });
 
 test('probeRelaxedDot says what the engine does with the 7-bit operand', (t) => {
