@@ -30,7 +30,7 @@ from kernelgen.errors import DslError
 from kernelgen.compiler.parse import parse
 from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash, load_store
 from kernelgen.tuning.timing import measure
-from kernelgen.tuning.tune import parse_shape, tune
+from kernelgen.tuning.tune import SPECS, parse_shape, tune
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 SOURCE = DSL_PATH.read_text(encoding="utf-8")
@@ -652,7 +652,9 @@ def test_parse_shape() -> None:
     assert parse_shape("256") == (256,)
     assert parse_shape("4096x4096") == (4096, 4096)
     assert parse_shape("256X64") == (256, 64)
-    for bad in ("0x5", "5x0", "-4", "", "x", "4x", "four"):
+    assert parse_shape("64x4096x4096") == (64, 4096, 4096)  # every default shape parses back (re-timing)
+    assert all(parse_shape("x".join(map(str, s))) == s for shapes in SPECS.values() for s in shapes[1])
+    for bad in ("0x5", "5x0", "-4", "", "x", "4x", "four", "16384x16384x2", "4x70000x4096"):
         with pytest.raises(ValueError):
             parse_shape(bad)
 

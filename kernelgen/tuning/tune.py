@@ -185,6 +185,15 @@ def _run_job(k: Kernels, kernel: str, quant: str | None, case: Case, tune: dict[
 MAX_SHAPE_VALUES = 2**28  # a tuning case's f32 weights fill 1 GiB at this size
 
 
+def shape_values(dims: tuple[int, ...]) -> int:
+    """Values a case of this shape holds: n (a vector), n x k (a matrix), and for a matrix product
+    m x n x k its operands and result, m k + n k + m n (not the m n k multiply-adds)."""
+    if len(dims) == 3:
+        m, n, k = dims
+        return m * k + n * k + m * n
+    return math.prod(dims)
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in text.lower().split("x"))
@@ -192,8 +201,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise ValueError(f"shape {text!r}: write N, NxK or MxNxK, e.g. 4096x4096") from None
     if not dims or any(d <= 0 for d in dims):
         raise ValueError(f"shape {text!r}: dimensions must be positive")
-    if math.prod(dims) > MAX_SHAPE_VALUES:
-        raise ValueError(f"shape {text!r}: {math.prod(dims)} values; at most {MAX_SHAPE_VALUES} "
+    if shape_values(dims) > MAX_SHAPE_VALUES:
+        raise ValueError(f"shape {text!r}: {shape_values(dims)} values; at most {MAX_SHAPE_VALUES} "
                          "(the module's memory holds at most 2 GiB)")
     return dims
 
