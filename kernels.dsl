@@ -262,7 +262,8 @@ export kernel matmul_f32_nt(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
 }
 
 # y[t, c0 .. c0 + 4N - 1] = A[t, :] B[:, c0 ..] for tokens t0 .. t0 + M - 1: N vectors of four
-# columns per token. Order of each output: the k products in order of i, one madd each.
+# columns per token. Order of each output: the k products in order of i, each rounded, then added
+# (a multiply and an add, not madd: see ftile_nt).
 kernel ftile_nn[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, c0: i32, n: i32, k: i32) {
     var acc[M * N]: f32x4 = f32x4.splat(0.0);
     var bv[N]: f32x4 = f32x4.splat(0.0);
@@ -273,7 +274,7 @@ kernel ftile_nn[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, c0: i32, n: i32
         unroll t in 0..M {
             let av = f32x4.splat(f32.load(a + ((t0 + t) * k + i) * 4));
             unroll c in 0..N {
-                acc[t * N + c] = madd(av, bv[c], acc[t * N + c]);
+                acc[t * N + c] = acc[t * N + c] + av * bv[c];
             }
         }
     }
