@@ -2,9 +2,9 @@
 #
 # Pointers are byte addresses in the one shared memory. Target constants differ per target:
 #   ACT_ZERO, ACT_MAX  how activations are quantized for the integer dot: int8 in [-127, 127]
-#                      on simd128 (0, 127); 7-bit in [-63, 63] stored +64 on relaxed SIMD (64, 63)
+#                      stored as is (0, 127), the same values on both targets
 #   ACT_BYTES          bytes per stored activation: 2 on simd128 (widened to i16 once, for its
-#                      i16 dot), 1 on relaxed SIMD; idot(acc, w, ptr, offset) reads this layout
+#                      i16 dot), 1 on relaxed SIMD; idot and idot7(acc, w, ptr, offset) read this layout
 
 # ---- quantization types: stored layouts are llama.cpp's GGUF blocks, byte for byte -------------
 
@@ -377,7 +377,7 @@ kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
 # q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO in ACT_BYTES.
 #   x: f32[n]
 #   n: element count, a multiple of 32
-#   q: i16[n] on simd128, u8[n] in [1, 127] on relaxed SIMD, written
+#   q: i16[n] on simd128, i8[n] on relaxed SIMD, written
 #   d: f32[n / 32], written: the block scales
 export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
     parallel blocks b0..b1 in 0..n / 32;
@@ -386,18 +386,52 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
 #
-# Weights are packed once (Kernels.pack) into planes: w.q (values), w.scale (f32 per block),
-# w.sum (i32 per block) and, for types with an offset term, w.offset. Activations come in blocks
-# of 32 (quantize_act), so these kernels take quant types whose block is 32.
+# Weights are packed once (Kernels.pack) into planes: w.q (values), w.scale (f32 per block) and,
+# for types with an offset term, w.offset. Activations come in blocks of 32 (quantize_act), so
+# these kernels take quant types whose block is 32.
+#
+# The integer dots are exact on both targets, with the same int8 activations: on relaxed SIMD a
+# type whose values are codes - zero with codes and zero in [0, 127] (Q.dot7: every 4-, 5- and
+# 6-bit type; the manifest's "dot": "i7") puts the codes in the 7-bit operand of the relaxed dot
+# (idot7) and subtracts zero . a; Q8_0 and IQ4_NL (8-bit signed values, "i16") take the i16 dot of
+# simd128 (idot). Either way w . a is exact, so both targets' dots are equal.
 
-# One block's integer dot w . a in i32 lanes whose sum is the dot (activations still offset):
-# wq points at the block's packed codes, a at its activations. Types with sub-blocks of 16 (Q6_K)
-# multiply each half's dot by its integer scale, two i32 stored after the codes (Q.sub_scales_at).
+# The lanes of half h of a block (16 values) that qhalf multiplies: the codes on the i7 scheme,
+# else the values.
+inline kernel qlanes[Q: quant](wq: ptr, h: i32) -> i8x16 {
+    var v: i8x16 = i8x16.splat(0);
+    static if Q.dot7 {
+        v = Q.codes(wq, h);
+    } else {
+        v = Q.unpack(wq, h);
+    }
+    return v;
+}
+
+# acc plus the exact integer dot of half h's values with its activations (a: the block's), given
+# its lanes wv (qlanes): on the i7 scheme (codes - zero) . a.
+inline kernel qdot16[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
+    var r: i32x4 = acc;
+    static if Q.dot7 {
+        static if Q.has_zero {
+            r = idot7z(r, wv, Q.zeros(wq, h), a, h * 16);
+        } else {
+            r = idot7(r, wv, a, h * 16);
+        }
+    } else {
+        r = idot(r, wv, a, h * 16);
+    }
+    return r;
+}
+
+# One block's integer dot w . a in i32 lanes whose sum is the dot: wq points at the block's packed
+# codes, a at its activations. Types with sub-blocks of 16 (Q6_K) multiply each half's dot by its
+# integer scale, two i32 stored after the codes (Q.sub_scales_at).
 # The first half's dot starts the sum: engines keep an add of a zero vector (7% of simd128 qmatvec).
 inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
-    var acc: i32x4 = qhalf[Q](i32x4.splat(0), Q.unpack(wq, 0), wq, a, 0);
+    var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
     unroll h in 1..Q.block / 16 {
-        acc = qhalf[Q](acc, Q.unpack(wq, h), wq, a, h);
+        acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
     }
     return acc;
 }
@@ -408,20 +442,10 @@ inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
 inline kernel qhalf[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
     static if Q.has_sub_scales {
-        return acc + idot(i32x4.splat(0), wv, a, h * 16) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
+        return acc + qdot16[Q](i32x4.splat(0), wv, wq, a, h) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
     } else {
-        return idot(acc, wv, a, h * 16);
+        return qdot16[Q](acc, wv, wq, a, h);
     }
-}
-
-# One block's exact integer dot. On relaxed SIMD the activations carry +ACT_ZERO;
-# sum(w * (a + 64)) - 64 * sum(w) removes it (spread over the four lanes: 16 * sum(w) each).
-inline kernel qblock[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
-    var acc: i32x4 = qraw[Q](w.q + blk * Q.bytes, a);
-    static if ACT_ZERO != 0 {
-        acc = acc - i32x4.splat(i32.load(w.sum + blk * 4) * (ACT_ZERO / 4));
-    }
-    return acc;
 }
 
 # Two vectors -> one whose lanes 0, 1 sum to a's lanes and lanes 2, 3 to b's (half of a transpose).
@@ -439,18 +463,8 @@ inline kernel lanesums4(a: i32x4, b: i32x4, c: i32x4, d: i32x4) -> i32x4 {
     return lanequads(lanepairs(a, b), lanepairs(c, d));
 }
 
-# Blocks blk .. blk + 3's raw dots (lane i: block blk + i, activations still offset) -> their
-# exact dots: on relaxed SIMD minus ACT_ZERO * sum(w) of each block.
-inline kernel qexact4[Q: quant](w: packed Q, blk: i32, raw: i32x4) -> i32x4 {
-    var d: i32x4 = raw;
-    static if ACT_ZERO != 0 {
-        d = d - i32x4.load(w.sum + blk * 4) * ACT_ZERO;
-    }
-    return d;
-}
-
 # The exact dots of blocks blk .. blk + 3 of one row, lane i for block blk + i: their scales then
-# apply as one vector, a quarter of the per-block scalar work of qblock. Two blocks per pass of a
+# apply as one vector, a quarter of the per-block scalar work of qstep1. Two blocks per pass of a
 # run-time loop: an engine computes each pass's dots before the loop's back edge, so only two
 # blocks' loads are live at once (all four unrolled, cranelift places the pure arithmetic after all
 # the loads and spills vectors to the stack).
@@ -465,14 +479,14 @@ inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
         wq = wq + 2 * Q.bytes;
         ap = ap + 2 * Q.block * ACT_BYTES;
     }
-    return qexact4[Q](w, blk, lanequads(p[0], p[1]));
+    return lanequads(p[0], p[1]);
 }
 
 # One activation block's sum (lanes sum to it), for quant types with an offset term (S * q + M).
 inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
-    var acc: i32x4 = i32x4.splat(-(ACT_ZERO * Q.block / 4));
+    var acc: i32x4 = i32x4.splat(0);
     unroll j in 0..Q.block / 16 {
-        acc = idot(acc, i8x16.splat(1), a, j * 16);
+        acc = idot7(acc, i8x16.splat(1), a, j * 16);
     }
     return acc;
 }
@@ -506,7 +520,7 @@ inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, as4: f
 
 # acc plus the single block blk of a row (the blocks left over past a multiple of four).
 inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x4) -> f32x4 {
-    var r: f32x4 = madd(f32x4.convert(qblock[Q](w, blk, a)), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
+    var r: f32x4 = madd(f32x4.convert(qraw[Q](w.q + blk * Q.bytes, a)), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
     static if Q.has_offset {
         r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
     }
@@ -549,8 +563,8 @@ export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
 # r0 .. r0 + N - 1 of W, their accumulators side by side in registers (M * N * A of them). Each four-block step is a small integer GEMM:
 # every weight vector is unpacked once for the M tokens, every activation vector serves the N rows
 # (one address: the engine loads it once), the raw dots of two blocks at a time folded by
-# lanepairs, then lanequads; the exact dots (qexact4) then go through qscale4, the float
-# operations of qstep4. Integer sums are exact in any order, and the float order is qrowsum's (A
+# lanepairs, then lanequads; the exact dots then go through qscale4, the float operations of
+# qstep4. Integer sums are exact in any order, and the float order is qrowsum's (A
 # accumulators taking turns over the four-block steps, qstep1 for the leftover blocks), so no
 # result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
@@ -577,7 +591,7 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
                     unroll h in 0..Q.block / 16 {
                         var wv[N]: i8x16 = i8x16.splat(0);
                         unroll r in 0..N {
-                            wv[r] = Q.unpack(wrow[r] + (pb + j) * Q.bytes, h);
+                            wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
                         }
                         unroll t in 0..M {
                             let at = arow[t] + (pb + j) * Q.block * ACT_BYTES;
@@ -605,7 +619,7 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
                     let rb = (r0 + r) * nb + blk;
                     let i = (t * N + r) * A + s;
                     let di = 2 * (t * N + r);
-                    acc[i] = qscale4[Q](w, rb, qexact4[Q](w, rb, lanequads(d[di], d[di + 1])), da4, as4, acc[i]);
+                    acc[i] = qscale4[Q](w, rb, lanequads(d[di], d[di + 1]), da4, as4, acc[i]);
                 }
             }
         }

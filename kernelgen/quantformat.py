@@ -15,8 +15,6 @@ Packing turns a matrix of stored blocks into planes the kernels read (each conti
   q       the fields `unpack` reads, per block, concatenated in declaration order (Q.bytes each)
   scale   S per block as f32 (f16 scales widened once here, not in the hot loop)
   offset  M per block as f32, only for types with `+ M`
-  sum     the sum of the block's unpacked integers, i32: removes the 7-bit activation offset of
-          the relaxed dot exactly (sum(w*(a+64)) - 64*sum(w) = sum(w*a))
 """
 from __future__ import annotations
 
@@ -469,8 +467,37 @@ class QuantFormat:
         lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
         width = (hi - lo).bit_length()
         # (5-bit values take bytes: a bit plane's unpack costs 4-6x the nibbles' time, measured)
-        kind = "nib" if width <= 4 else "byte"
-        return kind, (lo if kind != "byte" else 0)
+        return ("nib" if width <= 4 else "byte"), lo
+
+    @property
+    def codes(self) -> tuple[Node, Node] | None:
+        """(codes, zero): the kernel block's unpack as codes - zero, both integers in [0, 127] and
+        zero the same for every element (a constant, or a scalar byte field that pack checks
+        block by block: q4_onnx's UINT4 zero point), or None when the type has no such form
+        (signed 8-bit values: Q8_0, IQ4_NL's codebook). Such codes fit the 7-bit operand of the
+        relaxed dot with full int8 activations in the other (Target.dot_scheme)."""
+        kb = self.kernel
+        u = kb.unpack
+        if self.sub is not None:  # encoded per kernel block as the integers minus the zero (lo)
+            kind, lo = self.encoding
+            hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))[1]
+            return (ENCODINGS[kind].unpack, Int(-lo)) if 0 <= -lo <= 127 and hi - lo <= 127 else None
+        if isinstance(u, Lookup):
+            codes, zero = Lookup(tuple(v - min(u.values) for v in u.values), u.code), Int(-min(u.values))
+        elif isinstance(u, Op) and u.op == "-" and not any(x.kind == "i" for x in nodes(u.right)):
+            codes, zero = u.left, u.right
+        elif isinstance(u, Op) and u.op == "+" and isinstance(u.right, Int):
+            codes, zero = u.left, Int(-u.right.value)
+        else:
+            codes, zero = u, Int(0)
+        ranges = IntRange(kb.block, {f.name: f.type for f in kb.fields})
+        try:
+            lo, hi = fold(codes, ranges)
+            fits = 0 <= lo and hi <= 127 and (isinstance(zero, Field) or 0 <= min(fold(zero, ranges))
+                                              and max(fold(zero, ranges)) <= 127)
+        except ValueError:
+            fits = False
+        return (codes, zero) if fits else None
 
     # ---- layout
     @property
@@ -500,7 +527,6 @@ class QuantFormat:
         planes = {"q": ("u1", self.kernel.bytes), "scale": ("<f4", 4)}
         if self.offset is not None:
             planes["offset"] = ("<f4", 4)
-        planes["sum"] = ("<i4", 4)
         return planes
 
     @property
@@ -523,6 +549,8 @@ class QuantFormat:
             "dequant": text(self.scale) + " * q" + (f" + {text(self.offset)}" if self.offset is not None else ""),
             "planes": {name: {"dtype": np.dtype(dt).str, "bytes_per_block": n} for name, (dt, n) in self.planes.items()},
             "value_fields": list(self.value_fields),
+            # unpack as codes - zero, both in [0, 127] (a field zero checked by pack), or null
+            "codes": dict(zip(("codes", "zero"), map(to_json, self.codes))) if self.codes else None,
             "interleaved": list(self.interleaved),
             # The formulas as trees: what both hosts rebuild this type from.
             "formulas": {"unpack": to_json(self.unpack), "scale": to_json(self.scale),
@@ -601,6 +629,12 @@ class QuantFormat:
             bad = np.argwhere((values < -128) | (values > 127))[0]
             raise ValueError(f"{self.name}: block {tuple(bad[:-1])} unpacks to {values[tuple(bad)]} at element "
                              f"{bad[-1]}, outside int8: not a valid {self.name} block (the kernels' weights are int8)")
+        if self.codes is not None and isinstance(self.codes[1], Field):
+            zero = fold(self.codes[1], NumpyEval(blocks))
+            if zero.size and (zero.min() < 0 or zero.max() > 127):
+                bad = np.argwhere((zero < 0) | (zero > 127))[0]
+                raise ValueError(f"{self.name}: block {tuple(bad)} has {text(self.codes[1])} = {zero[tuple(bad)]}, outside"
+                                 f" 0..127: not a valid {self.name} block (the relaxed dot's 7-bit operand takes it)")
         rows = blocks.shape[0]
         per_kernel_block = values.reshape(rows, -1, KERNEL_BLOCK if self.sub else self.block)
         if self.sub:
@@ -618,13 +652,10 @@ class QuantFormat:
         planes = {"q": np.ascontiguousarray(q).reshape(-1), "scale": self.scale_ref(blocks).reshape(-1)}
         if self.offset is not None:
             planes["offset"] = self.offset_ref(blocks).reshape(-1)
-        weights = per_kernel_block  # the integers the kernels' dots multiply
         if self.sub_scales:
             planes["scale"] = np.repeat(np.broadcast_to(fold(self.sub_scales[0], NumpyEval(blocks)),
                                                         blocks.shape).astype(np.float32),
                                         self.block // KERNEL_BLOCK, axis=-1).reshape(-1)
-            weights = (values.reshape(rows, -1, self.sub) * mult.reshape(rows, -1, 1)).reshape(per_kernel_block.shape)
-        planes["sum"] = weights.sum(axis=-1, dtype=np.int32).reshape(-1)
         return planes
 
     def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:

@@ -112,8 +112,8 @@ export class Driver {
     this.#exports = exports;
     this.#pool = pool;
     this.#top = manifest.memory.heap_base;
-    // How quantize_act stores activations on this target (Int16Array on simd128, Uint8Array holding
-    // q + ACT_ZERO on relaxed SIMD): the manifest says.
+    // How quantize_act stores activations on this target (Int16Array on simd128, Int8Array on
+    // relaxed SIMD): the manifest says.
     this.#actArray = ACT_ARRAYS[manifest.activation.dtype];
     if (!this.#actArray) throw new Error(`unknown activation dtype ${manifest.activation.dtype} in the manifest`);
     for (const [name, e] of Object.entries(manifest.exports)) this.#exportNames.set(`${e.kernel}/${e.quant}`, name);
@@ -281,7 +281,7 @@ export class Driver {
   // ---- weights and activations ---------------------------------------------------------------
 
   /** f32[tokens * k] (k a positive multiple of 32: `tokens` rows of k values) -> {q, d}: q
-   * Int16Array on simd128 (int8 values, stored widened), Uint8Array holding q + ACT_ZERO on relaxed
+   * Int16Array on simd128 (int8 values, stored widened), Int8Array (the same values) on relaxed
    * SIMD; d one f32 scale per 32 values. Blocks never cross rows, so the tokens are one call over
    * all the values. */
   quantizeAct(x, tokens = 1) {

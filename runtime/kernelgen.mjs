@@ -127,8 +127,8 @@ export class Kernels {
     this.stopFlag = stopFlag;
   }
 
-  /** Float32Array(tokens * k), k a positive multiple of 32 -> {q, d}: q Int8Array (simd128)
-   * or Uint8Array holding q + 64 (relaxed SIMD), d one Float32 scale per 32 values. */
+  /** Float32Array(tokens * k), k a positive multiple of 32 -> {q, d}: q the int8 values, as an
+   * Int16Array (simd128) or Int8Array (relaxed SIMD), d one Float32 scale per 32 values. */
   quantizeAct(x, tokens = 1) { return this.#invoke('quantizeAct', [x, tokens]); }
 
   /** Stored blocks (Uint8Array: rows * k / block blocks of the type's stored bytes, e.g. GGUF

@@ -7,7 +7,6 @@
 //           fields repacked from ONNX order, element 2i low / 2i+1 high, to split order)
 //   scale   f32: the "scale" formula (f16 fields widened)
 //   offset  f32: the "offset" formula, only for types that have one
-//   sum     i32: the sum of the block's unpacked integers (removes the relaxed dot's +ACT_ZERO)
 
 const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantFormat.pack checks the same)
 const INT8_MAX = 127;
@@ -143,6 +142,8 @@ export function packInto(spec, blocks, nblocks, planes) {
   const unpackAt = fold(unpack, consumer).at;
   const scaleAt = fold(scale, consumer).at;
   const offsetAt = offset ? fold(offset, consumer).at : null;
+  // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
+  const zeroAt = spec.codes?.zero.kind === 'field' ? fold(spec.codes.zero, consumer).at : null;
   const kernelBlock = spec.kernel_block ?? spec.block;
   const per = spec.block / kernelBlock; // kernel blocks per stored block, each with its scale (s)
   const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
@@ -165,6 +166,11 @@ export function packInto(spec, blocks, nblocks, planes) {
       }
       values[i] = q;
     }
+    const z = zeroAt?.(view, o, 0);
+    if (zeroAt && (z < 0 || z > 127)) {
+      throw new RangeError(`block ${b} has ${spec.codes.zero.field} = ${z}, outside 0..127: not a valid block of this type `
+        + '(the relaxed dot\'s 7-bit operand takes it)');
+    }
     if (!encode) { // a flat block: its value fields as stored
       let at = b * qBytes;
       for (const f of valueFields) {
@@ -182,19 +188,12 @@ export function packInto(spec, blocks, nblocks, planes) {
       if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
       if (!split) {
         planes.scale[k] = scaleAt(view, o, s);
-        planes.sum[k] = u.reduce((acc, x) => acc + x, 0);
         continue;
       }
       planes.scale[k] = split.f(view, o, 0);
       // the sub-blocks' integer scales follow the kernel block's codes in plane q, one i32 each
       const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - 4 * halves, 4 * halves);
-      let sum = 0;
-      for (let h = 0; h < halves; h++) {
-        const m = split.i(view, o, s * halves + h);
-        at.setInt32(4 * h, m, true);
-        for (let e = 0; e < spec.sub; e++) sum += u[h * spec.sub + e] * m;
-      }
-      planes.sum[k] = sum;
+      for (let h = 0; h < halves; h++) at.setInt32(4 * h, split.i(view, o, s * halves + h), true);
     }
   }
 }
@@ -207,7 +206,7 @@ function splitNibbles(src, dst) {
   for (let j = 0; j < n; j++) dst[j] = elem(j) | (elem(j + n) << 4);
 }
 
-/** Pack into fresh typed arrays: {q, scale, offset?, sum}. */
+/** Pack into fresh typed arrays: {q, scale, offset?}. */
 export function packPlanes(spec, blocks, nblocks) {
   const planes = {};
   for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {

@@ -139,7 +139,8 @@ def assert_q_close(y: np.ndarray, ref: np.ndarray, mag: np.ndarray, what: str) -
 def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     """(rows, n_blocks) blocks of any declared quant type `q` (a QuantFormat), made from its declaration
     alone: random stored bytes, every float field a finite value of either sign, and blocks whose
-    values fall outside the kernels' int8 weights (say a zero point past its format's range) or
+    values fall outside the kernels' int8 weights or whose zero point is past 127 (say a zero
+    point past its format's range) or
     whose derived scale or offset exceeds 1 in magnitude (say an e8m0 exponent byte: products
     would overflow f32) drawn again. So a test covering every quant type needs no code per type."""
     def draw(count: int) -> np.ndarray:
@@ -153,7 +154,10 @@ def random_blocks(q: Any, rows: int, n_blocks: int, rng: np.random.Generator) ->
     for _ in range(64):
         v = q.unpack_ref(blocks.reshape(-1, 1)).reshape(blocks.size, -1)
         big = (np.abs(q.scale_ref(blocks)) > 1) | (np.abs(q.offset_ref(blocks)) > 1)  # per sub-block
-        bad = np.flatnonzero((v < -128).any(axis=1) | (v > 127).any(axis=1) | big.reshape(blocks.size, -1).any(axis=1))
+        bad = (v < -128).any(axis=1) | (v > 127).any(axis=1) | big.reshape(blocks.size, -1).any(axis=1)
+        if q.codes is not None and q.codes[1].kind == "field":  # a zero point pack refuses (QuantFormat.codes)
+            bad |= blocks[q.codes[1].field].astype(np.int32) > 127
+        bad = np.flatnonzero(bad)
         if not bad.size:
             return blocks.reshape(rows, n_blocks)
         blocks[bad] = draw(bad.size)

@@ -175,6 +175,37 @@ def test_qmatvec_and_qdot_match_float64_dequantization(mode, kgen, quant):
     same_as_deterministic(mode, kgen, None, run, outs)
 
 
+def test_relaxed_quantizes_and_dots_as_simd128(module_cache):
+    """One activation format (issue 13.3): the same x gives the same int8 activations on both
+    targets, and every declared type's relaxed integer dots are simd128's (both exact; "i7" types
+    through the codes in the relaxed dot's 7-bit operand, "i16" ones through the i16 dot), so the
+    relaxed mat-vec's error against float64 dequantize(W) @ act is simd128's up to float rounding,
+    and bit-identical with wasmtime's relaxed_simd_deterministic on and off."""
+    s, det, nondet = (module_cache.get("simd128"), module_cache.get("relaxed-simd", True),
+                      module_cache.get("relaxed-simd", False))
+    assert {n: q["dot"] for n, q in det.manifest["quants"].items()} == {
+        n: "i16" if n in ("q8_0", "iq4_nl") else "i7" for n in det.quants}
+    rng = rng_for("relaxed-as-simd128")
+    for quant, q in s.quants.items():
+        k = 160 if q.block == 32 else 512  # a block tail past the four-block steps; two super-blocks
+        x = (rng.standard_normal(k) * np.repeat(rng.uniform(0.01, 10, k // 32), 32)).astype(np.float32)
+        x[-1] = 300.0  # an outlier block
+        b = random_blocks(q, rng, 9, k // q.block, (-0.05, 0.05))
+        if quant == "q4_onnx":  # (random_blocks makes GGUF's f16 fields only)
+            b["z"] %= 16  # a UINT4 zero point
+            b["d"] = rng.uniform(-0.05, 0.05, b.shape)
+        acts = [m.quantize_act(x) for m in (s, det, nondet)]
+        for a in acts[1:]:
+            np.testing.assert_array_equal(a.q.astype(np.int16), acts[0].q, err_msg=f"{quant}: activations")
+            np.testing.assert_array_equal(a.d, acts[0].d, err_msg=f"{quant}: activation scales")
+        ys = [m.qmatvec(m.pack(quant, b), acts[0] if m is s else a) for m, a in zip((s, det, nondet), acts)]
+        ref, mag = f64_reference(s, quant, b, acts[0])
+        for y, what in zip(ys, ("simd128", "relaxed det", "relaxed nondet")):
+            assert_q_close(y, ref, mag, f"{quant} {what}")
+        assert_q_close(ys[1], ys[0].astype(np.float64), mag, f"{quant} relaxed vs simd128")
+        assert_bitwise_equal(ys[1], ys[2], f"{quant} relaxed deterministic on and off")
+
+
 def unit_blocks(quant: str, q, k: int) -> np.ndarray:
     """Rows whose scale is 1 (and minimum an integer): every code of the type, in patterns."""
     nb = k // q.block
@@ -223,7 +254,7 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     k = 160 if q.block == 32 else 512
     blocks = unit_blocks(quant, q, k)
     rng = rng_for("gguf-act", mode.target)
-    lo, hi = (-128, 127) if mode.target == "simd128" else (0, 127)
+    lo, hi = -128, 127  # int8 activations on both targets (-128: a valid int8 past quantize_act's range)
     acts = [np.full(k, lo, act_dtype(km)), np.full(k, hi, act_dtype(km)),
             rng.choice(np.array([lo, hi]), k).astype(act_dtype(km))]
 
@@ -243,26 +274,51 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     same_as_deterministic(mode, kgen, None, run, outs)
 
 
-@pytest.mark.parametrize("quant", ["q5_1", "iq4_nl"])
+@pytest.mark.parametrize("quant", ["q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k"])
 def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
-    """A NaN or infinite scale makes gguf's dequantized block non-finite; the kernels' row is then
-    not finite either, and the other rows are unaffected."""
+    """A NaN or infinite f16 scale (d; the K-quants' super-block d) makes gguf's dequantized block
+    non-finite; the kernels' row is then NaN (NaN scale) or not finite (infinite scale), and the
+    other rows are unaffected."""
     km = kgen()
     q = km.quants[quant]
     rng = rng_for("gguf-nan", quant)
-    b = random_blocks(q, rng, 3, 4, (-0.05, 0.05))
-    b["qs"][:, :] = 0x99  # nonzero codes everywhere, so inf * code is inf, not NaN from 0 * inf
+    nb = 4 if q.block == 32 else 2
+    b = random_blocks(q, rng, 3, nb, (-0.05, 0.05))
+    for f in ("qs", "ql"):  # nonzero codes everywhere, so inf * code is inf, not NaN from 0 * inf
+        if f in q.dtype.names:
+            b[f][:, :] = 0x99
     b["d"][0, 1] = np.nan
-    b["d"][1, 2] = np.inf
-    x = rng.standard_normal(128).astype(np.float32)
+    b["d"][1, nb - 1] = np.inf
+    x = rng.standard_normal(nb * q.block).astype(np.float32)
     act = km.quantize_act(x)
-    y = km.qmatvec(km.pack(quant, b), act)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf * a zero sub-block scale: NaN)
+        y = km.qmatvec(km.pack(quant, b), act)
         deq = gguf_dequant(quant, b)
-    assert not np.isfinite(deq[0]).all() and not np.isfinite(deq[1]).all()
+    assert np.isnan(deq[0]).any() and not np.isfinite(deq[1]).all()
     assert np.isnan(y[0]) and not np.isfinite(y[1])
     ref, mag = f64_reference(km, quant, b[2:], act)
     assert_q_close(y[2:], ref, mag, f"{quant} finite row")
+
+
+def test_mxfp4_largest_exponent_overflows_as_gguf(mode, kgen):
+    """MXFP4's scale is a power of two, never NaN; exponent byte 255 (2^127 for the doubled codes)
+    times the largest code overflows f32: gguf's dequantized block is infinite, and so is the
+    kernels' row when its dot is large (activations all 1: every product adds up)."""
+    km = kgen()
+    q = km.quants["mxfp4"]
+    b = random_blocks(q, rng_for("gguf-mxfp4-inf"), 3, 4, (-0.05, 0.05))
+    b["qs"][1] = 0x77  # code 7: value 12 (doubled 6.0) at every element
+    b["e"][1] = 255
+    b["qs"][0] = 0xFF  # code 15: value -12
+    b["e"][0, 2] = 255
+    act = km.quantize_act(np.ones(128, np.float32))
+    y = km.qmatvec(km.pack("mxfp4", b), act)
+    with np.errstate(invalid="ignore", over="ignore"):
+        deq = gguf_dequant("mxfp4", b)
+    assert np.isposinf(deq[1]).all() and np.isneginf(deq[0, 64:96]).all()
+    assert np.isposinf(y[1]) and np.isneginf(y[0])
+    ref, mag = f64_reference(km, "mxfp4", b[2:], act)
+    assert_q_close(y[2:], ref, mag, "mxfp4 finite row")
 
 
 # ---- GGUF files --------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         # ACT_BYTES each (hosts size and type the activation buffer from this).
         "activation": {"block": 32, "zero": t.constants["ACT_ZERO"], "max": t.constants["ACT_MAX"],
                        "dtype": _act_dtype(t.constants)},
-        "quants": {name: q.to_json() for name, q in checked.quants.items()},
+        # each type's integer-dot scheme on this target (Target.dot_scheme): "i7" or "i16"
+        "quants": {name: {**q.to_json(), "dot": t.dot_scheme(q.codes is not None)} for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
         "exports": {e.name: _export_entry(e) for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel.job, "quant": j.quant.name if j.quant else None,

@@ -20,7 +20,7 @@ from .check import Checked, KernelInfo
 from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
-from ..quantformat import SUB_SCALES, QuantFormat
+from ..quantformat import SUB_SCALES, Int, QuantFormat
 from .quant import unpack_lanes
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
 
@@ -689,11 +689,14 @@ class Lowerer:
         if isinstance(e.base, A.Name):
             b = self._lookup(e.base.id)
             if isinstance(b, QuantFormat):
+                codes = b.codes
                 props = {"block": b.kernel.block, "bytes": b.kernel.bytes, "has_offset": int(b.offset is not None),
                          "has_sub_scales": int(b.sub_scales is not None),
-                         "sub_scales_at": b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0}
+                         "sub_scales_at": b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
+                         "dot7": int(self.target.dot_scheme(codes is not None) == "i7"),
+                         "has_zero": int(codes is not None and codes[1] != Int(0))}
                 if e.name not in props:
-                    raise self.error(f"quant types have {', '.join(props)} and unpack(); not {e.name!r}")
+                    raise self.error(f"quant types have {', '.join(props)} and unpack(), codes(), zeros(); not {e.name!r}")
                 return Val(None, "i32", props[e.name])
             if isinstance(b, Packed):
                 if e.name not in b.planes:
@@ -720,11 +723,12 @@ class Lowerer:
                 raise self.error(f"{f.base.id}.{f.name} is not an operation (typed ops: {', '.join(sorted(_QUALIFIABLE))})")
             return self._op(f.name, t, e.args)
         if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and isinstance(q := self._lookup(f.base.id), QuantFormat):
-            if f.name != "unpack" or len(e.args) != 2:
-                raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j)")
+            if f.name not in ("unpack", "codes", "zeros") or len(e.args) != 2:
+                raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j),"
+                                 f" {f.base.id}.codes(ptr, j) or {f.base.id}.zeros(ptr, j)")
             base = self.materialize(self._coerce(self._expr(e.args[0]), "i32"), "i32")
-            j = self._const_int(e.args[1], "the lane group of unpack()")
-            return Val(unpack_lanes(q, base, j, self.error), "i8x16")
+            j = self._const_int(e.args[1], f"the lane group of {f.name}()")
+            return Val(unpack_lanes(q, base, j, self.error, f.name), "i8x16")
         generic_args: tuple[A.Expr, ...] = ()
         if isinstance(f, A.Index):
             generic_args, f = f.indices, f.base

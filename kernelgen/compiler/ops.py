@@ -471,30 +471,38 @@ def _idot_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, int | None]:
     return acc, w, a, None
 
 
-def _act_load(p: Instr, offset: int) -> Instr:
-    """16 bytes of stored activations at p + offset bytes."""
-    return Instr("v128.load", (f"offset={offset}",) if offset else (), (p,))
+def _act_load(p: Instr, offset: int, op: str = "v128.load") -> Instr:
+    """Stored activations at p + offset bytes (16 bytes, or 8 widened by a load8x8 `op`)."""
+    return Instr(op, (f"offset={offset}",) if offset else (), (p,))
 
 
-def _idot_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    """acc + w.a with lanes of 4 products each: i32x4.dot_i16x8_s on the sign-extended halves of w.
-    Activations given by address are stored widened to i16 (ACT_BYTES = 2, quantize_act writes them
-    so): two loads instead of two extends, once per row instead of once per call."""
+def _idot_i16(c: Ctx, args: list[Val], act_bytes: int) -> Val:
+    """acc + w.a with lanes of 4 products each: i32x4.dot_i16x8_s on the sign-extended halves of w
+    and a, exact for any int8 w and a. Activations given by address are stored `act_bytes` each:
+    widened to i16 (SIMD128's layout: two loads, the widening done once per row by quantize_act)
+    or as bytes (relaxed SIMD's: two sign-extending loads)."""
     acc, w, a, offset = _idot_check(c, args)
     w1, w2 = c.reuse(w)
     if offset is None:
         a1, a2 = c.reuse(a)
         a_lo, a_hi = I("i16x8.extend_low_i8x16_s", a1), I("i16x8.extend_high_i8x16_s", a2)
+    elif act_bytes == 2:
+        p1, p2 = c.reuse(a)
+        a_lo, a_hi = _act_load(p1, offset * 2), _act_load(p2, offset * 2 + 16)
     else:
         p1, p2 = c.reuse(a)
-        size = SIMD128_ACT["ACT_BYTES"]
-        a_lo, a_hi = _act_load(p1, offset * size), _act_load(p2, offset * size + 16)
+        a_lo, a_hi = _act_load(p1, offset, "v128.load8x8_s"), _act_load(p2, offset + 8, "v128.load8x8_s")
     lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), a_lo)
     hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), a_hi)
     dots = I("i32x4.add", lo, hi)
     if is_zero_vector(acc):  # a block's first dot: nothing to add it to (engines keep the add)
         return Val(dots, "i32x4")
     return Val(I("i32x4.add", c.materialize(acc), dots), "i32x4")
+
+
+def _idot_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot and idot7 on SIMD128: the i16 dot (activations stored as i16, SIMD128_ACT)."""
+    return _idot_i16(c, args, SIMD128_ACT["ACT_BYTES"])
 
 
 def is_zero_vector(v: Val) -> bool:
@@ -504,12 +512,56 @@ def is_zero_vector(v: Val) -> bool:
 
 
 def _idot_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    """One relaxed dot. The activation operand is the 7-bit one: the kernels keep it in [0, 127]
-    (ACT_ZERO = 64), where x86's pmaddubsw and ARM's sdot agree and nothing saturates."""
-    acc, w, a, offset = _idot_check(c, args)
+    """idot on relaxed SIMD: exact for any int8 w (Q8_0's codes, codebook values), so the i16 dot
+    of SIMD128 over byte activations; the relaxed dot cannot take a w of 8 significant bits."""
+    return _idot_i16(c, args, RELAXED_ACT["ACT_BYTES"])
+
+
+def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7(acc, u, a): acc + u.a for codes u in [0, 127], one relaxed dot with the int8
+    activations in its signed operand and u in its 7-bit one. Exact on every engine's semantics:
+    the 7-bit operand read as signed (ARM sdot, AVX-VNNI-INT8) or unsigned (AVX-VNNI vpdpbusd) is
+    the same value in [0, 127]; x86's pmaddubsw adds pairs in saturating i16, and a pair is at most
+    2 * 127 * 128 = 32512 in magnitude (|a| <= 128 for any int8), below 32767: no saturation."""
+    acc, u, a, offset = _idot_check(c, args)
     act = c.materialize(a) if offset is None else _act_load(c.materialize(a, "i32"), offset)
-    code = I("i32x4.relaxed_dot_i8x16_i7x16_add_s", c.materialize(w), act, c.materialize(acc))
+    code = I("i32x4.relaxed_dot_i8x16_i7x16_add_s", act, c.materialize(u), c.materialize(acc))
     return Val(code, "i32x4")
+
+
+def _idot7z_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, int]:
+    """(acc, u, z, a, offset) of idot7z(acc, u, z, ptr, offset)."""
+    if len(args) not in (4, 5):
+        raise c.error(f"idot7z(acc, u, z, ptr, offset) takes 4 or 5 arguments, got {len(args)}")
+    acc, u, z, a = args[:4]
+    _need(c, acc, "i32x4", "idot7z's accumulator")
+    _need(c, u, "i8x16", "idot7z's codes")
+    _need(c, z, "i8x16", "idot7z's zeros")
+    _need(c, a, "i32", "idot7z's activation address")
+    return acc, u, z, a, _offset(c, args, 4, "idot7z")
+
+
+def _idot7z_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7z on SIMD128: the i16 dot of the values u - z."""
+    acc, u, z, a, offset = _idot7z_check(c, args)
+    w = Val(I("i8x16.sub", c.materialize(u), c.materialize(z)), "i8x16")
+    return _idot_i16(c, [acc, w, a, Val(None, T.INT_LIT, offset)], SIMD128_ACT["ACT_BYTES"])
+
+
+def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7z(acc, u, z, a): acc + (u - z).a for codes u and zeros z in [0, 127], so values u - z in
+    [-127, 127]: u.a - z.a per pair of lanes in i16 (two relaxed i16 dots, exact as in idot7: each
+    pair at most 2 * 128 * 127 in magnitude), subtracted in i16 (the true pair sum of (u - z) * a is
+    at most 2 * 128 * 127 too, so the wrapping subtraction is exact), then widened: five operations
+    where idot7 twice and a subtraction take seven."""
+    acc, u, z, a, offset = _idot7z_check(c, args)
+    p1, p2 = c.reuse(a)
+    dot_u = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(p1, offset), c.materialize(u))
+    dot_z = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(p2, offset), c.materialize(z))
+    pairs = I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z))
+    if is_zero_vector(acc):
+        return Val(pairs, "i32x4")
+    return Val(I("i32x4.add", c.materialize(acc), pairs), "i32x4")
 
 
 def _madd_check(c: Ctx, args: list[Val]) -> list[Val]:
@@ -571,12 +623,16 @@ SIMD128: dict[str, Op] = {
     "notify": _notify,
     "run_job": _run_job,
     "idot": _idot_simd128,
+    "idot7": _idot_simd128,
+    "idot7z": _idot7z_simd128,
     "madd": _madd_simd128,
 }
 
 RELAXED: dict[str, Op] = {
     **SIMD128,
     "idot": _idot_relaxed,
+    "idot7": _idot7_relaxed,
+    "idot7z": _idot7z_relaxed,
     "madd": _madd_relaxed,
 }
 
@@ -591,21 +647,27 @@ class Target:
     constants: dict[str, int]
     features: tuple[str, ...]
     wat2wasm_flags: tuple[str, ...] = field(default=())
+    dot7: bool = False  # idot7 is a relaxed dot, faster than idot's i16 dot
+
+    def dot_scheme(self, codes7: bool) -> str:
+        """How a quant type's integer dots run here (the manifest's per-type "dot"): "i7", the
+        type's unsigned codes (unpack + zero, in [0, 127]) through idot7 and the zero removed with
+        the activations' sums; else "i16", its signed values through idot."""
+        return "i7" if self.dot7 and codes7 else "i16"
 
 
 # How activations are quantized and stored for the integer dot on each target (kernels read these
 # as constants; quantize_act writes this layout and idot's pointer form reads it):
-#   ACT_ZERO, ACT_MAX  SIMD128 takes int8 in [-127, 127]; relaxed SIMD's dot wants its second
-#                      operand 7-bit and non-negative, so activations are quantized to [-63, 63] and
-#                      stored offset by 64, in [1, 127] (kernels remove the offset exactly with the
-#                      per-block weight sums of the packed layout).
+#   ACT_ZERO, ACT_MAX  int8 in [-127, 127], stored as is, on both targets: the same x quantizes to
+#                      the same activations on SIMD128 and relaxed SIMD (the relaxed dot's 7-bit
+#                      operand takes the weight codes instead: idot7, Target.dot_scheme).
 #   ACT_BYTES          bytes per stored activation: SIMD128's dot is i16 x i16, so activations are
 #                      stored widened to i16 once per call; relaxed SIMD's dot reads bytes.
 SIMD128_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2}
-RELAXED_ACT = {"ACT_ZERO": 64, "ACT_MAX": 63, "ACT_BYTES": 1}
+RELAXED_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 1}
 TARGETS: dict[str, Target] = {
     "simd128": Target("simd128", SIMD128, SIMD128_ACT,
                       ("simd", "threads"), ("--enable-threads", "--disable-relaxed-simd")),
     "relaxed-simd": Target("relaxed-simd", RELAXED, RELAXED_ACT,
-                           ("simd", "relaxed-simd", "threads"), ("--enable-threads",)),
+                           ("simd", "relaxed-simd", "threads"), ("--enable-threads",), dot7=True),
 }

@@ -430,9 +430,15 @@ class _LowerUnpack:
         return I({"+": "i8x16.add", "-": "i8x16.sub", "|": "v128.or", "&": "v128.and"}[n.op], left, right)
 
 
-def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Exception]) -> Instr:
-    """i8x16 of elements 16j..16j+15 of the block whose packed values start at `base`."""
+def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Exception],
+                 what: str = "unpack") -> Instr:
+    """i8x16 of elements 16j..16j+15 of the block whose packed values start at `base`: the unpacked
+    values, or (`what` "codes") the unsigned codes of QuantFormat.codes."""
     kb = qf.kernel
     if not 0 <= j < kb.block // LANES:
-        raise error(f"{qf.name}.unpack: lane group {j} is out of range 0..{kb.block // LANES - 1}")
-    return fold(kb.unpack, _LowerUnpack(kb, base, j))
+        raise error(f"{qf.name}.{what}: lane group {j} is out of range 0..{kb.block // LANES - 1}")
+    if what == "unpack":
+        return fold(kb.unpack, _LowerUnpack(kb, base, j))
+    if qf.codes is None:
+        raise error(f"{qf.name} has no codes in [0, 127] (Q.codes7 is 0): use {qf.name}.unpack")
+    return fold(qf.codes[0 if what == "codes" else 1], _LowerUnpack(kb, base, j))

@@ -76,8 +76,8 @@ class Packed:
 
 @dataclass(frozen=True)
 class Act:
-    """Activations quantized by the module's own quantize_act: q (int8 values stored as int16 on
-    simd128, uint8 holding q + 64 on relaxed SIMD) and one f32 scale per 32 values; q[k], d[k / 32]
+    """Activations quantized by the module's own quantize_act: q (int8 values, stored as int16 on
+    simd128, int8 on relaxed SIMD) and one f32 scale per 32 values; q[k], d[k / 32]
     for one token, q[m, k], d[m, k / 32] for m tokens."""
 
     q: np.ndarray
@@ -133,8 +133,8 @@ class Kernels:
         self.module = host.Module(wasm, manifest, deterministic)
         self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
                                                 for name, q in manifest["quants"].items()}
-        # How quantize_act stores activations on this target (int16 on simd128, uint8 holding q + 64
-        # on relaxed SIMD): the manifest says.
+        # How quantize_act stores activations on this target (int16 on simd128, int8 on relaxed
+        # SIMD): the manifest says.
         self._act_dtype = np.dtype(manifest["activation"]["dtype"])
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
@@ -218,7 +218,7 @@ class Kernels:
 
     def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
         """f32[k] (one token) or f32[m, k] (m tokens, for qmatmul), k a multiple of 32 -> activations
-        in this target's form (see ACT_ZERO/ACT_MAX). Blocks never cross rows, so m tokens are one
+        in this target's form (see ACT_MAX/ACT_BYTES). Blocks never cross rows, so m tokens are one
         call over m * k values."""
         if isinstance(x, np.ndarray) and x.ndim == 2:
             x = _f32("quantize_act x", x, 2)

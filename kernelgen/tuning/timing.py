@@ -46,7 +46,8 @@ export kernel bench_stream_chunks(p: ptr, nbytes: i32) {
 """
 
 
-# The compute rooflines the matrix products are measured against: the target's integer dot and the
+# The compute rooflines the matrix products are measured against: the target's integer dot (idot7:
+# the relaxed dot on relaxed SIMD, the i16 dot on simd128) and the
 # f32 multiply-add in registers only, as loops of ROOF_ACCS[u] independent accumulators. The fastest
 # count is the roofline: too few leave the operation's latency exposed, too many spill. (Twelve dots
 # with their seven operand vectors need 19 of x86-64's 16 vector registers: wasmtime's code then
@@ -74,7 +75,7 @@ export kernel {roof_name("idot", accs)}(iters: i32, seed: i32) -> i32 {{
     var a[{na}]: i8x16 = i8x16.splat(seed + 1);
     for i in 0..iters * {groups} {{
         unroll u in 0..{accs} {{
-            acc[u] = idot(acc[u], w[u % {nw}], a[u / {nw}]);
+            acc[u] = idot7(acc[u], w[u % {nw}], a[u / {nw}]);
         }}
         unroll j in 0..{nw} {{
             w[j] = w[j] + i8x16.splat(1);
