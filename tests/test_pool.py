@@ -121,7 +121,7 @@ def test_every_parallel_kernel_of_the_library_has_its_job(kernels) -> None:
     assert parallel[("quantize_act", None)] == {"items": "blocks", "count": ["/", "n", 32], "job": "quantize_act_job"}
     # A parameter only the count uses (softmax's row count) is no job word; the others are, in order.
     assert [a["name"] for a in m["jobs"][parallel[("softmax_f32", None)]["job"]]["args"]] == ["x", "t", "stride"]
-    assert [a["name"] for a in m["jobs"][parallel[("qmatvec", "q8_0")]["job"]]["args"]][:3] == ["w_q", "w_scale", "w_sum"]
+    assert [a["name"] for a in m["jobs"][parallel[("qmatvec", "q8_0")]["job"]]["args"]][:3] == ["w_q", "w_scale", "aq"]
     indices = sorted(j["index"] for j in kernels.manifest["jobs"].values())
     assert indices == list(range(len(indices)))  # derived, dense, no hand numbering
 

@@ -155,6 +155,11 @@ for (const [target, unusable] of TARGETS) {
         const block = randomBlocks(onnx, 1, random(9));
         block[onnx.fields.find((f) => f.name === 'z').offset] = 255;
         await assert.rejects(k.pack('q4_onnx', block, 1, 32), /pack\(q4_onnx\): block 0 unpacks to -2\d\d at element \d+, outside int8/);
+        // values 15 - 130 fit int8, but a zero point past 127 does not fit the relaxed dot's 7-bit operand
+        const qs = onnx.fields.find((f) => f.name === 'qs');
+        block.fill(0xff, qs.offset, qs.offset + qs.count);
+        block[onnx.fields.find((f) => f.name === 'z').offset] = 130;
+        await assert.rejects(k.pack('q4_onnx', block, 1, 32), /pack\(q4_onnx\): block 0 has z = 130, outside 0\.\.127/);
       }
       await assert.rejects(k.qmatvec({ quant: 'q8_0' }, await k.quantizeAct(x)), TypeError);
       const w = await k.pack('q8_0', new Uint8Array(2 * 34), 1, 64);
