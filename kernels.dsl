@@ -399,29 +399,25 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 # The lanes of half h of a block (16 values) that qhalf multiplies: the codes on the i7 scheme,
 # else the values.
 inline kernel qlanes[Q: quant](wq: ptr, h: i32) -> i8x16 {
-    var v: i8x16 = i8x16.splat(0);
     static if Q.dot7 {
-        v = Q.codes(wq, h);
+        return Q.codes(wq, h);
     } else {
-        v = Q.unpack(wq, h);
+        return Q.unpack(wq, h);
     }
-    return v;
 }
 
 # acc plus the exact integer dot of half h's values with its activations (a: the block's), given
 # its lanes wv (qlanes): on the i7 scheme (codes - zero) . a.
 inline kernel qdot16[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
-    var r: i32x4 = acc;
     static if Q.dot7 {
         static if Q.has_zero {
-            r = idot7z(r, wv, Q.zeros(wq, h), a, h * 16);
+            return idot7z(acc, wv, Q.zeros(wq, h), a, h * 16);
         } else {
-            r = idot7(r, wv, a, h * 16);
+            return idot7(acc, wv, a, h * 16);
         }
     } else {
-        r = idot(r, wv, a, h * 16);
+        return idot(acc, wv, a, h * 16);
     }
-    return r;
 }
 
 # One block's integer dot w . a in i32 lanes whose sum is the dot: wq points at the block's packed
