@@ -1100,6 +1100,94 @@ export kernel l2_normalize_f32(x: ptr, y: ptr, rows: i32, n: i32) {
     }
 }
 
+# ---- attention (BERT): per sentence and head, on the QKV projection's rows as they are ----------
+#
+# qkv holds every sentence's tokens one after another, row i = q | k | v of heads * d values each
+# (queries already scaled by 1 / sqrt(d)); sentence s owns rows starts[s] .. starts[s + 1] - 1.
+# A query sees only its own sentence's keys: that range is the padding mask, so no padded token is
+# ever computed or read. One job item is one (sentence, head); it owns one scratch row of scores.
+
+# Scores of query row `q` against keys t0 .. t1 - 1 of one head into row[0 .. t1 - t0): each a dot
+# of d values in ftile_nt's order (lane j sums the products c = j mod 4 in order, then hsum), four
+# keys per pass so that their chains overlap.
+kernel attention_scores(q: ptr, k: ptr, row: ptr, t0: i32, t1: i32, ld: i32, d: i32) {
+    let full = t1 - (t1 - t0) % 4;
+    for j in t0..full step 4 {
+        var acc[4]: f32x4 = f32x4.splat(0.0);
+        for c in 0..d step 4 {
+            let qv = f32x4.load(q + c * 4);
+            unroll u in 0..4 {
+                acc[u] = madd(qv, f32x4.load(k + ((j + u) * ld + c) * 4), acc[u]);
+            }
+        }
+        unroll u in 0..4 {
+            f32.store(row + (j - t0 + u) * 4, hsum(acc[u]));
+        }
+    }
+    for j in full..t1 {
+        var acc: f32x4 = f32x4.splat(0.0);
+        for c in 0..d step 4 {
+            acc = madd(f32x4.load(q + c * 4), f32x4.load(k + (j * ld + c) * 4), acc);
+        }
+        f32.store(row + (j - t0) * 4, hsum(acc));
+    }
+}
+
+# y[0 .. d) = sum over keys j of p[j - t0] v[j]: sixteen columns per pass (four vector chains),
+# each output summing its products in key order (ftile_nn's order).
+kernel attention_values(p: ptr, v: ptr, y: ptr, t0: i32, t1: i32, ld: i32, d: i32) {
+    for c in 0..d step 16 {
+        var acc[4]: f32x4 = f32x4.splat(0.0);
+        for j in t0..t1 {
+            let pj = f32x4.splat(f32.load(p + (j - t0) * 4));
+            unroll u in 0..4 {
+                acc[u] = madd(pj, f32x4.load(v + (j * ld + c) * 4, u * 16), acc[u]);
+            }
+        }
+        unroll u in 0..4 {
+            f32x4.store(y + c * 4, u * 16, acc[u]);
+        }
+    }
+}
+
+# Items j0 .. j1 - 1 of attention_f32, item j = (sentence j / heads, head j % heads).
+kernel attention_items(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, j0: i32, j1: i32, heads: i32, d: i32, stride: i32) {
+    let n = heads * d;
+    let ld = 3 * n;
+    for j in j0..j1 {
+        let s = j / heads;
+        let h = j % heads;
+        let t0 = i32.load(starts + s * 4);
+        let t1 = i32.load(starts + s * 4 + 4);
+        let row = scratch + j * stride * 4;
+        let keys = qkv + (n + h * d) * 4;
+        let values = qkv + (2 * n + h * d) * 4;
+        for i in t0..t1 {
+            attention_scores(qkv + (i * ld + h * d) * 4, keys, row, t0, t1, ld, d);
+            softmax_rows(row, 0, 1, t1 - t0, stride);
+            attention_values(row, values, y + (i * n + h * d) * 4, t0, t1, ld, d);
+        }
+    }
+}
+
+# Multi-head self-attention of a batch of sentences: for each sentence, head and query token,
+# y = softmax(q . k_j over the sentence's keys j) weighted sum of v_j. Rounding: each score as
+# matmul_f32_nt (|error| <= (d / 4 + 2) 2^-24 sum |q_c k_c|), the softmax as softmax_f32, each
+# output as matmul_f32_nn over the sentence's length L ((L + 1) 2^-24 sum |p_j v_j|).
+#   qkv: f32[rows, 3 * heads * d], row = q | k | v, queries scaled by 1 / sqrt(d)
+#   starts: i32[seqs + 1], sentence s owns rows starts[s] .. starts[s + 1] - 1 (at least one),
+#           starts[0] = 0, starts[seqs] = rows
+#   scratch: f32[seqs * heads, stride], overwritten
+#   y: f32[rows, heads * d], written
+#   seqs: sentence count
+#   heads: heads per token
+#   d: head size, a multiple of 16
+#   stride: scratch row length, a multiple of 4, >= the longest sentence
+export kernel attention_f32(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, seqs: i32, heads: i32, d: i32, stride: i32) {
+    parallel items j0..j1 in 0..seqs * heads;
+    attention_items(qkv, starts, scratch, y, j0, j1, heads, d, stride);
+}
+
 # ---- f64 sin, cos, exp, log (wasm has none) and RoPE -------------------------------------------
 
 # pi/2 in three parts of 33, 33 and 53 bits: n * PIO2_1 and n * PIO2_2 are exact for |n| < 2^20,

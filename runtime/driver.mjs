@@ -18,8 +18,8 @@ const TARGETS = ['relaxed-simd', 'simd128'];
 
 /** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
 export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32', 'matvecF32', 'matmulF32', 'exp',
-  'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'meanPool', 'l2Normalize',
-  'run', 'setThreads', 'runJob', 'free', 'reset', 'bench'];
+  'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'attention', 'meanPool',
+  'l2Normalize', 'run', 'setThreads', 'runJob', 'free', 'reset', 'bench'];
 
 function f32Array(what, x) {
   if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
@@ -525,6 +525,36 @@ export class Driver {
       args.push(args[0]);
       this.#run('layernorm_f32', null, [...args, rows, n, eps], opts);
       return this.#get(args[0], Float32Array, x.length);
+    });
+  }
+
+  /** Multi-head self-attention of sentences whose tokens are the rows of qkv (q | k | v per
+   * token, each heads * d values, queries scaled by 1 / sqrt(d)), lengths[s] tokens for sentence s
+   * in row order: each query sees only its own sentence's keys -> Float32Array(rows * heads * d).
+   * Threaded, the (sentence, head) pairs are split. */
+  attention(qkv, lengths, heads, opts) {
+    f32Array('attention qkv', qkv);
+    positiveInt('attention heads', heads);
+    if (!Array.isArray(lengths) || lengths.length === 0 || lengths.some((l) => !Number.isInteger(l) || l < 1 || l > I32_MAX)) {
+      throw new RangeError(`attention: lengths must be a non-empty array of positive integers, got ${lengths}`);
+    }
+    const rows = lengths.reduce((a, b) => a + b, 0);
+    const width = qkv.length / rows;
+    const d = width / (3 * heads);
+    if (!Number.isInteger(d) || d < 1 || d % 16) {
+      throw new RangeError(`attention: qkv must hold rows (the lengths' sum, ${rows}) of 3 * heads * d values with d a multiple of 16; `
+        + `got ${qkv.length} values for heads=${heads}`);
+    }
+    const stride = Math.ceil(Math.max(...lengths) / LANES) * LANES;
+    const starts = new Int32Array(lengths.length + 1);
+    lengths.forEach((l, s) => { starts[s + 1] = starts[s] + l; });
+    return this.#scoped(() => {
+      const pq = this.#put(qkv);
+      const ps = this.#put(starts);
+      const scratch = this.#alloc(4 * lengths.length * heads * stride);
+      const py = this.#alloc(4 * rows * heads * d);
+      this.#run('attention_f32', null, [pq, ps, scratch, py, lengths.length, heads, d, stride], opts);
+      return this.#get(py, Float32Array, rows * heads * d);
     });
   }
 

@@ -189,6 +189,11 @@ export class Kernels {
     return this.#invoke('layerNorm', [x, gamma, beta, residual, bias, eps, opts]);
   }
 
+  /** Multi-head self-attention: qkv rows (q | k | v of heads * d values, queries scaled by
+   * 1 / sqrt(d)) of sentences of lengths[s] tokens one after another; a query sees only its own
+   * sentence's keys -> Float32Array(rows * heads * d). */
+  attention(qkv, lengths, heads, opts) { return this.#invoke('attention', [qkv, lengths, heads, opts]); }
+
   /** Mean over the tokens whose mask is nonzero: x[seqs * t * n], mask[seqs * t] -> Float32Array(seqs * n). */
   meanPool(x, mask, seqs) { return this.#invoke('meanPool', [x, mask, seqs]); }
 

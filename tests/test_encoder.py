@@ -191,6 +191,97 @@ def test_layernorm_f32_exact_cases(mode, kgen):
     assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all(), "a NaN poisons its row only"
 
 
+# ---- attention --------------------------------------------------------------------------------
+
+
+def attention64(qkv: np.ndarray, lengths: list[int], heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 multi-head attention of sentences one after another in qkv's rows, and the bound
+    the kernel's rounding keeps to (kernels.dsl attention_f32): per output, (1e-5 (softmax_f32's
+    relative bound) + 3 E + (L + 1) 2^-24) sum_j p_j |v_j|, E the largest score error of its query,
+    (d / 4 + 2) 2^-24 sum_c |q_c k_jc| (a score error e moves each p by at most e^(2e) - 1 relative)."""
+    x = qkv.astype(np.float64)
+    n = x.shape[1] // 3
+    d = n // heads
+    out, bound = np.zeros((x.shape[0], n)), np.zeros((x.shape[0], n))
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        for h in range(heads):
+            c = slice(h * d, (h + 1) * d)
+            q, k, v = x[rows, c], x[rows, n:][:, c], x[rows, 2 * n:][:, c]
+            s = q @ k.T
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            out[rows, c] = p @ v
+            e = ((d / 4 + 2) * 2.0 ** -24 * (np.abs(q) @ np.abs(k).T)).max(1, keepdims=True)
+            bound[rows, c] = (1e-5 + 3 * e + (length + 1) * 2.0 ** -24) * (p @ np.abs(v))
+        start += length
+    return out, bound
+
+
+@pytest.mark.parametrize("heads, d, scale", ((12, 32, 1.0), (3, 16, 4.0), (2, 64, 0.5)),
+                         ids=lambda v: str(v))
+def test_attention_f32_matches_float64(mode, kgen, heads, d, scale):
+    """Sentences of 1 .. 33 tokens (lengths that are and are not multiples of 4), one head size
+    below, at and above MiniLM's; scale 4 makes scores of +-100s (exp overflows without the max)."""
+    lengths = [5, 1, 16, 3, 33, 4, 7, 2]
+    rng = rng_for("attention", heads, d)
+    qkv = (rng.standard_normal((sum(lengths), 3 * heads * d)) * scale).astype(np.float32)
+
+    def run(k: Kernels) -> np.ndarray:
+        return k.attention_f32(qkv, lengths, heads)
+
+    got = run(kgen())
+    ref, bound = attention64(qkv, lengths, heads)
+    err = np.abs(got - ref)
+    assert got.shape == ref.shape and (err <= bound).all(), \
+        f"attention_f32 [{mode.id}]: worst {np.unravel_index((err - bound).argmax(), err.shape)}"
+    n = heads * d
+    np.testing.assert_array_equal(got[5], qkv[5, 2 * n:], err_msg="a one-token sentence attends to itself: its v")
+    same_as_deterministic(mode, kgen, None, run, got)
+
+
+def test_attention_f32_sees_only_its_own_sentence(mode, kgen):
+    """The padding mask: a sentence's output depends on its own tokens only, whatever the others
+    hold (NaN and huge values in a neighbour stay there), and on nothing's order or batch."""
+    heads, d = 2, 16
+    lengths = [3, 6, 2]
+    rng = rng_for("attention-mask")
+    qkv = rng.standard_normal((11, 3 * heads * d)).astype(np.float32)
+    bad = qkv.copy()
+    bad[3:9] = np.nan  # the middle sentence
+    bad[4, :] = 3e38
+    k = kgen()
+    alone = [k.attention_f32(qkv[a:b], [b - a], heads) for a, b in ((0, 3), (3, 9), (9, 11))]
+    together = k.attention_f32(qkv, lengths, heads)
+    np.testing.assert_array_equal(together, np.concatenate(alone), err_msg="batching changed bits")
+    poisoned = k.attention_f32(bad, lengths, heads)
+    np.testing.assert_array_equal(poisoned[[0, 1, 2, 9, 10]], together[[0, 1, 2, 9, 10]])
+    assert np.isnan(poisoned[3:9]).all()
+    same_as_deterministic(mode, kgen, None, lambda m: m.attention_f32(qkv, lengths, heads), together)
+
+
+def test_attention_f32_rejects_bad_arguments(kernels):
+    k = kernels
+    qkv = np.zeros((5, 96), np.float32)
+    with pytest.raises(ValueError, match="summing to the 5 rows"):
+        k.attention_f32(qkv, [2, 2], 2)
+    with pytest.raises(ValueError, match="positive integers"):
+        k.attention_f32(qkv, [5, 0], 2)
+    with pytest.raises(ValueError, match="positive integers"):
+        k.attention_f32(qkv, [2.5, 2.5], 2)
+    with pytest.raises(ValueError, match="positive integers"):
+        k.attention_f32(qkv, [], 2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        k.attention_f32(qkv, [5], 3)  # d = 32 / 3
+    with pytest.raises(ValueError, match="multiple of 16"):
+        k.attention_f32(np.zeros((5, 24), np.float32), [5], 1)  # d = 8
+    with pytest.raises(TypeError, match="float32"):
+        k.attention_f32(qkv.astype(np.float64), [5], 2)
+    with pytest.raises(ValueError, match="outside"):
+        k.attention_f32(qkv, [5], 0)
+
+
 # ---- mean pooling and L2 normalisation ---------------------------------------------------------
 
 

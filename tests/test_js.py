@@ -112,6 +112,7 @@ def write_vectors(root: Path) -> None:
     tokens = rng.standard_normal((3, 5, 36)).astype(np.float32)
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], np.float32)
     qm, kt, vt = (rng.standard_normal(s).astype(np.float32) for s in ((TOKENS, 67), (11, 67), (67, 11)))
+    qkv = (rng.standard_normal((12, 3 * 2 * 16)) * 2).astype(np.float32)  # attention: sentences of 5, 1, 6 tokens
 
     first = kernelgen.load(ROOT / "out", "simd128")
     blocks = quant_blocks(first, rng)
@@ -123,7 +124,7 @@ def write_vectors(root: Path) -> None:
             "wide": v.array("wide", wide), "bias": v.array("bias", bias), "gamma": v.array("gamma", gamma),
             "beta": v.array("beta", beta), "residual": v.array("residual", residual), "tokens": v.array("tokens", tokens),
             "mask": v.array("mask", mask),
-            "qm": v.array("qm", qm), "kt": v.array("kt", kt), "vt": v.array("vt", vt)}
+            "qm": v.array("qm", qm), "kt": v.array("kt", kt), "vt": v.array("vt", vt), "qkv": v.array("qkv", qkv)}
     x_acts = {K: x_act}  # an activation per row length (super-blocks need longer rows)
     x_tokens = {}  # prefill: TOKENS rows per row length
     for q, b in blocks.items():
@@ -172,6 +173,7 @@ def write_vectors(root: Path) -> None:
            {}, threaded=True)
     v.case("layernorm_f32_plain", "layerNorm", [args["residual"], args["gamma"], args["beta"], None, None, 1e-12], {})
     v.case("mean_pool_f32", "meanPool", [args["tokens"], args["mask"], 3])
+    v.case("attention_f32", "attention", [args["qkv"], [5, 1, 6], 2], {}, threaded=True)
     v.case("l2_normalize_f32", "l2Normalize", [args["residual"], 36])
 
     # Relaxed SIMD as the engine natively lowers it (the default), as V8 does; the kernels' 7-bit
@@ -211,6 +213,7 @@ def write_vectors(root: Path) -> None:
         v.expect(target, "layernorm_f32", {"out": k.layernorm_f32(wide, gamma, beta, 1e-5, residual, bias).ravel()})
         v.expect(target, "layernorm_f32_plain", {"out": k.layernorm_f32(residual, gamma, beta, 1e-12).ravel()})
         v.expect(target, "mean_pool_f32", {"out": k.mean_pool_f32(tokens, mask).ravel()})
+        v.expect(target, "attention_f32", {"out": k.attention_f32(qkv, [5, 1, 6], 2).ravel()})
         v.expect(target, "l2_normalize_f32", {"out": k.l2_normalize_f32(residual).ravel()})
         k.reset()
     v.save()

@@ -82,6 +82,7 @@ def test_threaded_kernels_are_bit_identical_to_one_thread(kernels, threads: int)
     xf = rng.standard_normal(70).astype(np.float32)
     wide = rng.standard_normal((9, 36)).astype(np.float32)  # encoder layers: rows of a multiple of 4
     bias, gamma = rng.standard_normal(36).astype(np.float32), rng.standard_normal(36).astype(np.float32)
+    qkv = rng.standard_normal((19, 3 * 3 * 16)).astype(np.float32)  # attention: 4 sentences, 3 heads of 16
     packed = {q: k.pack(q, blocks) for q, blocks in {
         "q8_0": R.quantize_q8_0(rng.standard_normal((23, 160))),
         "q4_0": R.quantize_q4_0(rng.standard_normal((23, 160))),
@@ -95,7 +96,7 @@ def test_threaded_kernels_are_bit_identical_to_one_thread(kernels, threads: int)
                       k.exp_f32(x, pool, chunk), *astuple(k.quantize_act(x[:992], pool, chunk)),
                       k.silu_f32(x, pool, chunk), k.swiglu_f32(x, g, pool, chunk),
                       k.rope(heads, cos[4], sin[4], False, pool, chunk), k.rope(heads, cos[4], sin[4], True, pool, chunk),
-                      k.gelu_f32(wide, bias, pool, chunk),
+                      k.gelu_f32(wide, bias, pool, chunk), k.attention_f32(qkv, [5, 1, 9, 4], 3, pool, chunk),
                       k.layernorm_f32(wide, gamma, bias, 1e-5, wide[::-1] * 2, gamma, pool, chunk)]
 
     single = all_kernels(None, None)
@@ -115,7 +116,8 @@ def test_every_parallel_kernel_of_the_library_has_its_job(kernels) -> None:
     for q in kernels.quants:
         assert ("qmatvec", q) in parallel and ("qmatmul", q) in parallel
     for name in ("matvec_f32", "softmax_f32", "silu_f32", "swiglu_f32", "rope_halves_f32", "rope_pairs_f32",
-                 "exp_f32", "quantize_act", "gelu_f32", "layernorm_f32", "matmul_f32_nt", "matmul_f32_nn"):
+                 "exp_f32", "quantize_act", "gelu_f32", "layernorm_f32", "matmul_f32_nt", "matmul_f32_nn",
+                 "attention_f32"):
         assert (name, None) in parallel
     assert sorted(p["job"] for p in parallel.values()) == sorted(m["jobs"])  # one job per parallel export
     assert parallel[("quantize_act", None)] == {"items": "blocks", "count": ["/", "n", 32], "job": "quantize_act_job"}

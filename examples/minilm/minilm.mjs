@@ -70,7 +70,6 @@ export class MiniLM {
   constructor(k, model) {
     this.k = k;
     Object.assign(this, model);
-    this.headSize = this.hidden / this.heads;
     this.stageMs = Object.fromEntries(STAGES.map((s) => [s, 0]));
   }
 
@@ -88,32 +87,10 @@ export class MiniLM {
     return this.#timed('linear', async () => this.k.qmatmul(w, await this.k.quantizeAct(x, x.length / w.k), opts));
   }
 
-  /** One sentence's attention: qkv[L * 3 * hidden] (biases added) -> context Float32Array(L * hidden),
-   * two matmulF32 over block-diagonal keys and values as minilm.py lays them out. */
-  #attention(qkv, length, opts) {
-    return this.#timed('attention', async () => {
-      const { hidden: n, heads: h, headSize: d, k } = this;
-      const keys = new Float32Array(h * length * n);
-      const values = new Float32Array(n * h * length);
-      for (let j = 0; j < length; j++) {
-        for (let hh = 0; hh < h; hh++) {
-          for (let c = 0; c < d; c++) {
-            keys[(hh * length + j) * n + hh * d + c] = qkv[j * 3 * n + n + hh * d + c];
-            values[(hh * d + c) * h * length + hh * length + j] = qkv[j * 3 * n + 2 * n + hh * d + c];
-          }
-        }
-      }
-      const stride = Math.ceil(length / 4) * 4;
-      const q = new Float32Array(length * n);
-      for (let i = 0; i < length; i++) q.set(qkv.subarray(i * 3 * n, i * 3 * n + n), i * n);
-      const s = await k.matmulF32(q, keys, length, h * length, { ...opts, bTransposed: true });
-      const scores = new Float32Array(length * h * stride);
-      for (let r = 0; r < length * h; r++) scores.set(s.subarray(r * length, (r + 1) * length), r * stride);
-      const probs = await k.softmax(scores, length, stride, opts);
-      const p = new Float32Array(length * h * length);
-      for (let r = 0; r < length * h; r++) p.set(probs.subarray(r * stride, r * stride + length), r * length);
-      return k.matmulF32(p, values, length, n, { ...opts, bTransposed: true });
-    });
+  /** Attention of every sentence of the batch in one call: qkv[rows * 3 * hidden] (biases added) ->
+   * context Float32Array(rows * hidden). */
+  #attention(qkv, lengths, opts) {
+    return this.#timed('attention', () => this.k.attention(qkv, lengths, this.heads, opts));
   }
 
   /** Unit-length embeddings of sentences given as token id arrays ([CLS] ... [SEP]) ->
@@ -145,12 +122,7 @@ export class MiniLM {
     for (const L of this.layers) {
       const projected = await this.#project(L.qkv, x, opts);
       const qkv = await norm(() => k.addBias(projected, L.qkv.b));
-      const ctx = new Float32Array(rows * n);
-      let start = 0;
-      for (const length of lengths) {
-        ctx.set(await this.#attention(qkv.subarray(start * 3 * n, (start + length) * 3 * n), length, opts), start * n);
-        start += length;
-      }
+      const ctx = await this.#attention(qkv, lengths, opts);
       const o = await this.#project(L.out, ctx, opts);
       x = await norm(() => k.layerNorm(o, ...L.ln1, x, L.out.b, eps, opts));
       const f1 = await this.#project(L.ffn1, x, opts);

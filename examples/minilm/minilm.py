@@ -10,18 +10,17 @@ kernels. Every arithmetic step runs in wasm:
 
     x = layernorm_f32(word[ids], residual=pos[0..T), bias=type[0])
     per layer:  qkv = qmatmul(Wqkv, quantize_act(x)) over all tokens, + bias      (add_bias_f32)
-                per sentence: scores of all queries and heads in one matmul_f32,
-                softmax_f32 over the sentence's tokens, the weighted values in one matmul_f32
+                ctx = attention_f32(qkv, lengths): per (sentence, head), scores, softmax and
+                      the weighted values over the sentence's own tokens, in one call
                 x = layernorm_f32(qmatmul(Wo, ctx), residual=x, bias=bo)
                 x = layernorm_f32(qmatmul(W2, gelu_f32(qmatmul(W1, x), b1)), residual=x, bias=b2)
     embedding = l2_normalize_f32(mean_pool_f32(x padded to [batch, T, 384], mask))
 
 The linear layers run as one qmatmul over all tokens of the batch (each row bit for bit the
-per-token qmatvec, so the results did not change when they moved to it). Attention runs as two
-matmul_f32 per sentence over keys and values laid out block-diagonally (row (h, j) holds key j's
-head-h slice in head h's columns, zeros elsewhere), so one call gives all queries' scores for all
-heads, at 12x the FLOPs of per-head products but 2 calls instead of 24. Only the real tokens of each sentence are computed; the padding exists only in
-the pooling step, where the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model:
+per-token qmatvec, so the results did not change when they moved to it). Attention is one
+attention_f32 call per layer for the whole batch: it reads each head's q, k and v where the QKV
+projection left them (row stride 3 * 384) and gives one job per (sentence, head) to the pool. Only
+the real tokens of each sentence are computed; the padding exists only in the pooling step, where the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model:
 their super-blocks are 256 values and most of its rows are 384.
 """
 from __future__ import annotations
@@ -105,7 +104,6 @@ class MiniLM:
         self.quant = quant
         self.heads: int = config["num_attention_heads"]
         self.hidden: int = config["hidden_size"]
-        self.head_size = self.hidden // self.heads
         self.eps: float = config["layer_norm_eps"]
         self.word, self.pos, self.type0 = t["word"], t["pos"], t["type0"]
         self.ln0 = (t["ln0.gamma"], t["ln0.beta"])
@@ -119,25 +117,6 @@ class MiniLM:
         """x[tokens, in] -> x W^T, f32[tokens, out] (the bias is added by the next kernel)."""
         return self.k.qmatmul(layer.w, self.k.quantize_act(x), pool)
 
-    def _attention(self, qkv: np.ndarray, pool: Pool | None) -> np.ndarray:
-        """One sentence's attention: qkv f32[L, 3 * 384] (biases added) -> context f32[L, 384]."""
-        n, h, d = self.hidden, self.heads, self.head_size
-        q, key, v = qkv[:, :n], qkv[:, n:2 * n], qkv[:, 2 * n:]
-        length = qkv.shape[0]
-        heads = np.arange(h)
-        # keys_bd[h * L + j, h * d:(h + 1) * d] = key[j, head h]; values_bd[h * d + c, h * L + j] = v[j, h, c]
-        keys_bd = np.zeros((h, length, h, d), np.float32)
-        keys_bd[heads, :, heads, :] = key.reshape(length, h, d).transpose(1, 0, 2)
-        keys_bd = keys_bd.reshape(h * length, n)
-        values_bd = np.zeros((h, d, h, length), np.float32)
-        values_bd[heads, :, heads, :] = v.reshape(length, h, d).transpose(1, 2, 0)
-        values_bd = values_bd.reshape(n, h * length)
-        stride = -(-length // 4) * 4
-        scores = np.zeros((length * h, stride), np.float32)
-        scores[:, :length] = self.k.matmul_f32(q, keys_bd, b_transposed=True, pool=pool).reshape(length * h, length)
-        probs = self.k.softmax_f32(scores, length, pool)[:, :length].reshape(length, h * length)
-        return self.k.matmul_f32(probs, values_bd, b_transposed=True, pool=pool)
-
     def embed(self, batch: inputs.Batch, pool: Pool | None = None) -> np.ndarray:
         """Unit-length sentence embeddings, f32[batch, 384]."""
         k = self.k
@@ -145,12 +124,11 @@ class MiniLM:
         # Only real tokens are computed: rows of all sentences one after another.
         ids = np.concatenate([row[:n] for row, n in zip(batch.ids, lengths)])
         positions = np.concatenate([np.arange(n) for n in lengths])
-        starts = np.cumsum([0] + lengths)
         x = k.layernorm_f32(self.word[ids], *self.ln0, self.eps, residual=self.pos[positions], bias=self.type0,
                             pool=pool)
         for L in self.layers:
             qkv = k.add_bias_f32(self._project(L.qkv, x, pool), L.qkv.b)
-            ctx = np.concatenate([self._attention(qkv[a:b], pool) for a, b in zip(starts[:-1], starts[1:])])
+            ctx = k.attention_f32(qkv, lengths, self.heads, pool)
             x = k.layernorm_f32(self._project(L.out, ctx, pool), *L.ln1, self.eps, residual=x, bias=L.out.b, pool=pool)
             f = k.gelu_f32(self._project(L.ffn1, x, pool), L.ffn1.b, pool)
             x = k.layernorm_f32(self._project(L.ffn2, f, pool), *L.ln2, self.eps, residual=x, bias=L.ffn2.b, pool=pool)

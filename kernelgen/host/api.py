@@ -418,6 +418,33 @@ class Kernels:
             self.run("layernorm_f32", None, [*args, rows, n, float(eps)], pool, chunk)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
 
+    def attention_f32(self, qkv: np.ndarray, lengths: Any, heads: int, pool: Pool | None = None,
+                      chunk: int | None = None) -> np.ndarray:
+        """Multi-head self-attention of sentences whose tokens are the rows of qkv[rows, 3 * n]
+        (q | k | v per token, n = heads * d, queries scaled by 1 / sqrt(d)), `lengths` tokens per
+        sentence in row order: each query sees only its own sentence's keys. f32[rows, n]. On
+        `pool` the (sentence, head) pairs are split, `chunk` per claim."""
+        qkv = _f32("attention_f32 qkv", qkv, 2)
+        heads = as_int("attention_f32 heads", heads, 1, I32_MAX)
+        rows, width = qkv.shape
+        if width % (3 * heads) or (width // (3 * heads)) % 16:
+            raise ValueError(f"attention_f32: qkv rows must hold 3 * heads * d values with d a multiple of 16; "
+                             f"got {width} for heads={heads}")
+        lengths = np.asarray(lengths)
+        if lengths.ndim != 1 or lengths.size == 0 or lengths.dtype.kind not in "iu" or (lengths < 1).any() \
+                or int(lengths.sum()) != rows:
+            raise ValueError(f"attention_f32: lengths must be positive integers, one per sentence, summing to the "
+                             f"{rows} rows of qkv; got {lengths.tolist() if lengths.ndim == 1 else lengths}")
+        seqs, d = lengths.size, width // (3 * heads)
+        stride = -(-int(lengths.max()) // 4) * 4
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        with self.module.scope():
+            pq, ps = self.module.put(qkv), self.module.put(starts)
+            scratch = self.module.alloc(4 * seqs * heads * stride)
+            py = self.module.alloc(4 * rows * heads * d)
+            self.run("attention_f32", None, [pq, ps, scratch, py, seqs, heads, d, stride], pool, chunk)
+            return self.module.get(py, np.float32, rows * heads * d).reshape(rows, heads * d)
+
     def mean_pool_f32(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Mean of x[seqs, t, n] over the tokens whose mask[seqs, t] is nonzero (weighted by it)."""
         x = _f32("mean_pool_f32 x", x, 3)
