@@ -247,20 +247,56 @@ def test_js_wordpiece_gives_the_tokenizers_ids(tmp_path, corpus) -> None:
 
 def test_bench_script_runs_every_engine() -> None:
     """A tiny run of examples/minilm/bench.py (the benchmark itself is not run in the suite): every
-    engine gives a figure, and each one's first embedding is the model's (cosine to onnxruntime)."""
+    engine gives a figure in Node and in Chromium, and each one's first embedding is the model's
+    (cosine to onnxruntime)."""
     need_parts()
     need(NODE, "node is not installed")
-    need((ROOT / "node_modules" / "onnxruntime-web").is_dir(), "node_modules/onnxruntime-web is missing (npm ci)")
+    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    for package in ("onnxruntime-web", "playwright-core"):
+        need((ROOT / "node_modules" / package).is_dir(), f"node_modules/{package} is missing (npm ci)")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm" / "bench.py"), "--sentences", "2",
                            "--batches", "1,2", "--threads", "1", "--repeat", "1"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     # rows of the main table: engine, threads, sentences/s at b=1 and b=2, cosine (the ratios have no cosine)
-    rows = re.findall(r"^(.+?\((?:Node|Python)\)) +1 +([\d.]+) +([\d.]+) +([\d.]+)$", proc.stdout, re.MULTILINE)
-    assert len(rows) == 4, proc.stdout  # kernelgen on both targets, onnxruntime-web, onnxruntime
+    rows = re.findall(r"^(.+?\((?:Node|Chromium|Python)\)) +1 +([\d.]+) +([\d.]+) +([\d.]+)$", proc.stdout, re.MULTILINE)
+    # kernelgen on both targets and onnxruntime-web, in Node and in Chromium; onnxruntime native
+    assert len(rows) == 7 and sum("(Chromium)" in name for name, *_ in rows) == 3, proc.stdout
     for name, *figures, cos in rows:
         assert min(map(float, figures)) > 0, f"{name}: {figures}"
         assert float(cos) >= 0.99, f"{name}: first embedding's cosine to onnxruntime {cos}\n{proc.stdout}"
-    assert "linear" in proc.stdout and "attention" in proc.stdout
+    assert "linear" in proc.stdout and "attention" in proc.stdout and "latency" in proc.stdout
+
+
+@pytest.mark.parametrize("target", ("simd128", "relaxed-simd"))
+def test_chromium_bench_path_gives_pythons_bits(tmp_path, corpus, target) -> None:
+    """The benchmark's Chromium path (bench.mjs --browser: timing.mjs's engine and loop in a page)
+    at the smallest size embeds to the Python model's bits, so its figures are of the real model."""
+    need_parts()
+    need(NODE, "node is not installed")
+    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    import export
+    import minilm
+
+    model_file = tmp_path / "minilm-q8_0.safetensors"
+    export.export(model_file, "q8_0")
+    batch = inputs.tokenize([corpus[0][5]])
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps([batch.ids[0, :batch.lengths[0]].tolist()]))
+    proc = subprocess.run([NODE, *NODE_FLAGS, str(ROOT / "examples" / "minilm" / "bench.mjs"), str(ids_file),
+                           "--engine", "kernelgen", "--model", str(model_file), "--target", target, "--threads", "1",
+                           "--batches", "1", "--repeat", "1", "--browser"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (record,) = map(json.loads, proc.stdout.splitlines())
+    assert record["where"] == "Chromium" and record["engine"] == f"kernelgen {target}" and record["sentencesPerSecond"] > 0
+    model = minilm.load_model(target)
+    try:
+        expected = model.embed(batch)[0]
+    finally:
+        model.k.reset()
+    got = np.array(record["first"], np.float64).astype(np.float32)
+    assert np.array_equal(got.astype(np.float64), record["first"]), "not float32 values"
+    assert got.tobytes() == expected.tobytes(), f"max |diff| {np.abs(got - expected).max()}"
 
 
 def test_demo_page_answers_queries_in_chromium(tmp_path, corpus) -> None:

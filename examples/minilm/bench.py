@@ -1,12 +1,16 @@
 """MiniLM sentences/s, one table from one run: kernelgen's JS model (simd128 and relaxed SIMD) against
-onnxruntime-web's wasm backend on the int8 ONNX model, both in Node, one and two threads, batches of
-1, 8 and 32 sentences; onnxruntime (Python, native) on the same file for reference; and where
-kernelgen's time goes (linear layers, attention, the rest: LayerNorm, GELU, bias, pooling).
+onnxruntime-web's wasm backend on the int8 ONNX model, each in Node and in headless Chromium, one and
+two threads, batches of 1, 8 and 32 sentences; onnxruntime (Python, native) on the same file for
+reference; and where kernelgen's time goes (linear layers, attention, the rest: LayerNorm, GELU,
+bias, pooling).
 
-    python examples/minilm/bench.py [--sentences 32] [--batches 1,8,32] [--threads 1,2] [--repeat 2]
+    python examples/minilm/bench.py [--sentences 32] [--batches 1,8,32] [--threads 1,2] [--repeat 5]
+                                    [--where node,chromium]
 
-Needs node and node_modules (npm ci: onnxruntime-web), and the model packages (inputs.py). Each
-engine runs in its own Node process (bench.mjs), which prints its figures as JSON lines.
+Needs node and node_modules (npm ci: onnxruntime-web, playwright-core), /usr/bin/chromium, and the
+model packages (inputs.py). Each engine runs in its own Node process or Chromium page (bench.mjs),
+which prints its figures as JSON lines; every figure is the median of --repeat timed passes after
+an untimed one.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,31 +36,34 @@ HERE = Path(__file__).resolve().parent
 # Node 20: relaxed SIMD behind a flag, and Liftoff miscompiles its integer dot (runtime/README.md).
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 TARGETS = ("simd128", "relaxed-simd")
+WHERE = {"node": [], "chromium": ["--browser"]}
+GOAL_SPEEDUP = 1.5  # Chromium, relaxed SIMD, 2 threads, batch 32, against onnxruntime-web (issue 15)
 
 
 @dataclass(frozen=True)
 class Run:
     """One engine at one thread count and batch size."""
 
-    name: str
+    name: str                      # engine and where it ran, e.g. "kernelgen relaxed-simd (Chromium)"
     threads: int
     batch: int
-    per_second: float
+    per_second: float              # sentences/s of the median pass
     first: np.ndarray              # the first sentence's embedding
-    stage_ms: dict | None = None   # kernelgen: ms per stage over the timed pass
+    stage_ms: dict | None = None   # kernelgen: ms per stage over the timed passes
+
+    @property
+    def where(self) -> str:
+        return self.name[self.name.rindex("(") + 1:-1]
 
 
 def node_runs(node: str, args: list[str]) -> list[Run]:
+    """bench.mjs's records: it runs the engine in Node, or in Chromium with --browser."""
     proc = subprocess.run([node, *NODE_FLAGS, str(HERE / "bench.mjs"), *args], capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"bench.mjs {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
-    runs = []
-    for line in proc.stdout.splitlines():
-        r = json.loads(line)
-        name = f"kernelgen {r['target']}" if r["engine"] == "kernelgen" else f"{r['target']} wasm"
-        runs.append(Run(f"{name} (Node)", r["threads"], r["batch"], r["sentencesPerSecond"],
-                        np.array(r["first"], np.float32), r["stageMs"]))
-    return runs
+    return [Run(f"{r['engine']} ({r['where']})", r["threads"], r["batch"], r["sentencesPerSecond"],
+                np.array(r["first"], np.float32), r["stageMs"])
+            for r in map(json.loads, proc.stdout.splitlines())]
 
 
 def onnxruntime_runs(ids: list[list[int]], batches: list[int], threads: int, repeat: int) -> list[Run]:
@@ -80,12 +88,13 @@ def onnxruntime_runs(ids: list[list[int]], batches: list[int], threads: int, rep
     for size in batches:
         groups = [ids[i:i + size] for i in range(0, len(ids), size)]
         [embed(g) for g in groups]
-        best = np.inf
+        passes = []
         for _ in range(repeat):
             start = time.perf_counter()
             first = [embed(g) for g in groups][0][0]
-            best = min(best, time.perf_counter() - start)
-        runs.append(Run(f"onnxruntime {onnxruntime.__version__} native (Python)", threads, size, len(ids) / best, first))
+            passes.append(time.perf_counter() - start)
+        runs.append(Run(f"onnxruntime {onnxruntime.__version__} native (Python)", threads, size,
+                        len(ids) / statistics.median(passes), first))
     return runs
 
 
@@ -99,28 +108,44 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def table(runs: list[Run], batches: list[int], peer_name: str) -> str:
-    """The figures as rows of engine x threads, columns of batch sizes; ratios; the stage split."""
+def table(runs: list[Run], batches: list[int]) -> str:
+    """The figures as rows of engine x threads, columns of batch sizes; ratios against onnxruntime-web
+    where the engine ran; the goals; the stage split."""
     by = {(r.name, r.threads, r.batch): r for r in runs}
     names = list(dict.fromkeys((r.name, r.threads) for r in runs))
-    peer = next((r for r in runs if r.name.startswith("onnxruntime") and "native" in r.name), None)
-    lines = [f"{'engine':<40} {'thr':>3} " + " ".join(f"{f'b={b}':>8}" for b in batches) + "  cos(first, onnxruntime)"]
+    native = next((r for r in runs if r.name.startswith("onnxruntime") and "native" in r.name), None)
+    peers = {r.where: r.name for r in runs if r.name.startswith("onnxruntime-web")}
+    cols = " ".join(f"{f'b={b}':>8}" for b in batches)
+    lines = [f"{'engine':<44} {'thr':>3} {cols}  cos(first, onnxruntime)"]
     for name, t in names:
         row = [by[name, t, b] for b in batches]
-        cos = "" if peer is None else f"{float(row[0].first @ peer.first):.4f}"
-        lines.append(f"{name:<40} {t:>3} " + " ".join(f"{r.per_second:8.2f}" for r in row) + f"  {cos}")
-    lines.append(f"\nratio: kernelgen / {peer_name} at the same threads and batch (> 1: kernelgen faster)")
+        cos = "" if native is None else f"{float(row[0].first @ native.first):.4f}"
+        lines.append(f"{name:<44} {t:>3} " + " ".join(f"{r.per_second:8.2f}" for r in row) + f"  {cos}")
+    lines.append(f"\nratio: kernelgen / onnxruntime-web where both ran, same threads and batch (> 1: kernelgen faster)")
     for name, t in names:
-        if name.startswith("kernelgen") and (peer_name, t, batches[0]) in by:
-            ratios = " ".join(f"{by[name, t, b].per_second / by[peer_name, t, b].per_second:8.2f}" for b in batches)
-            lines.append(f"{name:<40} {t:>3} {ratios}")
+        peer = peers.get(by[name, t, batches[0]].where)
+        if name.startswith("kernelgen") and peer and (peer, t, batches[0]) in by:
+            ratios = " ".join(f"{by[name, t, b].per_second / by[peer, t, b].per_second:8.2f}" for b in batches)
+            lines.append(f"{name:<44} {t:>3} {ratios}")
+    lines.append("\ngoals (issue 15)")
+    relaxed, peer = "kernelgen relaxed-simd (Chromium)", peers.get("Chromium")
+    big = max(batches)
+    if peer and (relaxed, 2, big) in by and (peer, 2, big) in by:
+        r = by[relaxed, 2, big].per_second / by[peer, 2, big].per_second
+        lines.append(f"  Chromium relaxed-simd 2 threads b={big}: {r:.2f}x onnxruntime-web (goal >= {GOAL_SPEEDUP}): "
+                     f"{'met' if r >= GOAL_SPEEDUP else 'NOT met'}")
+    for t in sorted({t for _, t in names}):
+        if peer and (relaxed, t, 1) in by and (peer, t, 1) in by:
+            mine, theirs = 1000 / by[relaxed, t, 1].per_second, 1000 / by[peer, t, 1].per_second
+            lines.append(f"  Chromium relaxed-simd {t} thread(s) b=1 latency: {mine:.1f} ms vs onnxruntime-web "
+                         f"{theirs:.1f} ms (goal: no worse): {'met' if mine <= theirs else 'NOT met'}")
     lines.append("\nkernelgen's time by stage (share of embed time; rest = LayerNorm, GELU, bias add, pooling)")
     for name, t in names:
         for b in batches:
             s = by[name, t, b].stage_ms
             if s:
                 total = sum(s.values())
-                lines.append(f"{name:<40} {t:>3} b={b:<3} linear {s['linear'] / total:6.1%}  attention "
+                lines.append(f"{name:<44} {t:>3} b={b:<3} linear {s['linear'] / total:6.1%}  attention "
                              f"{s['attention'] / total:6.1%}  rest {s['norm'] / total:6.1%}")
     return "\n".join(lines)
 
@@ -130,16 +155,20 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=32, help="the first N sentences of the corpus")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--repeat", type=int, default=2, help="timed passes per figure (the fastest is kept)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed passes per figure (the median is kept)")
+    ap.add_argument("--where", default="node,chromium", help=f"where the JS engines run: {', '.join(WHERE)}")
     args = ap.parse_args()
     node = shutil.which("node")
     if node is None:
         sys.exit("bench.py: node is not installed")
     batches = [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
-    sentences = inputs.corpus()[0][:args.sentences]
+    where = args.where.split(",")
     if args.sentences < 1 or args.repeat < 1 or min(batches + threads) < 1:
         sys.exit("bench.py: --sentences, --repeat, batch sizes and thread counts must be positive")
+    if not set(where) <= set(WHERE):
+        sys.exit(f"bench.py: --where takes {', '.join(WHERE)}, got {args.where}")
+    sentences = inputs.corpus()[0][:args.sentences]
     tok = inputs.tokenize(sentences)
     ids = [row[:n].tolist() for row, n in zip(tok.ids, tok.lengths)]
     load = os.getloadavg()
@@ -150,18 +179,19 @@ def main() -> None:
         ids_file.write_text(json.dumps(ids))
         common = [str(ids_file), "--batches", args.batches, "--repeat", str(args.repeat)]
         for t in threads:
-            for target in TARGETS:
-                runs += node_runs(node, [*common, "--engine", "kernelgen", "--model", str(model), "--target", target,
-                                         "--threads", str(t)])
-            runs += node_runs(node, [*common, "--engine", "ort", "--onnx", str(inputs.onnx_path()), "--threads", str(t)])
+            for place in where:
+                for target in TARGETS:
+                    runs += node_runs(node, [*common, "--engine", "kernelgen", "--model", str(model), "--target", target,
+                                             "--threads", str(t), *WHERE[place]])
+                runs += node_runs(node, [*common, "--engine", "ort", "--onnx", str(inputs.onnx_path()),
+                                         "--threads", str(t), *WHERE[place]])
             runs += onnxruntime_runs(ids, batches, t, args.repeat)
     node_version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
-    peer = next(r.name for r in runs if r.name.startswith("onnxruntime-web"))
     print(f"all-MiniLM-L6-v2, {len(ids)} corpus sentences ({min(map(len, ids))}..{max(map(len, ids))} tokens, "
-          f"mean {np.mean([len(s) for s in ids]):.1f}), sentences/s, the fastest of {args.repeat} timed pass(es) after an untimed one; "
-          f"kernelgen Q8_0\n{cpu_name()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start, "
-          f"{os.getloadavg()[0]:.1f} at the end; node {node_version}\n")
-    print(table(runs, batches, peer))
+          f"mean {np.mean([len(s) for s in ids]):.1f}), sentences/s, the median of {args.repeat} timed passes after "
+          f"an untimed one; kernelgen Q8_0\n{cpu_name()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the "
+          f"start, {os.getloadavg()[0]:.1f} at the end; node {node_version}\n")
+    print(table(runs, batches))
 
 
 if __name__ == "__main__":

@@ -10,39 +10,21 @@
 
 import { readFile, writeFile } from 'node:fs/promises';
 import { basename, dirname } from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 
 import { loadKernels } from '../../runtime/kernelgen.mjs';
-import { startServer } from '../../runtime/serve.mjs';
+import { withPage } from './chromium.mjs';
 import { embedOnce } from './minilm.mjs';
-
-const CHROMIUM = '/usr/bin/chromium';
-const LAUNCH_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
-  '--disable-component-update', '--disable-sync', '--no-first-run'];
 
 /** The same in Chromium: the page imports the runtime and minilm.mjs from the server. */
 async function embedInChromium(modelPath, ids, target, threads) {
-  const playwright = await import('playwright-core');
-  const server = await startServer({ mounts: { '/minilm/': dirname(fileURLToPath(import.meta.url)), '/model/': dirname(modelPath) } });
-  const browser = await playwright.chromium.launch({ executablePath: CHROMIUM, args: LAUNCH_ARGS });
-  try {
-    const page = await browser.newPage();
-    const errors = [];
-    page.on('pageerror', (e) => errors.push(e.message));
-    await page.goto(`${server.url}minilm/`); // any page of the server: it is cross-origin isolated
-    const result = await page.evaluate(async ({ file, ids, target, threads }) => {
-      const { loadKernels } = await import('/runtime/kernelgen.mjs');
-      const { embedOnce } = await import('/minilm/minilm.mjs');
-      const bytes = new Uint8Array(await (await fetch(`/model/${file}`)).arrayBuffer());
-      return Array.from(await embedOnce(loadKernels, bytes, ids, { target, threads }));
-    }, { file: encodeURIComponent(basename(modelPath)), ids, target, threads });
-    if (errors.length) throw new Error(`the page failed: ${errors.join('; ')}`);
-    return Float32Array.from(result);
-  } finally {
-    await browser.close();
-    await server.close();
-  }
+  const result = await withPage({ mounts: { '/model/': dirname(modelPath) } }, (page) => page.evaluate(async ({ file, ids, target, threads }) => {
+    const { loadKernels } = await import('/runtime/kernelgen.mjs');
+    const { embedOnce } = await import('/minilm/minilm.mjs');
+    const bytes = new Uint8Array(await (await fetch(`/model/${file}`)).arrayBuffer());
+    return Array.from(await embedOnce(loadKernels, bytes, ids, { target, threads }));
+  }, { file: encodeURIComponent(basename(modelPath)), ids, target, threads }));
+  return Float32Array.from(result);
 }
 
 const { values, positionals } = parseArgs({

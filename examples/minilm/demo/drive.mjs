@@ -7,15 +7,10 @@
 // MODEL_DIR holds export.py's minilm-q8_0.safetensors and the model's tokenizer.json (served at /model/).
 
 import { readFile } from 'node:fs/promises';
-import { dirname } from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 
-import { startServer } from '../../../runtime/serve.mjs';
+import { withPage } from '../chromium.mjs';
 
-const CHROMIUM = '/usr/bin/chromium';
-const LAUNCH_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
-  '--disable-component-update', '--disable-sync', '--no-first-run'];
 const TIMEOUT_MS = 300_000; // a stuck page fails instead of hanging
 
 const { values, positionals } = parseArgs({
@@ -27,16 +22,8 @@ if (positionals.length !== 3) {
 }
 const [modelDir, queriesFile, screenshot] = positionals;
 const queries = JSON.parse(await readFile(queriesFile, 'utf8'));
-const playwright = await import('playwright-core');
-const here = dirname(dirname(fileURLToPath(import.meta.url)));
-const server = await startServer({ mounts: { '/minilm/': here, '/model/': modelDir } });
-const browser = await playwright.chromium.launch({ executablePath: CHROMIUM, args: LAUNCH_ARGS });
-try {
-  const page = await browser.newPage({ viewport: { width: 1100, height: 800 } });
-  const errors = [];
-  page.on('pageerror', (e) => errors.push(e.message));
-  const search = new URLSearchParams({ threads: values.threads, ...(values.limit ? { limit: values.limit } : {}) });
-  await page.goto(`${server.url}minilm/demo/?${search}`);
+const search = new URLSearchParams({ threads: values.threads, ...(values.limit ? { limit: values.limit } : {}) });
+const found = await withPage({ mounts: { '/model/': modelDir }, path: `minilm/demo/?${search}`, viewport: { width: 1100, height: 800 } }, async (page) => {
   const settled = 'body[data-state=ready], body[data-state=failed]';
   await page.waitForSelector(settled, { timeout: TIMEOUT_MS });
   for (const [i, query] of queries.entries()) {
@@ -46,10 +33,8 @@ try {
   }
   await page.screenshot({ path: screenshot, fullPage: true });
   const demo = await page.evaluate(() => window.minilmDemo);
-  if (demo.error || errors.length) throw new Error(`the page failed: ${demo.error ?? errors.join('; ')}`);
+  if (demo.error) throw new Error(`the page failed: ${demo.error}`);
   const rows = await page.locator('#results tbody tr').count();
-  console.log(JSON.stringify({ ...demo, rows, progress: await page.evaluate(() => document.getElementById('progress').value) }));
-} finally {
-  await browser.close();
-  await server.close();
-}
+  return { ...demo, rows, progress: await page.evaluate(() => document.getElementById('progress').value) };
+});
+console.log(JSON.stringify(found));
