@@ -8,12 +8,13 @@
 //   const y = await k.qmatvec(w, a, { threads: true });    // Float32Array(rows)
 //   await k.terminate();
 //
-// Every call returns a promise, in Node and in browsers alike. In Node the calls run on this
-// thread (which may block while the pool works); in a browser they run in a driver worker, since
-// a page's main thread may not block, and the page talks to it with postMessage.
+// Every call returns a promise, in Node and in browsers alike. In Node and in a browser's dedicated
+// worker the calls run on this thread (which may block while the pool works); on a page's main
+// thread, which may not block, they run in a driver worker the page talks to with postMessage (so
+// a model that makes many calls runs faster from a worker of its own: no message per call).
 
 import { API, Driver } from './driver.mjs';
-import { isNode, startWorker } from './platform.mjs';
+import { mayBlock, startWorker } from './platform.mjs';
 import { JobError } from './pool.mjs';
 
 export { probeRelaxedDot } from './features.mjs';
@@ -100,7 +101,7 @@ export async function loadKernels({ baseUrl, dir, target, threads } = {}) {
   // A bench loop checks this flag between calls: the driver cannot take messages while it runs.
   const stopFlag = typeof SharedArrayBuffer === 'function' ? new Int32Array(new SharedArrayBuffer(4)) : null;
   const options = { baseUrl: base.href, target, threads, stopFlag };
-  if (isNode) {
+  if (mayBlock) {
     const driver = await Driver.load({ ...options, baseUrl: base });
     const invoke = async (method, args) => {
       if (!API.includes(method)) throw new Error(`not an API method: ${method}`);

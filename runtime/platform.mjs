@@ -1,6 +1,10 @@
 // The few things Node and browsers do differently: reading files, workers and their messages.
 
 export const isNode = typeof process === 'object' && process.versions?.node !== undefined;
+/** Whether this thread may block (memory.atomic.wait32): Node's threads and a browser's dedicated
+ * workers may, a page's main thread may not. */
+export const mayBlock = isNode
+  || (typeof DedicatedWorkerGlobalScope === 'function' && globalThis instanceof DedicatedWorkerGlobalScope);
 
 const nodeWorkers = isNode ? await import('node:worker_threads') : null;
 const nodeOs = isNode ? await import('node:os') : null;

@@ -7,9 +7,9 @@
 //        --engine kernelgen --model MODEL.safetensors [--target T] [--threads N] [--batches 1,8,32] [--browser]
 //   node examples/minilm/bench.mjs IDS.json --engine ort --onnx model.onnx [--threads N] [--batches 1,8] [--browser]
 //
-// IDS.json: [[101, ..., 102], ...] token ids per sentence. --browser runs the engine in a cross-origin
-// isolated page of headless Chromium (threads in the page need it), onnxruntime-web's browser build
-// served from node_modules, V8 with --no-liftoff as in Node (every engine's wasm optimized from the
+// IDS.json: [[101, ..., 102], ...] token ids per sentence. --browser runs the engine in a worker of a
+// cross-origin isolated page of headless Chromium (bench-worker.mjs; threads need the isolation),
+// onnxruntime-web's browser build served from node_modules, V8 with --no-liftoff as in Node (every engine's wasm optimized from the
 // start, not when tiering gets to it). Prints one JSON line per batch size (timeEngine's records,
 // plus `where`).
 
@@ -62,29 +62,25 @@ async function inNode() {
   }
 }
 
-/** In a page: the runtime and timing.mjs from the server, onnxruntime-web's browser build (it loads
- * its wasm and its worker script from /ort/). */
+/** In a cross-origin isolated page (threads need it), the engine in a worker of the page
+ * (bench-worker.mjs), onnxruntime-web's browser build (it loads its wasm and its worker script from /ort/). */
 function inChromium() {
   const ortDist = dirname(fileURLToPath(import.meta.resolve('onnxruntime-web/wasm')));
-  return withPage({ mounts: { '/file/': dirname(file), '/ort/': ortDist }, jsFlags: ['--no-liftoff'] }, (page) => page.evaluate(async ({ name, sentences, spec }) => {
-    const { kernelgenEngine, ortEngine, timeEngine } = await import('/minilm/timing.mjs');
-    const bytes = new Uint8Array(await (await fetch(`/file/${name}`)).arrayBuffer());
-    let engine;
-    if (spec.engine === 'kernelgen') {
-      const { loadKernels } = await import('/runtime/kernelgen.mjs');
-      engine = await kernelgenEngine(loadKernels, bytes, spec);
-    } else {
-      const ort = await import('/ort/ort.wasm.min.mjs');
-      ort.env.wasm.wasmPaths = '/ort/';
-      if (spec.threads > 1 && !self.crossOriginIsolated) throw new Error('the page is not cross-origin isolated: no threads');
-      engine = await ortEngine(ort, bytes, spec);
-    }
+  return withPage({ mounts: { '/file/': dirname(file), '/ort/': ortDist }, jsFlags: ['--no-liftoff'] }, (page) => page.evaluate(async (message) => {
+    if (!self.crossOriginIsolated) throw new Error('the page is not cross-origin isolated: no threads');
+    const worker = new Worker('/minilm/bench-worker.mjs', { type: 'module' });
     try {
-      return await timeEngine(engine, sentences, spec.batches, spec.repeat);
+      const reply = await new Promise((resolve, reject) => {
+        worker.addEventListener('message', (e) => resolve(e.data));
+        worker.addEventListener('error', (e) => reject(new Error(e.message || 'bench-worker.mjs failed to start')));
+        worker.postMessage(message);
+      });
+      if (reply.error) throw new Error(reply.error);
+      return reply.records;
     } finally {
-      await engine.close();
+      worker.terminate();
     }
-  }, { name: encodeURIComponent(basename(file)), sentences, spec }));
+  }, { url: `/file/${encodeURIComponent(basename(file))}`, sentences, spec }));
 }
 
 const where = values.browser ? 'Chromium' : 'Node';
