@@ -2,11 +2,17 @@
 and Q4_0 on each target and onnxruntime's int8 model, over the corpus and queries of examples/minilm/.
 
     python tests/minilm_table.py            # the whole corpus (a few minutes: see minilm.py's note)
+    python tests/minilm_table.py --why      # where kernelgen's top 5 differs from the reference's, and why
+
+--why lists each query whose top 5 differs, the sentences that swapped and the reference's scores
+around the cut (a near tie, or not), and splits Q8_0's error by source with float64 models that
+quantize the weights only, and the weights and activations, as the kernels do.
 
 tests/test_minilm.py runs the same comparison (Q8_0) on a subset.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -19,6 +25,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples" / "minilm")]
 import inputs  # noqa: E402
 import minilm  # noqa: E402
 from minilm_reference import HEADER, Agreement, BertReference, agreement, onnx_embedder  # noqa: E402
+
+from kernelgen import reference as R  # noqa: E402
 
 TARGETS = ("simd128", "relaxed-simd")
 Embeddings = tuple[np.ndarray, np.ndarray]  # corpus, queries
@@ -46,8 +54,63 @@ def peer_rows(ref: Embeddings, sentences: list[str], queries: list[str], quants:
     return rows
 
 
+class QuantizedReference(BertReference):
+    """The float64 reference with every linear layer's weights replaced by their Q8_0 values and,
+    with `act_max`, each linear layer's input rounded as quantize_act rounds it (per 32 values,
+    d = amax / act_max): the quantization errors of the kernels without their float32 arithmetic."""
+
+    def __init__(self, safetensors_file: Path, config: dict, act_max: int | None) -> None:
+        super().__init__(safetensors_file, config)
+        q8 = lambda w: R.dequantize_q8_0(R.quantize_q8_0(w.astype(np.float32))).astype(np.float64)  # noqa: E731
+        self.layers = [dataclasses.replace(L, **{f: q8(getattr(L, f)) for f in ("wq", "wk", "wv", "wo", "w1", "w2")})
+                       for L in self.layers]
+        self.act_max = act_max
+
+    def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if self.act_max is not None:
+            q, d = R.quantize_act(x.astype(np.float32), self.act_max, 0)
+            x = (q.reshape(-1, 32).astype(np.float64) * d[:, None].astype(np.float64)).reshape(x.shape)
+        return BertReference.linear(x, w, b)
+
+
+def top5_differences(ref: Embeddings, got: Embeddings, queries: list[str], sentences: list[str]) -> list[str]:
+    """Per query whose top 5 differs from the reference's: what swapped, and the reference's scores of
+    its 5th and 6th sentences and of the sentences that came in (how near the tie was)."""
+    (rc, rq), (gc, gq) = ref, got
+    lines = []
+    for i, (q_ref, q_got) in enumerate(zip(rq @ rc.T, gq.astype(np.float64) @ gc.astype(np.float64).T)):
+        r, g = np.argsort(-q_ref, kind="stable"), np.argsort(-q_got, kind="stable")
+        out, came = sorted(set(r[:5]) - set(g[:5])), sorted(set(g[:5]) - set(r[:5]))
+        if out:
+            lines.append(f"  query {i} {queries[i][:50]!r}: reference 5th/6th {q_ref[r[4]]:.4f}/{q_ref[r[5]]:.4f}; "
+                         + "; ".join(f"out #{list(r).index(o) + 1} {q_ref[o]:.4f} (now {q_got[o]:.4f}), "
+                                     f"in #{list(r).index(c) + 1} {q_ref[c]:.4f} (now {q_got[c]:.4f})"
+                                     for o, c in zip(out, came)))
+    return lines
+
+
+def why(sentences: list[str], queries: list[str]) -> None:
+    ref = reference_embeddings(sentences, queries)
+    models = {f"kernelgen {t} q8_0": (lambda t=t: minilm.load_model(t).embed) for t in TARGETS}
+    models["onnxruntime int8"] = lambda: onnx_embedder(inputs.onnx_path())
+    for name, act_max in (("float64, Q8_0 weights", None), ("float64, Q8_0 w, int8 act", 127),
+                          ("float64, Q8_0 w, 7-bit act", 63)):
+        models[name] = lambda a=act_max: (lambda m: lambda b: m.embed(b.ids, b.mask))(
+            QuantizedReference(inputs.safetensors_path(), inputs.config(), a))
+    got = {name: embed_both(make(), sentences, queries) for name, make in models.items()}
+    print(HEADER)
+    for name, e in got.items():
+        print(agreement(ref, e).row(name))
+    for name, e in got.items():
+        print(f"{name}: top-5 differences")
+        print("\n".join(top5_differences(ref, e, queries, sentences)) or "  none")
+
+
 def main() -> None:
     sentences, queries = inputs.corpus()
+    if sys.argv[1:] == ["--why"]:
+        why(sentences, queries)
+        return
     t0 = time.perf_counter()
     ref = reference_embeddings(sentences, queries)
     rows = peer_rows(ref, sentences, queries, tuple(minilm.QUANTIZERS))
