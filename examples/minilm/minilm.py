@@ -20,8 +20,9 @@ The linear layers run as one qmatmul over all tokens of the batch (each row bit 
 per-token qmatvec, so the results did not change when they moved to it). Attention is one
 attention_f32 call per layer for the whole batch: it reads each head's q, k and v where the QKV
 projection left them (row stride 3 * 384) and gives one job per (sentence, head) to the pool. Only
-the real tokens of each sentence are computed; the padding exists only in the pooling step, where the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model:
-their super-blocks are 256 values and most of its rows are 384.
+the real tokens of each sentence are computed; the padding exists only in the pooling step, where
+the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model: their super-blocks are 256
+values and most of its rows are 384.
 """
 from __future__ import annotations
 
