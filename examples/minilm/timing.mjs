@@ -46,7 +46,7 @@ export async function ortEngine(ort, onnxBytes, { threads }) {
   ort.env.wasm.numThreads = threads;
   const session = await ort.InferenceSession.create(onnxBytes, { executionProviders: ['wasm'] });
   return {
-    name: `onnxruntime-web ${ort.env.versions?.web ?? ''} wasm`.replace('  ', ' '),
+    name: ['onnxruntime-web', ort.env.versions?.web, 'wasm'].filter(Boolean).join(' '),
     threads,
     async embed(batch) {
       const T = Math.max(...batch.map((ids) => ids.length));
