@@ -1109,7 +1109,8 @@ export kernel l2_normalize_f32(x: ptr, y: ptr, rows: i32, n: i32) {
 
 # Scores of query row `q` against keys t0 .. t1 - 1 of one head into row[0 .. t1 - t0): each a dot
 # of d values in ftile_nt's order (lane j sums the products c = j mod 4 in order, then hsum), four
-# keys per pass so that their chains overlap.
+# keys per pass so that their chains overlap. Multiply, then add, as the f32 matrix products do
+# (wasmtime's fused relaxed madd overwrites a factor: the shared query vector would be copied).
 kernel attention_scores(q: ptr, k: ptr, row: ptr, t0: i32, t1: i32, ld: i32, d: i32) {
     let full = t1 - (t1 - t0) % 4;
     for j in t0..full step 4 {
@@ -1117,7 +1118,7 @@ kernel attention_scores(q: ptr, k: ptr, row: ptr, t0: i32, t1: i32, ld: i32, d: 
         for c in 0..d step 4 {
             let qv = f32x4.load(q + c * 4);
             unroll u in 0..4 {
-                acc[u] = madd(qv, f32x4.load(k + ((j + u) * ld + c) * 4), acc[u]);
+                acc[u] = acc[u] + qv * f32x4.load(k + ((j + u) * ld + c) * 4);
             }
         }
         unroll u in 0..4 {
@@ -1127,7 +1128,7 @@ kernel attention_scores(q: ptr, k: ptr, row: ptr, t0: i32, t1: i32, ld: i32, d: 
     for j in full..t1 {
         var acc: f32x4 = f32x4.splat(0.0);
         for c in 0..d step 4 {
-            acc = madd(f32x4.load(q + c * 4), f32x4.load(k + (j * ld + c) * 4), acc);
+            acc = acc + f32x4.load(q + c * 4) * f32x4.load(k + (j * ld + c) * 4);
         }
         f32.store(row + (j - t0) * 4, hsum(acc));
     }
@@ -1141,7 +1142,7 @@ kernel attention_values(p: ptr, v: ptr, y: ptr, t0: i32, t1: i32, ld: i32, d: i3
         for j in t0..t1 {
             let pj = f32x4.splat(f32.load(p + (j - t0) * 4));
             unroll u in 0..4 {
-                acc[u] = madd(pj, f32x4.load(v + (j * ld + c) * 4, u * 16), acc[u]);
+                acc[u] = acc[u] + pj * f32x4.load(v + (j * ld + c) * 4, u * 16);
             }
         }
         unroll u in 0..4 {
