@@ -8,7 +8,8 @@
 // kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream.
 //
 // Every time is per call of the runtime's API (Kernels.bench: activations copied in, y copied out,
-// as a model runs it), except the peer's, which is called directly on its own memory.
+// as a model runs it), except the peer's, which is called directly on a memory laid out as the
+// runtime's: its weights at the addresses the runtime packed them (seedPeer).
 
 import { readFile } from 'node:fs/promises';
 
@@ -55,22 +56,25 @@ function normals(n, rand) {
   return x;
 }
 
-/** The seed-style peer on its own shared memory, fed the same q8_0 planes the runtime packed. */
-async function seedPeer(wasmBytes, spec, blocks, rows, cols, x) {
+/** The seed-style peer on a shared memory made as the runtime makes its module's (the manifest's
+ * pages), the q8_0 planes at the very addresses the runtime packed them (`w.planes`): the same bytes
+ * at the same placement, so a ratio against it measures the kernels, not where each buffer sits.
+ * Its own buffers follow the planes. */
+async function seedPeer(wasmBytes, manifest, spec, w, blocks, x) {
+  const { rows, k: cols } = w;
   const planes = packPlanes(spec, blocks, rows * (cols / 32));
-  const q = new Int8Array(planes.q.buffer, planes.q.byteOffset, planes.q.length);
-  const bytes = q.length + planes.scale.byteLength + cols * 3 + (cols / 32) * 4 + rows * 4 + 1024;
-  const pages = Math.ceil(bytes / 65536) + 1;
-  const memory = new WebAssembly.Memory({ initial: pages, maximum: 32768, shared: true });
+  let top = Math.max(...Object.entries(planes).map(([n, p]) => w.planes[n] + p.byteLength));
+  const bytes = top + cols * 3 + (cols / 32) * 4 + rows * 4 + 1024;
+  const { min_pages: initial, max_pages: maximum } = manifest.memory;
+  const memory = new WebAssembly.Memory({ initial, maximum, shared: true });
+  memory.grow(Math.max(0, Math.ceil(bytes / 65536) - initial));
   const { instance } = await WebAssembly.instantiate(wasmBytes, { env: { memory } });
-  let top = 64;
-  const put = (arr) => {
-    const at = top;
-    new Uint8Array(memory.buffer, at, arr.byteLength).set(new Uint8Array(arr.buffer, arr.byteOffset, arr.byteLength));
-    top = Math.ceil((at + arr.byteLength) / 64) * 64;
-    return at;
+  const at = (addr, arr) => {
+    new Uint8Array(memory.buffer, addr, arr.byteLength).set(new Uint8Array(arr.buffer, arr.byteOffset, arr.byteLength));
+    return addr;
   };
-  const alloc = (n) => { const at = top; top = Math.ceil((at + n) / 64) * 64; return at; };
+  const alloc = (n) => { const a = Math.ceil(top / 64) * 64; top = a + n; return a; };
+  const put = (arr) => at(alloc(arr.byteLength), arr);
   // int8 activations as simd128's quantize_act makes them: d = amax / 127, q = round(x / d)
   const aq = new Int8Array(cols), ad = new Float32Array(cols / 32);
   for (let b = 0; b < cols / 32; b++) {
@@ -80,7 +84,7 @@ async function seedPeer(wasmBytes, spec, blocks, rows, cols, x) {
     ad[b] = d;
     for (let i = 0; i < 32; i++) aq[b * 32 + i] = d ? Math.max(-127, Math.min(127, Math.round(x[b * 32 + i] / d))) : 0;
   }
-  const args = [put(q), put(planes.scale), put(aq), put(ad), alloc(2 * cols), alloc(4 * rows), rows, cols];
+  const args = [at(w.planes.q, planes.q), at(w.planes.scale, planes.scale), put(aq), put(ad), alloc(2 * cols), alloc(4 * rows), rows, cols];
   const y = () => new Float32Array(memory.buffer, args[5], rows).slice();
   return { call: () => instance.exports.seed_qmatvec(...args), y };
 }
@@ -119,7 +123,7 @@ for (const { quant, shape, twoThreads } of config.cases) {
   const stream = async () => (await k.bench('run', ['bench_stream_chunks', null, streamArgs, { threads: true, chunk: 1 }], { minMs })).msPerCall / 1e3 * scale;
   row('stream', quant, shape, 1, await stream());
   if (quant === 'q8_0') {
-    const peer = await seedPeer(seedWasm, spec, blocks, r, c, x);
+    const peer = await seedPeer(seedWasm, k.manifest, spec, w, blocks, x);
     peer.call();
     const want = await k.qmatvec(w, act);
     const got = peer.y();
