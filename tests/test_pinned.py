@@ -58,7 +58,7 @@ def _digest(k, quant: str) -> str:
     return hashlib.sha256(y.tobytes() + np.float32(d).tobytes()).hexdigest()[:16]
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q4_onnx"])
 def test_qmatvec_bits_are_pinned(mode, kgen, quant, rows):
     k = kgen(tune={"qmatvec": {"rows": rows}})

@@ -382,7 +382,7 @@ def test_kernel_hash_changes_with_what_the_kernel_calls() -> None:
     quant = edit(SOURCE, "    unpack nib(qs, i);", "    unpack nib(qs, i) + 0;")  # q4_1
     for k in ("qmatvec", "qdot"):  # generic kernels are built for every quant type
         assert _hash(quant, k) != _hash(SOURCE, k), k
-    internal = edit(SOURCE, "    let rfull = r1 - (r1 - r0) % NR;", "    let rfull = r1 - (r1 - r0) % NR;  # NR rows a pass")
+    internal = edit(SOURCE, "    let slab = (r1 - r0) / NR;", "    let slab = (r1 - r0) / NR;  # rows per slab")
     assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qtiles (internal)
     assert _hash(internal, "dot_f32") == _hash(SOURCE, "dot_f32")
     deep = edit(SOURCE, "    return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);",
