@@ -5,6 +5,11 @@
 #                      stored as is (0, 127), the same values on both targets
 #   ACT_BYTES          bytes per stored activation: 2 on simd128 (widened to i16 once, for its
 #                      i16 dot), 1 on relaxed SIMD; idot and idot7(acc, w, ptr, offset) read this layout
+#   ACT_SPLIT          1 on simd128: each 16 activations stored as the 8 at even positions, then the
+#                      8 at odd ones (its idot needs no sign-extend of the weights); 0: in order
+#   DOT_SHIFT          idot, idot7 and idot7z of stored activations (ptr, offset) add the dot
+#                      shifted left by this (8 on simd128: its split dot is 256 x the dot, 0 on
+#                      relaxed SIMD); the kernels shift it out once per group of blocks (qexact)
 
 # ---- quantization types: stored layouts are llama.cpp's GGUF blocks, byte for byte -------------
 
@@ -361,13 +366,20 @@ kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
                 let s = f32x4.load(xb, h * 64 + j * 16) * vinv;
                 v[j] = i32x4.trunc_sat(nearest(min(max(s, -lim), lim)));
             }
-            let lo = i16x8.narrow(v[0], v[1]);
-            let hi = i16x8.narrow(v[2], v[3]);
-            static if ACT_BYTES == 2 {
-                i16x8.store(q + b * 64, h * 32, lo + ACT_ZERO);
-                i16x8.store(q + b * 64, h * 32 + 16, hi + ACT_ZERO);
+            static if ACT_SPLIT == 1 {  # even positions, then odd (ACT_BYTES is 2)
+                let even = i16x8.narrow(i32x4.shuffle(v[0], v[1], 0, 2, 4, 6), i32x4.shuffle(v[2], v[3], 0, 2, 4, 6));
+                let odd = i16x8.narrow(i32x4.shuffle(v[0], v[1], 1, 3, 5, 7), i32x4.shuffle(v[2], v[3], 1, 3, 5, 7));
+                i16x8.store(q + b * 64, h * 32, even + ACT_ZERO);
+                i16x8.store(q + b * 64, h * 32 + 16, odd + ACT_ZERO);
             } else {
-                i8x16.store(q + b * 32, h * 16, i8x16.narrow(lo, hi) + ACT_ZERO);
+                let lo = i16x8.narrow(v[0], v[1]);
+                let hi = i16x8.narrow(v[2], v[3]);
+                static if ACT_BYTES == 2 {
+                    i16x8.store(q + b * 64, h * 32, lo + ACT_ZERO);
+                    i16x8.store(q + b * 64, h * 32 + 16, hi + ACT_ZERO);
+                } else {
+                    i8x16.store(q + b * 32, h * 16, i8x16.narrow(lo, hi) + ACT_ZERO);
+                }
             }
         }
     }
@@ -436,11 +448,26 @@ inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
 # block's packed codes, a its activations. For types with sub-block scales (Q.has_sub_scales) each
 # half's dot is multiplied by its integer scale, stored after the codes (Q.sub_scales_at). The one
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
+# Its sums are "raw": see qexact (a sub-scaled half is made exact before its multiply: the
+# product with 2^DOT_SHIFT could overflow i32).
 inline kernel qhalf[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
     static if Q.has_sub_scales {
-        return acc + qdot16[Q](i32x4.splat(0), wv, wq, a, h) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
+        return acc + (qdot16[Q](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
     } else {
         return qdot16[Q](acc, wv, wq, a, h);
+    }
+}
+
+# The exact integer dots from raw sums of qhalf: 2^DOT_SHIFT x the dot (idot's stored-activation
+# form), except for sub-scaled types (exact per half). Shifted once per group of blocks, after every
+# lane add: a lane then holds at most one block's 32 products |a| * |w| * 2^DOT_SHIFT <=
+# 127 * 128 * 256 each, 32 * 4161536 < 2^28 in magnitude, and the shift of a multiple of 2^DOT_SHIFT
+# is exact.
+inline kernel qexact[Q: quant](raw: i32x4) -> i32x4 {
+    static if Q.has_sub_scales {
+        return raw;
+    } else {
+        return raw >> DOT_SHIFT;
     }
 }
 
@@ -475,7 +502,7 @@ inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
         wq = wq + 2 * Q.bytes;
         ap = ap + 2 * Q.block * ACT_BYTES;
     }
-    return lanequads(p[0], p[1]);
+    return qexact[Q](lanequads(p[0], p[1]));
 }
 
 # One activation block's sum (lanes sum to it), for quant types with an offset term (S * q + M).
@@ -484,7 +511,7 @@ inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
     unroll j in 0..Q.block / 16 {
         acc = idot7(acc, i8x16.splat(1), a, j * 16);
     }
-    return acc;
+    return acc >> DOT_SHIFT;
 }
 
 # d_a * sum(a) of four activation blocks (lane i: block i), or zeros for types without an offset.
@@ -516,7 +543,7 @@ inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, as4: f
 
 # acc plus the single block blk of a row (the blocks left over past a multiple of four).
 inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x4) -> f32x4 {
-    var r: f32x4 = madd(f32x4.convert(qraw[Q](w.q + blk * Q.bytes, a)), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
+    var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q](w.q + blk * Q.bytes, a))), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
     static if Q.has_offset {
         r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
     }
@@ -615,7 +642,7 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
                     let rb = (r0 + r * rs) * nb + blk;
                     let i = (t * N + r) * A + s;
                     let di = 2 * (t * N + r);
-                    acc[i] = qscale4[Q](w, rb, lanequads(d[di], d[di + 1]), da4, as4, acc[i]);
+                    acc[i] = qscale4[Q](w, rb, qexact[Q](lanequads(d[di], d[di + 1])), da4, as4, acc[i]);
                 }
             }
         }

@@ -281,8 +281,10 @@ export class Driver {
   // ---- weights and activations ---------------------------------------------------------------
 
   /** f32[tokens * k] (k a positive multiple of 32: `tokens` rows of k values) -> {q, d}: q
-   * Int16Array on simd128 (int8 values, stored widened), Int8Array (the same values) on relaxed
-   * SIMD; d one f32 scale per 32 values. Blocks never cross rows, so the tokens are one call over
+   * Int16Array on simd128 (int8 values, stored widened and, as manifest.activation.split says,
+   * each 16 as the 8 at even positions then the 8 at odd ones), Int8Array (the same values, in
+   * order) on relaxed SIMD: the kernels' layout, passed back to them as it is; d one f32 scale per
+   * 32 values. Blocks never cross rows, so the tokens are one call over
    * all the values. */
   quantizeAct(x, tokens = 1) {
     f32Array('quantizeAct x', x);

@@ -123,7 +123,7 @@ def unit_scale_qmatvec_and_qdots(m: Kernels, quant: str, blocks: np.ndarray, act
     singles = [m.pack(quant, blocks[r:r + 1]) for r in range(blocks.shape[0])]
     out = []
     for a in acts:
-        act = Act(q=a.astype(act_dtype(m)), d=np.ones(a.size // 32, np.float32))
+        act = m.act_from_values(a, np.ones(a.size // 32, np.float32))
         out.append(m.qmatvec(packed, act))
         out.append(np.array([m.qdot(p, act) for p in singles], np.float32))
     return out

@@ -165,7 +165,7 @@ def test_qmatmul_integer_parts_are_exact(target, quant):
             rng = rng_for("exact", target, quant, m, n, kk)
             b = blocks_for(k, quant, n, kk, rng, extreme=True)
             a = activation_rows(k, m, kk, rng)
-            y = k.qmatmul(k.pack(quant, b), Act(a, np.ones((m, kk // 32), np.float32)))
+            y = k.qmatmul(k.pack(quant, b), k.act_from_values(a, np.ones((m, kk // 32), np.float32)))
             scale = q.scale_ref(b).reshape(n, -1)  # per block of 32, or per sub-block of 16 (Q6_K)
             g = kk // scale.shape[1]
             w = q.unpack_ref(b).reshape(n, -1, g).astype(np.int64)
@@ -199,7 +199,7 @@ def test_qmatmul_matches_the_float64_reference(target):
             w_int = q.unpack_ref(b).reshape(n, -1).astype(np.int64)
             w_deq = q.dequantize_ref(b).reshape(n, -1).astype(np.float64)
             for t in range(m):
-                a_int = act.q[t].astype(np.int64) - zero
+                a_int = k.act_values(act)[t].astype(np.int64) - zero
                 d_a = np.repeat(act.d[t].astype(np.float64), 32)
                 ref = w_deq @ (a_int * d_a)
                 # Every block's term is rounded on its own, and a leftover block's (qstep1) is split

@@ -83,7 +83,7 @@ def test_doc_walkthrough_gives_working_kernels(walked: tuple[Path, str], target:
     x = rng.standard_normal(nb * 32).astype(np.float32)
     act = k.quantize_act(x)
     y = k.qmatvec(k.pack(name, blocks), act)
-    ref, mag = qmatvec_ref(q5.scale_ref(blocks), q5.unpack_ref(blocks).reshape(rows, -1), act.q, act.d,
+    ref, mag = qmatvec_ref(q5.scale_ref(blocks), q5.unpack_ref(blocks).reshape(rows, -1), k.act_values(act), act.d,
                            k.manifest["constants"]["ACT_ZERO"], 32)
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-30)
     d = k.qdot(k.pack(name, blocks[:1]), act)

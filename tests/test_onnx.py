@@ -85,7 +85,7 @@ def test_kernelgen_matches_onnxruntime(any_module, target, k, n, block, symmetri
     act = km.quantize_act(x)
     y = km.qmatvec(km.pack("q4_onnx", blocks), act).astype(np.float64)
     zero = km.manifest["constants"]["ACT_ZERO"]
-    xq = (act.q.astype(np.float64) - zero) * np.repeat(act.d.astype(np.float64), 32)
+    xq = (km.act_values(act).astype(np.float64) - zero) * np.repeat(act.d.astype(np.float64), 32)
     # 2. The kernel computes W @ dequantized activations, to float rounding.
     assert np.all(np.abs(y - w @ xq) <= 1e-5 * (np.abs(w) @ np.abs(xq)) + 1e-6)
     # 3. So it differs from onnxruntime by no more than the activation quantization error allows.

@@ -1,7 +1,11 @@
 """Pinned bits: qmatvec and qdot outputs of the library as they were before the mat-vec work of
 issue 12 (activation layouts, row groups, packed layouts), as sha256 digests of the f32 results.
 Relaxed SIMD re-pinned once by issue 13.3 (full int8 activations: its quantized activations and
-integer dots are simd128's since; its float steps are relaxed madds).
+integer dots are simd128's since; its float steps are relaxed madds). SIMD128 re-pinned once by
+issue 12's split activations (idot without sign-extends): a leftover block's (qstep1) four i32
+lanes, each converted to f32 on its own, now hold values 4j..4j+3 of each half (as the relaxed
+dot's lanes do) instead of 2j, 2j+1, 2j+8, 2j+9; the four-block steps' whole-block dots are unchanged,
+so a row of a multiple of 4 x accs blocks gives the same bits as before.
 
 The summation order per row is part of the contract (DESIGN: results bit-identical across
 variants, layouts, threads and hosts); these digests catch any change of it, on both targets,
@@ -19,10 +23,10 @@ ROWS, NB = 13, 17  # 13 rows: groups of 2 and 4 leave remainders; 17 blocks: 4-b
 
 # (target, quant) -> sha256 of qmatvec's y (13 f32) followed by qdot of row 0 (one f32).
 PINNED = {
-    ("simd128", "q8_0"): "e9e37f1747050903",
-    ("simd128", "q4_0"): "4b230c3fc4776d6e",
-    ("simd128", "q4_1"): "45fcbeb95991aa83",
-    ("simd128", "q4_onnx"): "b3c410be004f9f8e",
+    ("simd128", "q8_0"): "861ddaae1c0202ac",
+    ("simd128", "q4_0"): "7c5fbc8e7df173d0",
+    ("simd128", "q4_1"): "78b5af0ff8328e3d",
+    ("simd128", "q4_onnx"): "0ce9b185f3770476",
     ("relaxed-simd", "q8_0"): "22299afed8178435",
     ("relaxed-simd", "q4_0"): "b0ec6f773020d879",
     ("relaxed-simd", "q4_1"): "66776f88fc627d56",

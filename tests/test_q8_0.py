@@ -53,7 +53,7 @@ def q8_reference(k: Kernels, blocks: np.ndarray, act: Act) -> tuple[np.ndarray, 
     q = k.quants["q8_0"]
     rows = blocks.shape[0]
     zero, _ = consts(k)
-    return reference.qmatvec(q.scale_ref(blocks), q.unpack_ref(blocks).reshape(rows, -1), act.q, act.d, zero, QBLOCK)
+    return reference.qmatvec(q.scale_ref(blocks), q.unpack_ref(blocks).reshape(rows, -1), k.act_values(act), act.d, zero, QBLOCK)
 
 
 # ---- quantize_act ------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_quantize_act_matches_reference_exactly(mode, kgen, case):
     assert act.q.dtype == act_dtype(k)  # the stored layout (int16 on simd128); the values are the reference's
     assert act.q.shape == ref_q.shape == x.shape
     assert act.d.dtype == np.float32 and act.d.shape == ref_d.shape == (x.size // 32,)
-    np.testing.assert_array_equal(act.q, ref_q, err_msg=f"quantize_act {case}: q differs")
+    np.testing.assert_array_equal(k.act_values(act), ref_q, err_msg=f"quantize_act {case}: q differs")
     nan = np.isnan(ref_d)
     np.testing.assert_array_equal(np.isnan(act.d), nan, err_msg=f"quantize_act {case}: NaN scales differ")
     np.testing.assert_array_equal(act.d[~nan].view(np.uint32), ref_d[~nan].view(np.uint32),
@@ -133,14 +133,14 @@ def test_quantize_act_ties_round_half_to_even(kernels):
     act = kernels.quantize_act(x)
     assert act.d[0] == 1.0
     want = np.resize(np.array([act_max, 0, 2, 2, 0, -2, -2, 4]), 32) + zero
-    np.testing.assert_array_equal(act.q.astype(np.int64), want)
+    np.testing.assert_array_equal(kernels.act_values(act).astype(np.int64), want)
 
 
 def test_quantize_act_nan_gives_zero(kernels):
     zero, _ = consts(kernels)
     x = np.r_[np.full(32, np.nan), np.r_[np.nan, np.ones(31)]].astype(np.float32)
     act = kernels.quantize_act(x)
-    assert (act.q[:33].astype(np.int64) == zero).all()
+    assert (kernels.act_values(act)[:33].astype(np.int64) == zero).all()
 
 
 def test_quantize_act_stored_range_for_finite_inputs(mode, kgen):
@@ -371,6 +371,9 @@ def activation_patterns(target: str, k: int) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("k", EXACT_K, ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("rows_variant", ROW_TUNES, ids=lambda r: f"rows{r}")
 def test_integer_accumulation_is_exact(mode, kgen, rows_variant, k):
+    """Extreme weights and activations, whole four-block groups of them (k 512): also the bound of
+    simd128's split dot (DOT_SHIFT 8: a group's lane holds one block's 32 products of up to
+    128 * 128 * 256, 2^27, before qexact shifts it out)."""
     tune = rows_tune(rows_variant)
     km = kgen(tune)
     zero, _ = consts(km)
@@ -408,7 +411,7 @@ def test_integer_accumulation_with_scales(mode, kgen):
     ad = (2.0 ** rng.integers(-1, 2, k // 32)).astype(np.float32)
 
     def run(m: Kernels) -> np.ndarray:
-        return m.qmatvec(m.pack("q8_0", blocks), Act(q=a.astype(act_dtype(m)), d=ad))
+        return m.qmatvec(m.pack("q8_0", blocks), m.act_from_values(a, ad))
 
     got = run(km)
     ref, _ = reference.qmatvec(scales.astype(np.float32), w.astype(np.int32), a, ad, zero, 32)

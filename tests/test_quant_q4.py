@@ -205,12 +205,13 @@ def q4_reference(k: Kernels, quant: str, blocks: np.ndarray, act: Act) -> tuple[
     offset = q.offset_ref(blocks) if q.offset is not None else None
     per = q.block // q.subs  # values per scale: 32, or a sub-block of 16 (activation scales repeat)
     ad = np.repeat(act.d, 32 // per)
-    ref, _ = reference.qmatvec(q.scale_ref(blocks), w_int, act.q, ad, zero, per, offset)
+    a = k.act_values(act)
+    ref, _ = reference.qmatvec(q.scale_ref(blocks), w_int, a, ad, zero, per, offset)
     ad = ad.astype(np.float64)
-    t1 = q.scale_ref(blocks).astype(np.float64) * ad * reference.int_dots(w_int, act.q, zero, per)
+    t1 = q.scale_ref(blocks).astype(np.float64) * ad * reference.int_dots(w_int, a, zero, per)
     mag = np.abs(t1).sum(axis=1)
     if offset is not None:
-        asum = (act.q.astype(np.int64) - zero).reshape(-1, per).sum(axis=1)
+        asum = (a.astype(np.int64) - zero).reshape(-1, per).sum(axis=1)
         mag = mag + np.abs(offset.astype(np.float64) * ad * asum).sum(axis=1)
     return ref, mag
 

@@ -64,7 +64,7 @@ def test_walkthrough_type_matches_gguf_and_float64(walked, target):
 
     act = k.quantize_act(rng.standard_normal(kdim).astype(np.float32))
     zero = k.manifest["constants"]["ACT_ZERO"]
-    a = (act.q.astype(np.float64) - zero) * np.repeat(act.d.astype(np.float64), 32)
+    a = (k.act_values(act).astype(np.float64) - zero) * np.repeat(act.d.astype(np.float64), 32)
     ref = deq.astype(np.float64) @ a
     mag = np.abs(deq.astype(np.float64) * a).sum(axis=1)
     w = k.pack(name, blocks)

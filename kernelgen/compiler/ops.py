@@ -476,33 +476,52 @@ def _act_load(p: Instr, offset: int, op: str = "v128.load") -> Instr:
     return Instr(op, (f"offset={offset}",) if offset else (), (p,))
 
 
-def _idot_i16(c: Ctx, args: list[Val], act_bytes: int) -> Val:
-    """acc + w.a with lanes of 4 products each: i32x4.dot_i16x8_s on the sign-extended halves of w
-    and a, exact for any int8 w and a. Activations given by address are stored `act_bytes` each:
-    widened to i16 (SIMD128's layout: two loads, the widening done once per row by quantize_act)
-    or as bytes (relaxed SIMD's: two sign-extending loads)."""
+def _idot_i16(c: Ctx, args: list[Val], act: dict[str, int]) -> Val:
+    """acc + w.a with lanes of 4 products each: i32x4.dot_i16x8_s, exact for any int8 w and a.
+    Activations given by address are stored as the target's `act` constants say: as i16 in
+    SIMD128's split layout (_idot_split) or as bytes in order (relaxed SIMD's: two sign-extending
+    loads, against the sign-extended halves of w)."""
     acc, w, a, offset = _idot_check(c, args)
+    if offset is not None and act["ACT_SPLIT"]:
+        return _idot_split(c, acc, w, a, offset)
     w1, w2 = c.reuse(w)
     if offset is None:
         a1, a2 = c.reuse(a)
         a_lo, a_hi = I("i16x8.extend_low_i8x16_s", a1), I("i16x8.extend_high_i8x16_s", a2)
-    elif act_bytes == 2:
-        p1, p2 = c.reuse(a)
-        a_lo, a_hi = _act_load(p1, offset * 2), _act_load(p2, offset * 2 + 16)
     else:
         p1, p2 = c.reuse(a)
         a_lo, a_hi = _act_load(p1, offset, "v128.load8x8_s"), _act_load(p2, offset + 8, "v128.load8x8_s")
     lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), a_lo)
     hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), a_hi)
-    dots = I("i32x4.add", lo, hi)
-    if is_zero_vector(acc):  # a block's first dot: nothing to add it to (engines keep the add)
+    return _plus_acc(c, acc, I("i32x4.add", lo, hi))
+
+
+def _plus_acc(c: Ctx, acc: Val, dots: Instr) -> Val:
+    """acc + dots, or dots alone for a zero acc (a block's first dot: engines keep an add of zero)."""
+    if is_zero_vector(acc):
         return Val(dots, "i32x4")
     return Val(I("i32x4.add", c.materialize(acc), dots), "i32x4")
 
 
+def _idot_split(c: Ctx, acc: Val, w: Val, p: Val, offset: int) -> Val:
+    """acc + 256 w.a (DOT_SHIFT 8) for 16 activations stored as i16 in SIMD128's split layout
+    (ACT_SPLIT: the 8 at even positions, then the 8 at odd ones), without sign-extending w (the
+    shuffle port's work, 3 of its operations per 16 weights): read as i16x8, w << 8 is its even
+    bytes * 256 and w & 0xFF00 its odd bytes * 256, exactly (|256 w| <= 32768). Their i16 dots with
+    the two planes sum to 256 w.a, each lane 4 products of at most 127 * 32768 in magnitude; the
+    kernels shift the 256 out once per group of blocks (qexact in kernels.dsl), not per call."""
+    w1, w2 = c.reuse(w)
+    p1, p2 = c.reuse(p)
+    even = I("i16x8.shl", w1, I("i32.const", "8"))
+    odd = I("v128.and", w2, I("v128.const", "i16x8", *["0xff00"] * 8))
+    dots = I("i32x4.add", I("i32x4.dot_i16x8_s", even, _act_load(p1, offset * 2)),
+             I("i32x4.dot_i16x8_s", odd, _act_load(p2, offset * 2 + 16)))
+    return _plus_acc(c, acc, dots)
+
+
 def _idot_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    """idot and idot7 on SIMD128: the i16 dot (activations stored as i16, SIMD128_ACT)."""
-    return _idot_i16(c, args, SIMD128_ACT["ACT_BYTES"])
+    """idot and idot7 on SIMD128: the i16 dot (activations stored as split i16, SIMD128_ACT)."""
+    return _idot_i16(c, args, SIMD128_ACT)
 
 
 def is_zero_vector(v: Val) -> bool:
@@ -514,7 +533,7 @@ def is_zero_vector(v: Val) -> bool:
 def _idot_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot on relaxed SIMD: exact for any int8 w (Q8_0's codes, codebook values), so the i16 dot
     of SIMD128 over byte activations; the relaxed dot cannot take a w of 8 significant bits."""
-    return _idot_i16(c, args, RELAXED_ACT["ACT_BYTES"])
+    return _idot_i16(c, args, RELAXED_ACT)
 
 
 def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -545,7 +564,7 @@ def _idot7z_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7z on SIMD128: the i16 dot of the values u - z."""
     acc, u, z, a, offset = _idot7z_check(c, args)
     w = Val(I("i8x16.sub", c.materialize(u), c.materialize(z)), "i8x16")
-    return _idot_i16(c, [acc, w, a, Val(None, T.INT_LIT, offset)], SIMD128_ACT["ACT_BYTES"])
+    return _idot_i16(c, [acc, w, a, Val(None, T.INT_LIT, offset)], SIMD128_ACT)
 
 
 def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -558,10 +577,7 @@ def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     p1, p2 = c.reuse(a)
     dot_u = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(p1, offset), c.materialize(u))
     dot_z = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(p2, offset), c.materialize(z))
-    pairs = I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z))
-    if is_zero_vector(acc):
-        return Val(pairs, "i32x4")
-    return Val(I("i32x4.add", c.materialize(acc), pairs), "i32x4")
+    return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z)))
 
 
 def _madd_check(c: Ctx, args: list[Val]) -> list[Val]:
@@ -663,8 +679,13 @@ class Target:
 #                      operand takes the weight codes instead: idot7, Target.dot_scheme).
 #   ACT_BYTES          bytes per stored activation: SIMD128's dot is i16 x i16, so activations are
 #                      stored widened to i16 once per call; relaxed SIMD's dot reads bytes.
-SIMD128_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2}
-RELAXED_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 1}
+#   ACT_SPLIT          1: each 16 activations stored as the 8 at even positions, then the 8 at odd
+#                      ones (SIMD128: idot reads the weights' even and odd bytes without a
+#                      sign-extend, _idot_split); 0: in order.
+#   DOT_SHIFT          idot of stored activations adds the dot << DOT_SHIFT (SIMD128's split dot is
+#                      256 x the dot); kernels shift it out once per group of blocks (qexact).
+SIMD128_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2, "ACT_SPLIT": 1, "DOT_SHIFT": 8}
+RELAXED_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 1, "ACT_SPLIT": 0, "DOT_SHIFT": 0}
 TARGETS: dict[str, Target] = {
     "simd128": Target("simd128", SIMD128, SIMD128_ACT,
                       ("simd", "threads"), ("--enable-threads", "--disable-relaxed-simd")),

@@ -77,8 +77,9 @@ class Packed:
 @dataclass(frozen=True)
 class Act:
     """Activations quantized by the module's own quantize_act: q (int8 values, stored as int16 on
-    simd128, int8 on relaxed SIMD) and one f32 scale per 32 values; q[k], d[k / 32]
-    for one token, q[m, k], d[m, k / 32] for m tokens."""
+    simd128, int8 on relaxed SIMD, in the target's order: Kernels.act_values gives them in order)
+    and one f32 scale per 32 values; q[k], d[k / 32] for one token, q[m, k], d[m, k / 32] for m
+    tokens."""
 
     q: np.ndarray
     d: np.ndarray
@@ -136,6 +137,7 @@ class Kernels:
         # How quantize_act stores activations on this target (int16 on simd128, int8 on relaxed
         # SIMD): the manifest says.
         self._act_dtype = np.dtype(manifest["activation"]["dtype"])
+        self._act_split: bool = manifest["activation"]["split"]
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
             self._exports[(e["kernel"], e["quant"])] = name
@@ -234,6 +236,26 @@ class Kernels:
             self.run("quantize_act", None, [px, x.size, pq, pd], pool, chunk)
             return Act(self.module.get(pq, self._act_dtype, x.size).reshape(x.shape),
                        self.module.get(pd, np.float32, x.size // 32).reshape(*x.shape[:-1], k // 32))
+
+    def act_values(self, act: Act) -> np.ndarray:
+        """act.q's values in order. The kernels read act.q as stored (the manifest's activation
+        "split": each 16 as the 8 at even positions, then the 8 at odd ones), so hosts pass it on
+        as it is and only a reader of the values reorders them."""
+        return self._act_order(act.q, (2, 8))
+
+    def act_from_values(self, q: np.ndarray, d: np.ndarray) -> Act:
+        """Activations of int8 values q in order (any integer dtype, [..., k]) and their scales d,
+        stored as quantize_act stores them: the inverse of act_values."""
+        return Act(self._act_order(np.asarray(q).astype(self._act_dtype), (8, 2)), d)
+
+    def _act_order(self, q: np.ndarray, groups: tuple[int, int]) -> np.ndarray:
+        """q with each 16 values read as `groups` rows and transposed: (8, 2) splits them into even
+        then odd positions, (2, 8) undoes it; q itself where activations are stored in order."""
+        if not self._act_split:
+            return q
+        if q.shape[-1] % 16:
+            raise ValueError(f"activations come in blocks of 32, got {q.shape[-1]} values per token")
+        return np.ascontiguousarray(q.reshape(-1, *groups).swapaxes(1, 2).reshape(q.shape))
 
     # ---- kernels
     def _act_args(self, act: Act, k: int, what: str, tokens: bool = False) -> list[int]:
