@@ -61,8 +61,11 @@ def test_module_cache_compiles_each_key_once(module_cache):
 def test_manifest_constants(module_cache, target):
     k = module_cache.get(target)
     assert k.target == target
-    assert k.manifest["constants"] == {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2 if target == "simd128" else 1}
-    assert k.manifest["activation"]["dtype"] == ("int16" if target == "simd128" else "int8")
+    simd128 = target == "simd128"
+    assert k.manifest["constants"] == {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2 if simd128 else 1,
+                                       "ACT_SPLIT": int(simd128), "DOT_SHIFT": 8 if simd128 else 0}
+    assert k.manifest["activation"]["dtype"] == ("int16" if simd128 else "int8")
+    assert k.manifest["activation"]["split"] is simd128
     assert "q8_0" in k.quants
 
 
