@@ -35,6 +35,15 @@ def need_parts() -> None:
         need(False, str(e))
 
 
+def need_browser(*packages: str) -> None:
+    """Node, Debian's Chromium and the npm packages a browser test drives (playwright-core and any
+    named)."""
+    need(NODE, "node is not installed")
+    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    for package in (*packages, "playwright-core"):
+        need((ROOT / "node_modules" / package).is_dir(), f"node_modules/{package} is missing (npm ci)")
+
+
 @pytest.fixture(scope="session")
 def minilm_reference():
     need_parts()
@@ -180,9 +189,7 @@ def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
     wasmtime under Python, on both targets, on one thread and through a two-thread pool; a batch of
     unequal lengths (the padding exists only in pooling) and token ids passed from the host."""
     need_parts()
-    need(NODE, "node is not installed")
-    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
-    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    need_browser()
     import export
     import minilm
 
@@ -250,10 +257,7 @@ def test_bench_script_runs_every_engine() -> None:
     engine gives a figure in Node and in Chromium, and each one's first embedding is the model's
     (cosine to onnxruntime)."""
     need_parts()
-    need(NODE, "node is not installed")
-    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
-    for package in ("onnxruntime-web", "playwright-core"):
-        need((ROOT / "node_modules" / package).is_dir(), f"node_modules/{package} is missing (npm ci)")
+    need_browser("onnxruntime-web")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm" / "bench.py"), "--sentences", "2",
                            "--batches", "1,2", "--threads", "1", "--repeat", "1"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -273,9 +277,7 @@ def test_chromium_bench_path_gives_pythons_bits(tmp_path, corpus, target, thread
     the page, kernelgen's driver and pool started from that worker) at the smallest size embeds to the
     Python model's bits, so its figures are of the real model."""
     need_parts()
-    need(NODE, "node is not installed")
-    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
-    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    need_browser()
     import export
     import minilm
 
@@ -306,9 +308,7 @@ def test_demo_page_answers_queries_in_chromium(tmp_path, corpus) -> None:
     the first 40 corpus sentences with its progress bar, tokenizes typed queries in JS, and shows the
     top 5 that the Python model finds on the same target, with the same scores; a screenshot is kept."""
     need_parts()
-    need(NODE, "node is not installed")
-    need(CHROMIUM.exists(), f"{CHROMIUM} is missing (apt-get install chromium)")
-    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    need_browser()
     import export
     import minilm
 
