@@ -50,9 +50,12 @@ export function jobCall(manifest, exportName, args) {
 
 /** Items per claim for a jobCall `call` when the caller gives none, on a pool of `threads`: the
  * job's tuned chunk (the manifest's jobs.<job>.tuned, which `kernelgen build` takes from the tuning
- * store), else about four claims per thread. As Pool.default_chunk in kernelgen/host/pool.py. */
+ * store) capped at two claims per thread (it was measured on one large shape), else about four
+ * claims per thread. As Pool.default_chunk in kernelgen/host/pool.py. */
 export function defaultChunk(manifest, call, threads) {
-  return manifest.jobs[call.job].tuned?.chunk ?? Math.max(1, Math.ceil(call.count / (threads * 4)));
+  const tuned = manifest.jobs[call.job].tuned?.chunk;
+  if (tuned) return Math.max(1, Math.min(tuned, Math.ceil(call.count / (threads * 2))));
+  return Math.max(1, Math.ceil(call.count / (threads * 4)));
 }
 
 /** Evaluate a manifest item count ([op, left, right], names, numbers) as wasm's i32 ops do. */

@@ -12,7 +12,7 @@ import pytest
 from kernelgen import reference as R
 from kernelgen.compiler.build import compile_kernels
 from kernelgen.host.api import padded_rows
-from kernelgen.host.pool import JobError, Pool
+from kernelgen.host.pool import JobError, Pool, job_call
 
 from helpers import SQUARE_ADD, square_add_inputs
 
@@ -239,3 +239,24 @@ def test_a_new_parallel_kernel_runs_threaded_with_no_host_code(target: str) -> N
                 k.run("square_add", None, [px, py, n, c], pool, chunk)
                 assert k.module.get(py, np.float32, n).tobytes() == want.tobytes(), (n, threads, chunk)
         k.reset()
+
+
+def test_default_chunk_is_the_tuned_one_capped_at_two_claims_per_thread(kernels) -> None:
+    """A call without a chunk takes the job's tuned chunk, at most count / (2 threads) so that a
+    smaller call than the tuned shape still feeds every thread; with no tuned chunk, about four
+    claims per thread (as runtime/pool.mjs's defaultChunk)."""
+    k = kernels
+    name = k.export_name("matvec_f32")
+    call = job_call(k.manifest, name, [0, 0, 0, 1000, 64])
+    job = k.manifest["jobs"][call.job]
+    saved = job.get("tuned")
+    try:
+        with Pool(k, 3) as pool:
+            job["tuned"] = None
+            assert pool.default_chunk(call) == -(-1000 // 12)
+            job["tuned"] = {"threads": 2, "chunk": 37}
+            assert pool.default_chunk(call) == 37
+            job["tuned"] = {"threads": 2, "chunk": 512}
+            assert pool.default_chunk(call) == -(-1000 // 6)
+    finally:
+        job["tuned"] = saved

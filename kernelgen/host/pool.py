@@ -140,9 +140,13 @@ class Pool:
 
     def default_chunk(self, call: JobCall) -> int:
         """Items per claim when the caller gives none: the job's tuned chunk, else about four
-        claims per thread."""
-        tuned = self.kernels.manifest["jobs"][call.job].get("tuned") or {}
-        return tuned.get("chunk") or max(1, -(-call.count // (self.size * 4)))
+        claims per thread. A tuned chunk was measured on one large shape, so it is capped at two
+        claims per thread: on fewer items it would leave a thread idle (384 rows in chunks of 128
+        give one thread twice the other's work)."""
+        tuned = (self.kernels.manifest["jobs"][call.job].get("tuned") or {}).get("chunk")
+        if tuned:
+            return max(1, min(tuned, -(-call.count // (self.size * 2))))
+        return max(1, -(-call.count // (self.size * 4)))
 
     def run(self, job: str, count: int, chunk: int, args: list[int | float]) -> None:
         """Run job `job` (a manifest "jobs" name) on items 0 .. count - 1, `chunk` items per claim.

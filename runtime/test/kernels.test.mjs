@@ -46,7 +46,7 @@ test('halfToFloat decodes normals, subnormals, zeros, infinities and NaN', () =>
   assert.ok(Number.isNaN(halfToFloat(0x7e00)));
 });
 
-test('a job called without a chunk takes the manifest\'s tuned chunk, else about four claims per thread', async () => {
+test('a job called without a chunk takes the manifest\'s tuned chunk (at most two claims per thread), else about four claims per thread', async () => {
   for (const target of ['simd128', 'relaxed-simd']) {
     const manifest = JSON.parse(await readFile(new URL(`../../out/${target}/kernels.json`, import.meta.url), 'utf8'));
     const name = Object.keys(manifest.exports).find((e) => manifest.exports[e].kernel === 'matvec_f32');
@@ -56,6 +56,8 @@ test('a job called without a chunk takes the manifest\'s tuned chunk, else about
     assert.equal(defaultChunk(manifest, call, 3), Math.ceil(1000 / 12));
     job.tuned = { threads: 2, chunk: 37 };
     assert.equal(defaultChunk(manifest, call, 3), 37);
+    job.tuned = { threads: 2, chunk: 512 }; // capped at two claims per thread: 1000 / 6
+    assert.equal(defaultChunk(manifest, call, 3), Math.ceil(1000 / 6));
   }
 });
 
