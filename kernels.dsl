@@ -41,7 +41,8 @@ quant q4_1 {
     dequant d * q + m;
 }
 
-# Q5_1: Q4_1 with a fifth bit per value in a 32-bit mask: value d * q + m, q in 0..31.
+# Q5_1: Q4_1 with a fifth bit per value in a 32-bit mask: value d * q + m, q in 0..31 (packed for
+# the kernels as bytes: QuantFormat.reencoded).
 quant q5_1 {
     block 32;
     field d: f16;

@@ -12,7 +12,9 @@ attributes and `args`), so a new node is one class here plus one method per cons
 (docs/adding-a-quant-type.md lists them).
 
 Packing turns a matrix of stored blocks into planes the kernels read (each contiguous, row-major):
-  q       the fields `unpack` reads, per block, concatenated in declaration order (Q.bytes each)
+  q       the fields `unpack` reads, per block, concatenated in declaration order (Q.bytes each),
+          or for a `reencoded` type (super-blocks, bit masks) its integers per block of 32 in the
+          narrowest cheap encoding (ENCODINGS)
   scale   S per block as f32 (f16 scales widened once here, not in the hot loop)
   offset  M per block as f32, only for types with `+ M`
 """
@@ -430,12 +432,22 @@ class QuantFormat:
 
     # ---- the blocks kernels see
     @property
+    def reencoded(self) -> bool:
+        """Whether plane q holds the unpacked integers re-encoded (ENCODINGS) rather than the stored
+        value fields: every super-block, and a flat block of KERNEL_BLOCK values whose unpack reads
+        a bit mask (Q5_0, Q5_1): the mask's unpack (splat, swizzle, and, compare, and, or per 16
+        values) cost qmatvec Q5_1 0.35x Q4_0's rate, where bytes need no unpack at all."""
+        return self.sub is not None or (self.block == KERNEL_BLOCK and any(
+            isinstance(n, Call) and n.func == "bit" for n in nodes(self.unpack)))
+
+    @property
     def kernel(self) -> QuantFormat:
-        """The block kernels read. A flat type's stored value fields are already that (plane q
-        holds them as stored). A super-block is re-encoded per sub-block of KERNEL_BLOCK values
-        (the activation block) from its unpacked integers, in nibbles when their range fits 4 bits,
-        else in bytes (ENCODINGS); `Q.block`, `Q.bytes` and `Q.unpack` in kernels are this block's."""
-        if self.sub is None:
+        """The block kernels read. A flat type's stored value fields are that, unless `reencoded`
+        (plane q holds them as stored). A re-encoded type is packed per block of KERNEL_BLOCK values
+        (the activation block; a super-block's sub-blocks) from its unpacked integers, in nibbles
+        when their range fits 4 bits, else in bytes (ENCODINGS); `Q.block`, `Q.bytes` and
+        `Q.unpack` in kernels are this block's."""
+        if not self.reencoded:
             return self
         kind, zero = self.encoding
         enc = ENCODINGS[kind]
@@ -478,7 +490,7 @@ class QuantFormat:
         relaxed dot with full int8 activations in the other (Target.dot_scheme)."""
         kb = self.kernel
         u = kb.unpack
-        if self.sub is not None:  # encoded per kernel block as the integers minus the zero (lo)
+        if self.reencoded:  # encoded per kernel block as the integers minus the zero (lo)
             kind, lo = self.encoding
             hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))[1]
             return (ENCODINGS[kind].unpack, Int(-lo)) if 0 <= -lo <= 127 and hi - lo <= 127 else None
@@ -539,8 +551,9 @@ class QuantFormat:
     def to_json(self) -> dict:
         return {
             "block": self.block,
-            **({"sub": self.sub, "kernel_block": KERNEL_BLOCK, "encoding": dict(zip(("kind", "zero"), self.encoding))}
-               if self.sub else {}),
+            **({"sub": self.sub} if self.sub else {}),
+            **({"kernel_block": KERNEL_BLOCK, "encoding": dict(zip(("kind", "zero"), self.encoding))}
+               if self.reencoded else {}),
             # the scale's factors: plane scale (per super-block) and the i32 after each kernel block's codes
             **({"sub_scales": dict(zip(("block", "sub"), map(to_json, self.sub_scales)))} if self.sub_scales else {}),
             "stored_bytes": self.stored_bytes,
@@ -636,8 +649,8 @@ class QuantFormat:
                 raise ValueError(f"{self.name}: block {tuple(bad)} has {text(self.codes[1])} = {zero[tuple(bad)]}, outside"
                                  f" 0..127: not a valid {self.name} block (the relaxed dot's 7-bit operand takes it)")
         rows = blocks.shape[0]
-        per_kernel_block = values.reshape(rows, -1, KERNEL_BLOCK if self.sub else self.block)
-        if self.sub:
+        per_kernel_block = values.reshape(rows, -1, KERNEL_BLOCK if self.reencoded else self.block)
+        if self.reencoded:
             kind, zero = self.encoding
             q = ENCODINGS[kind].encode(per_kernel_block - zero)
             if self.sub_scales:

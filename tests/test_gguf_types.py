@@ -116,6 +116,22 @@ def test_reference_iq4_nl_picks_the_nearest_entry():
     assert np.all(np.abs(grid[codes] - x[0]) <= np.abs(grid[None, :] - x[0][:, None]).min(axis=1))
 
 
+def test_q5_1_packs_its_values_as_bytes(quants):
+    """Q5_1's fifth bits are unpacked once, at pack time: plane q holds each block's 32 values (gguf's
+    own dequantization (x - m) / d gives them back) as bytes, the kernels' cheapest unpack."""
+    q = quants["q5_1"]
+    b = random_blocks(q, rng_for("q5_1-bytes"), 5, 3, (0.5, 2.0))
+    b["qs"][0], b["qh"][0] = 0xFF, 0xFF  # all 31
+    b["qs"][1], b["qh"][1] = 0x00, 0x00  # all 0
+    b["qh"][2] = [0x55, 0xAA, 0x0F, 0xF0]  # alternating fifth bits
+    planes = q.pack(b)
+    assert q.planes["q"] == ("u1", 32) and planes["q"].dtype == np.uint8
+    values = planes["q"].reshape(5, 3, 32).astype(np.float64)
+    d, m = b["d"].astype(np.float64)[..., None], b["m"].astype(np.float64)[..., None]
+    np.testing.assert_array_equal(values, (gguf_dequant("q5_1", b).reshape(5, 3, 32) - m) / d)
+    assert (values[0] == 31).all() and (values[1] == 0).all()
+
+
 # ---- kernels against float64 dequantize(W) @ act ------------------------------------------------
 
 
