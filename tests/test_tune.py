@@ -833,6 +833,20 @@ def test_bench_tables_name_only_rows_they_define() -> None:
     assert any(r.at_least for r in bench.RATIOS) and bench.LIMITS
 
 
+def test_bench_blocks_have_normal_scales_near_a_hundredth() -> None:
+    """The bench's weights are random codes under realistic scales: f16 fields 0.01 and an e8m0
+    exponent byte (MXFP4) the one nearest 0.01, not random (2^-128 .. 2^127: subnormal and infinite
+    products, which x86 takes in microcode, timed MXFP4's data, not its kernel)."""
+    import kernelgen
+    k = kernelgen.load(target="simd128")
+    for quant in ("q8_0", "q4_0", *bench.GGUF_TYPES):
+        q = k.quants[quant]
+        scale = q.scale_ref(bench._blocks(k, quant, 3, 512, np.random.default_rng(1)))
+        assert np.all(np.isfinite(scale)) and np.all(np.abs(scale[scale != 0]) >= np.finfo(np.float32).tiny), quant
+    mx = bench._blocks(k, "mxfp4", 3, 512, np.random.default_rng(1))
+    assert np.all(mx["e"] == 121) and np.all(k.quants["mxfp4"].scale_ref(mx) == 2.0 ** -7)
+
+
 def test_bench_refuses_a_ratio_naming_no_row() -> None:
     with pytest.raises(KeyError, match="no row 'nothing 1x1' on simd128"):
         bench.run(SOURCE, ("simd128",), cases=FAKE_CASES[:1], ratios=[Ratio("slow 8x8", "nothing 1x1")], limits=[])

@@ -29,7 +29,8 @@ function generator(seed) {
   };
 }
 
-/** Stored blocks of `quant` with random codes and every f16 scale field 0.01 (as bench.py makes them). */
+/** Stored blocks of `quant` with random codes, every f16 scale field 0.01 and every byte field of the scale the
+ * value whose scale is nearest 0.01 (as bench.py makes them). */
 function blocksOf(spec, rows, cols, rand) {
   const nblocks = rows * (cols / spec.block);
   const bytes = new Uint8Array(nblocks * spec.stored_bytes);
@@ -44,7 +45,30 @@ function blocksOf(spec, rows, cols, rand) {
       bytes[at] = 0x1f; bytes[at + 1] = 0x21; // 0.01 in f16, little-endian
     }
   }
+  // a byte field of the scale (an e8m0 exponent): the value whose scale is nearest 0.01, found by
+  // packing the first block with each of the 256 values (random exponents: subnormal/inf products)
+  for (const f of scaleBytes(spec)) {
+    const trial = new Uint8Array(256 * spec.stored_bytes);
+    for (let v = 0; v < 256; v++) {
+      trial.set(bytes.subarray(0, spec.stored_bytes), v * spec.stored_bytes);
+      trial[v * spec.stored_bytes + f.offset] = v;
+    }
+    const { scale } = packPlanes(spec, trial, 256);
+    const per = scale.length / 256;
+    const off = (v) => Math.abs(Math.log2(Math.abs(scale[v * per])) - Math.log2(0.01));
+    let best = 0;
+    for (let v = 1; v < 256; v++) if (Number.isFinite(off(v)) && !(off(v) >= off(best))) best = v;
+    for (let b = 0; b < nblocks; b++) bytes[b * spec.stored_bytes + f.offset] = best;
+  }
   return bytes;
+}
+
+/** The scalar byte fields the scale formula reads. */
+function scaleBytes(spec) {
+  const names = new Set();
+  const walk = (t) => { if (t.kind === 'field') names.add(t.field); (t.args ?? []).forEach(walk); };
+  walk(spec.formulas.scale);
+  return spec.fields.filter((f) => names.has(f.name) && (f.type === 'u8' || f.type === 'i8') && f.count === null);
 }
 
 function normals(n, rand) {
