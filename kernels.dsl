@@ -552,9 +552,11 @@ inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x
 }
 
 # Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
-# the leftover blocks one at a time. One body serves qdot and every single dot of qmatvec and
-# qmatmul. Inline: a call per row (stack-passed arguments, callee-saved registers, the stack check)
-# cost qmatvec 0.66x the seed-style kernel at k = 1024 and ~10% at k = 4096 (simd128, wasmtime).
+# the leftover blocks one at a time. One body serves every single dot of qmatvec and qmatmul; the
+# hosts' qdot is qmatvec of one row (an export of its own was a second copy of this body in every
+# quant type's code: 16.6 KB of simd128's 54 KB). Inline: a call per row (stack-passed arguments,
+# callee-saved registers, the stack check) cost qmatvec 0.66x the seed-style kernel at k = 1024
+# and ~10% at k = 4096 (simd128, wasmtime).
 inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, nb: i32) -> f32 {
     var acc[A]: f32x4 = f32x4.splat(0.0);
     let nbs = nb - nb % (4 * A);
@@ -572,15 +574,6 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, n
         acc[0] = acc[0] + acc[s];
     }
     return hsum(acc[0]);
-}
-
-# Dot of one packed row with quantized activations.
-#   w: packed row of k / Q.block blocks
-#   aq: activations from quantize_act, k of ACT_BYTES each
-#   ad: activation scales from quantize_act, k / 32 f32
-#   k: row length, a multiple of Q.block
-export kernel qdot[Q: quant](w: packed Q, aq: ptr, ad: ptr, k: i32) -> f32 {
-    return qrowsum[Q, qmatvec.accs](w, aq, ad, 0, k / Q.block);
 }
 
 # The M x N dots (M * N > 1; single dots are qsingles') of tokens t0 .. t0 + M - 1 with rows

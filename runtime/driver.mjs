@@ -361,11 +361,16 @@ export class Driver {
 
   // ---- kernels -------------------------------------------------------------------------------
 
-  /** Dot of a one-row packed matrix with quantized activations. */
+  /** Dot of a one-row packed matrix with quantized activations: qmatvec of that row (the library
+   * holds one row sum per quant type, not a second copy for a dot export). */
   qdot(w, act) {
     const planes = this.#packedArgs(w, 'qdot');
     if (w.rows !== 1) throw new RangeError(`qdot: expected one packed row, got ${w.rows} (use qmatvec)`);
-    return this.#scoped(() => this.#exports[this.exportName('qdot', w.quant)](...planes, ...this.#actArgs(act, w.k, 'qdot'), w.k));
+    return this.#scoped(() => {
+      const py = this.#alloc(4);
+      this.#run('qmatvec', w.quant, [...planes, ...this.#actArgs(act, w.k, 'qdot'), py, 1, w.k]);
+      return this.#get(py, Float32Array, 1)[0];
+    });
   }
 
   /** y = W a, Float32Array(rows). */

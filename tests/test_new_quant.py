@@ -69,7 +69,7 @@ def test_doc_walkthrough_gives_working_kernels(walked: tuple[Path, str], target:
     q5 = k.quants[name]
     assert q5.stored_bytes == 22 and q5.planes["q"] == ("u1", 32)  # bit() in a block of 32: re-encoded as bytes
     assert k.manifest["exports"][k.export_name("qmatvec", name)]["quant"] == name
-    assert k.export_name("qdot", name) and k.manifest["exports"][k.export_name("qmatvec", name)]["parallel"]["job"] in k.manifest["jobs"]
+    assert k.export_name("qmatmul", name) and k.manifest["exports"][k.export_name("qmatvec", name)]["parallel"]["job"] in k.manifest["jobs"]
     rows, nb = 9, 5
     rng = np.random.default_rng(5)
     blocks = random_blocks(q5, rows, nb, rng)

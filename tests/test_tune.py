@@ -380,7 +380,7 @@ def test_kernel_hash_changes_with_what_the_kernel_calls() -> None:
     assert _hash(const, "exp_f32") != _hash(SOURCE, "exp_f32")  # exp_f32 -> exp4 -> EXP_P5
     assert _hash(const, "dot_f32") == _hash(SOURCE, "dot_f32")
     quant = edit(SOURCE, "    unpack nib(qs, i);", "    unpack nib(qs, i) + 0;")  # q4_1
-    for k in ("qmatvec", "qdot"):  # generic kernels are built for every quant type
+    for k in ("qmatvec", "qmatmul"):  # generic kernels are built for every quant type
         assert _hash(quant, k) != _hash(SOURCE, k), k
     internal = edit(SOURCE, "    let slab = (r1 - r0) / NR;", "    let slab = (r1 - r0) / NR;  # rows per slab")
     assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qtiles (internal)
@@ -1023,4 +1023,4 @@ def test_bench_code_sizes_match_wasm_objdump_and_split_by_quant_type(tmp_path: P
     by = bench.code_by_feature(b)
     assert sum(by.values()) == sum(sizes.values())
     quant = sum(s for n, s in sizes.items() if any(f"_{q}" in n for q in b.manifest["quants"]))
-    assert by[bench.QUANT_CODE] == quant > sizes["qdot_q8_0"] > 0
+    assert by[bench.QUANT_CODE] == quant > sizes["qsingles_q8_0__a1"] > 0

@@ -290,12 +290,16 @@ class Kernels:
         return w
 
     def qdot(self, w: Packed, act: Act) -> float:
-        """Dot of a one-row packed matrix with quantized activations."""
+        """Dot of a one-row packed matrix with quantized activations: qmatvec of that row (the
+        library holds one row sum per quant type, not a second copy for a dot export)."""
         w = self._check_packed(w, "qdot")
         if w.rows != 1:
             raise ValueError(f"qdot: expected one packed row, got {w.rows} (use qmatvec)")
         with self.module.scope():
-            return float(self.call(self.export_name("qdot", w.quant), *w.args, *self._act_args(act, w.k, "qdot"), w.k))
+            a = self._act_args(act, w.k, "qdot")
+            py = self.module.alloc(4)
+            self.run("qmatvec", w.quant, [*w.args, *a, py, 1, w.k])
+            return float(self.module.get(py, np.float32, 1)[0])
 
     def qmatvec(self, w: Packed, act: Act, pool: Pool | None = None, chunk: int | None = None) -> np.ndarray:
         """y = W a, f32[rows]; on `pool`'s threads if given, `chunk` rows per claim."""
