@@ -18,12 +18,20 @@ const TARGETS = ['relaxed-simd', 'simd128'];
 
 /** Methods the facade (runtime/kernelgen.mjs) may call, here or through the driver worker. */
 export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32', 'matvecF32', 'matmulF32', 'exp',
-  'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'layerNorm', 'attention', 'meanPool',
-  'l2Normalize', 'run', 'setThreads', 'runJob', 'free', 'reset', 'bench'];
+  'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'linear', 'layerNorm', 'attention',
+  'meanPool', 'l2Normalize', 'hold', 'read', 'run', 'setThreads', 'runJob', 'free', 'reset', 'bench'];
 
 function f32Array(what, x) {
   if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
   return x;
+}
+
+/** A held array (Driver.hold, or a kernel's result with {hold: true}): its memory stays in the module. */
+const isHeld = (x) => x?.held === true;
+
+/** x if it is a Float32Array or a held array (checked where its address is taken), else a TypeError. */
+function f32Input(what, x) {
+  return isHeld(x) ? x : f32Array(what, x);
 }
 
 function positiveInt(what, n) {
@@ -99,7 +107,8 @@ export class Driver {
   #allocated = new Map(); // address -> the [start, end) it took
   #scopes = []; // the allocations of each open #scoped call
   #packed = new Set(); // ids of the Packed handles not yet freed
-  #nextPacked = 0;
+  #held = new Set(); // ids of the held arrays not yet freed
+  #nextPacked = 0; // ids of Packed handles and held arrays
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
   #exportNames = new Map(); // "kernel/quant" -> export name
@@ -229,16 +238,85 @@ export class Driver {
     this.#holes = [];
     this.#allocated.clear();
     this.#packed.clear();
+    this.#held.clear();
     this.#generation++;
   }
 
-  /** Give a packed matrix's memory back (again: nothing happens). */
+  /** Give a packed matrix's or a held array's memory back (again: nothing happens). */
   free(w) {
     this.#live();
+    if (isHeld(w)) {
+      this.#heldAddr(w, 'free', true);
+      if (w.generation === this.#generation && this.#held.delete(w.id)) this.#free(w.addr);
+      return;
+    }
     this.#packedArgs(w, 'free', true);
     if (w.generation !== this.#generation || !this.#packed.has(w.id)) return;
     for (const addr of Object.values(w.planes)) this.#free(addr);
     this.#packed.delete(w.id);
+  }
+
+  // ---- held arrays -------------------------------------------------------------------------
+
+  /** Copy a Float32Array into the module's memory to stay there until free(held) or reset(): a
+   * held array {held: true, length, addr, owner, generation, id}. The encoder-layer kernels
+   * (linear, gelu, layerNorm, attention) take one wherever they take a Float32Array, with no copy,
+   * and return one with {hold: true}. Why: V8 copies into and out of a SharedArrayBuffer by
+   * relaxed-atomic moves, and the results come back in fresh arrays, so a model that chains
+   * kernels over a few tokens spent more time in the copies than in the kernels; held, its
+   * activations stay in memory from one kernel to the next. */
+  hold(x) {
+    this.#live();
+    return this.#holdAt(this.#put(f32Array('hold x', x), VECTOR_BYTES), x.length);
+  }
+
+  /** A held array's values, copied out. */
+  read(h) {
+    this.#live();
+    if (!isHeld(h)) throw new TypeError('read: expected a held array (hold(), or a result of {hold: true})');
+    return this.#get(this.#heldAddr(h, 'read'), Float32Array, h.length);
+  }
+
+  /** A handle to the `length` f32 at `addr` (followed by VECTOR_BYTES zero bytes), an allocation of
+   * its own that no scope frees. */
+  #holdAt(addr, length) {
+    const id = this.#nextPacked++;
+    this.#held.add(id);
+    return Object.freeze({ held: true, length, addr, owner: this.#id, generation: this.#generation, id });
+  }
+
+  /** The address of held array h, checked: these kernels', not freed, from after the last reset(). */
+  #heldAddr(h, what, freeing = false) {
+    if (!Number.isInteger(h.addr) || !Number.isInteger(h.length) || !Number.isInteger(h.id)) {
+      throw new TypeError(`${what}: a held array must come from hold() or {hold: true}`);
+    }
+    if (h.owner !== this.#id) throw new RangeError(`${what}: this array is held by other kernels`);
+    if (freeing) return h.addr;
+    if (h.generation !== this.#generation) throw new RangeError(`${what}: this array was held before reset(), which freed it`);
+    if (!this.#held.has(h.id)) throw new RangeError(`${what}: this held array was freed (free())`);
+    return h.addr;
+  }
+
+  /** An input's address: a held array's own, else a copy (followed by `pad` zero bytes) freed with
+   * the call's scope. */
+  #in(what, x, pad = 0) {
+    return isHeld(x) ? this.#heldAddr(x, what) : this.#put(f32Array(what, x), pad);
+  }
+
+  /** Where a kernel that may write over its input x (copied in at px) writes n results: over the
+   * copy, unless x is held (the caller's to keep), then in fresh memory. */
+  #outFor(x, px, n) {
+    return isHeld(x) ? this.#alloc(4 * n + VECTOR_BYTES) : px;
+  }
+
+  /** A kernel's n f32 results at addr (an allocation of the current scope, VECTOR_BYTES longer):
+   * copied out, or with {hold: true} kept where they are as a held array. */
+  #result(addr, n, opts) {
+    if (!opts?.hold) return this.#get(addr, Float32Array, n);
+    const scope = this.#scopes.at(-1);
+    scope.splice(scope.lastIndexOf(addr), 1);
+    new Uint8Array(this.#memory.buffer, addr + 4 * n, VECTOR_BYTES).fill(0);
+    return this.#holdAt(addr, n);
   }
 
   // ---- running kernels -----------------------------------------------------------------------
@@ -480,7 +558,7 @@ export class Driver {
 
   /** Rows of n values, n a positive multiple of LANES: x holds whole rows -> the row count. */
   #rows(what, x, n) {
-    f32Array(what, x);
+    f32Input(what, x);
     if (!Number.isInteger(n) || n < 1 || n % LANES || x.length % n) {
       throw new RangeError(`${what}: rows of a positive multiple of ${LANES} values, whole rows; got ${x.length} values, n=${n}`);
     }
@@ -490,9 +568,9 @@ export class Driver {
   /** A row vector of n values in memory (zeros for null: the kernels always add a bias). */
   #putRow(what, v, n) {
     if (v === null || v === undefined) return this.#put(new Float32Array(n));
-    f32Array(what, v);
+    f32Input(what, v);
     if (v.length !== n) throw new RangeError(`${what}: expected ${n} values (the row length), got ${v.length}`);
-    return this.#put(v);
+    return this.#in(what, v);
   }
 
   /** gelu(x + bias) in BERT's erf form, per row of bias.length values (bias null: n = x.length). */
@@ -501,9 +579,10 @@ export class Driver {
     const rows = this.#rows('gelu x', x, n);
     return this.#scoped(() => {
       const pb = this.#putRow('gelu bias', bias, n);
-      const px = this.#put(x);
-      this.#run('gelu_f32', null, [px, pb, px, rows, n], opts);
-      return this.#get(px, Float32Array, x.length);
+      const px = this.#in('gelu x', x, VECTOR_BYTES);
+      const py = this.#outFor(x, px, x.length);
+      this.#run('gelu_f32', null, [px, pb, py, rows, n], opts);
+      return this.#result(py, x.length, opts);
     });
   }
 
@@ -518,20 +597,43 @@ export class Driver {
     });
   }
 
+  /** x W^T + bias (null: none) for x of m rows of w.k values -> m rows of w.rows values: quantize_act,
+   * qmatmul and add_bias_f32 in one call, the activations and the product never leaving the
+   * module's memory. Bit for bit addBias(qmatmul(w, quantizeAct(x, m)), bias). Threaded, the
+   * quantization's blocks and then W's rows are split ({chunk} is qmatmul's). */
+  linear(w, x, bias, opts = {}) {
+    const planes = this.#packedArgs(w, 'linear');
+    const m = f32Input('linear x', x).length / w.k;
+    if (!Number.isInteger(m) || m < 1) throw new RangeError(`linear: x holds ${x.length} values, not whole rows of the weights' ${w.k}`);
+    const withBias = bias !== null && bias !== undefined;
+    if (withBias && w.rows % LANES) throw new RangeError(`linear: a bias needs rows of a multiple of ${LANES} values; the weights have ${w.rows}`);
+    return this.#scoped(() => {
+      const pb = withBias ? this.#putRow('linear bias', bias, w.rows) : 0;
+      const px = this.#in('linear x', x);
+      const pq = this.#alloc(x.length * this.#actArray.BYTES_PER_ELEMENT);
+      const pd = this.#alloc((x.length / ACT_BLOCK) * 4);
+      this.#run('quantize_act', null, [px, x.length, pq, pd], { threads: opts.threads });
+      const py = this.#alloc(4 * m * w.rows + VECTOR_BYTES);
+      this.#run('qmatmul', w.quant, [...planes, pq, pd, py, m, w.rows, w.k], opts);
+      if (withBias) this.#exports[this.exportName('add_bias_f32')](py, pb, py, m, w.rows);
+      return this.#result(py, m * w.rows, opts);
+    });
+  }
+
   /** LayerNorm of each row (gamma.length values) of x + residual + bias (either may be null). */
   layerNorm(x, gamma, beta, residual, bias, eps, opts) {
-    const n = f32Array('layerNorm gamma', gamma).length;
+    const n = f32Input('layerNorm gamma', gamma).length;
     const rows = this.#rows('layerNorm x', x, n);
-    if (residual !== null && residual !== undefined && f32Array('layerNorm residual', residual).length !== x.length) {
+    if (residual !== null && residual !== undefined && f32Input('layerNorm residual', residual).length !== x.length) {
       throw new RangeError(`layerNorm: residual has ${residual.length} values, x ${x.length}`);
     }
     if (typeof eps !== 'number' || !(eps >= 0)) throw new RangeError(`layerNorm: eps must be a number >= 0, got ${eps}`);
     return this.#scoped(() => {
-      const args = [this.#put(x), this.#put(residual ?? new Float32Array(x.length)), this.#putRow('layerNorm bias', bias, n),
-        this.#putRow('layerNorm gamma', gamma, n), this.#putRow('layerNorm beta', beta, n)];
-      args.push(args[0]);
+      const px = this.#in('layerNorm x', x, VECTOR_BYTES);
+      const args = [px, this.#in('layerNorm residual', residual ?? new Float32Array(x.length)), this.#putRow('layerNorm bias', bias, n),
+        this.#putRow('layerNorm gamma', gamma, n), this.#putRow('layerNorm beta', beta, n), this.#outFor(x, px, x.length)];
       this.#run('layernorm_f32', null, [...args, rows, n, eps], opts);
-      return this.#get(args[0], Float32Array, x.length);
+      return this.#result(args[5], x.length, opts);
     });
   }
 
@@ -540,7 +642,7 @@ export class Driver {
    * in row order: each query sees only its own sentence's keys -> Float32Array(rows * heads * d).
    * Threaded, the (sentence, head) pairs are split. */
   attention(qkv, lengths, heads, opts) {
-    f32Array('attention qkv', qkv);
+    f32Input('attention qkv', qkv);
     positiveInt('attention heads', heads);
     if (!Array.isArray(lengths) || lengths.length === 0 || lengths.some((l) => !Number.isInteger(l) || l < 1 || l > I32_MAX)) {
       throw new RangeError(`attention: lengths must be a non-empty array of positive integers, got ${lengths}`);
@@ -556,12 +658,12 @@ export class Driver {
     const starts = new Int32Array(lengths.length + 1);
     lengths.forEach((l, s) => { starts[s + 1] = starts[s] + l; });
     return this.#scoped(() => {
-      const pq = this.#put(qkv);
+      const pq = this.#in('attention qkv', qkv);
       const ps = this.#put(starts);
       const scratch = this.#alloc(4 * lengths.length * heads * stride);
-      const py = this.#alloc(4 * rows * heads * d);
+      const py = this.#alloc(4 * rows * heads * d + VECTOR_BYTES);
       this.#run('attention_f32', null, [pq, ps, scratch, py, lengths.length, heads, d, stride], opts);
-      return this.#get(py, Float32Array, rows * heads * d);
+      return this.#result(py, rows * heads * d, opts);
     });
   }
 

@@ -185,6 +185,11 @@ export class Kernels {
   /** x + bias per row of bias.length values -> Float32Array. */
   addBias(x, bias) { return this.#invoke('addBias', [x, bias]); }
 
+  /** x W^T + bias (null for none) for x of m rows of packed.k values -> Float32Array(m * rows):
+   * quantizeAct, qmatmul and addBias in one call, bit for bit, the activations never leaving the
+   * module's memory. */
+  linear(packed, x, bias, opts) { return this.#invoke('linear', [packed, x, bias, opts]); }
+
   /** LayerNorm of each row (gamma.length values) of x + residual + bias (null for none) -> Float32Array. */
   layerNorm(x, gamma, beta, residual, bias, eps, opts) {
     return this.#invoke('layerNorm', [x, gamma, beta, residual, bias, eps, opts]);
@@ -212,10 +217,19 @@ export class Kernels {
   /** Run a pool job by its manifest "jobs" name with raw argument words. */
   runJob(job, count, chunk, args) { return this.#invoke('runJob', [job, count, chunk, args]); }
 
-  /** Free every buffer, packed weights included. */
-  /** Give a packed matrix's memory back (using it afterwards is a RangeError; freeing again does nothing). */
-  free(packed) { return this.#invoke('free', [packed]); }
+  /** A Float32Array copied into the module's memory to stay there: a held array {held: true, length,
+   * ...} that linear, gelu, layerNorm and attention take in place of a Float32Array with no copy
+   * (and return with {hold: true}), kept until free(held) or reset(). */
+  hold(x) { return this.#invoke('hold', [x]); }
 
+  /** A held array's values -> Float32Array. */
+  read(held) { return this.#invoke('read', [held]); }
+
+  /** Give a packed matrix's or a held array's memory back (using it afterwards is a RangeError;
+   * freeing again does nothing). */
+  free(packedOrHeld) { return this.#invoke('free', [packedOrHeld]); }
+
+  /** Free every buffer, packed weights and held arrays included. */
   reset() { return this.#invoke('reset', []); }
 
   /** Time `method(...args)` in the driver thread: {iterations, msPerCall, stopped}. */

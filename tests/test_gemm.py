@@ -234,6 +234,59 @@ def test_qmatmul_and_quantize_act_reject_bad_inputs():
     k.reset()
 
 
+# ---- linear: quantize_act, qmatmul and the bias in one call -------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_linear_is_quantize_act_qmatmul_and_bias_bit_for_bit(target):
+    """linear keeps the activations in the module's memory; it must compute exactly what the three
+    calls compute (each verified against float64 above and in test_encoder.py), threaded or not."""
+    k = module(target, {})
+    with k.pool(3) as pool:
+        for quant in ("q8_0", "q4_0"):
+            for m, n, k32 in ((1, 4, 32), (5, 8, 288), (7, 12, 384)):
+                kk = row_length(k, quant, k32)
+                rng = rng_for("linear", target, quant, m, n, kk)
+                w = k.pack(quant, blocks_for(k, quant, n, kk, rng, extreme=False))
+                x, act = token_acts(k, m, kk, rng)
+                if m > 1:
+                    x[m // 2, -32:] = np.inf  # a non-finite block
+                act = k.quantize_act(x)
+                bias = (rng.standard_normal(n) * 3).astype(np.float32)
+                plain = k.qmatmul(w, act)
+                want = {None: plain, "bias": k.add_bias_f32(plain, bias)}
+                for with_bias, expected in want.items():
+                    b = bias if with_bias else None
+                    where = f"{target} {quant} {m}x{n}x{kk} bias={with_bias}"
+                    assert_bitwise_equal(k.linear(w, x, b), expected, where)
+                    assert_bitwise_equal(k.linear(w, x, b, pool), expected, f"{where} threaded")
+                    assert_bitwise_equal(k.linear(w, x, b, pool, chunk=1), expected, f"{where} threaded, chunk 1")
+        k.reset()
+
+
+def test_linear_rejects_bad_inputs():
+    k = module("simd128", {})
+    w = k.pack("q8_0", blocks_for(k, "q8_0", 4, 64, rng_for("bad linear"), extreme=False))
+    odd = k.pack("q8_0", blocks_for(k, "q8_0", 3, 64, rng_for("bad linear"), extreme=False))
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"\[m >= 1, 64\]"):
+        k.linear(w, np.ones((2, 32), np.float32))
+    with pytest.raises(ValueError, match=r"\[m >= 1, 64\]"):
+        k.linear(w, np.ones((0, 64), np.float32))
+    with pytest.raises(ValueError):
+        k.linear(w, np.ones(64, np.float32))  # one token is still [1, k]
+    with pytest.raises(ValueError, match="4 values"):
+        k.linear(w, x, np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        k.linear(odd, x, np.ones(3, np.float32))
+    with pytest.raises(TypeError):
+        k.linear(w, x.astype(np.float64))
+    with pytest.raises(TypeError):
+        k.linear(np.zeros((4, 64)), x)  # type: ignore[arg-type]
+    assert k.linear(odd, x).shape == (2, 3)  # without a bias any row count does
+    k.reset()
+
+
 # ---- matmul_f32 --------------------------------------------------------------------------------
 
 F_SHAPES = ((1, 1, 1), (3, 5, 7), (5, 9, 4), (9, 7, 64), (4, 8, 33), (2, 3, 0), (6, 13, 128))

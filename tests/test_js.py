@@ -70,8 +70,11 @@ class Vectors:
         self.index["arrays"][name] = {"file": f"in/{name}.bin", "dtype": a.dtype.name}
         return {"array": name}
 
-    def case(self, name: str, call: str, args: list, opts: dict | None = None, threaded: bool = False) -> None:
-        case = {"name": name, "call": call, "args": args, "threaded": threaded}
+    def case(self, name: str, call: str, args: list, opts: dict | None = None, threaded: bool = False,
+             held: bool = False) -> None:
+        """A call of the JS API; `threaded` runs it again on the pool, `held` (with opts) again with
+        its Float32Array arguments held and the result held (vectors.mjs)."""
+        case = {"name": name, "call": call, "args": args, "threaded": threaded, "held": held}
         if opts is not None:
             case["opts"] = opts
         self.index["cases"].append(case)
@@ -140,6 +143,8 @@ def write_vectors(root: Path) -> None:
         v.array(f"row_{q}", b[:1])
         v.index["packed"][f"w_{q}"] = {"quant": q, "blocks": f"blocks_{q}", "rows": ROWS, "k": kq}
         v.index["packed"][f"row_{q}"] = {"quant": q, "blocks": f"row_{q}", "rows": 1, "k": kq}
+    v.array("blocks36_q8_0", blocks["q8_0"][:36])  # linear with a bias: rows of a multiple of 4
+    v.index["packed"]["w36_q8_0"] = {"quant": "q8_0", "blocks": "blocks36_q8_0", "rows": 36, "k": K}
 
     def act_name(q: str) -> str:
         kq = k_of(first.quants[q])
@@ -167,13 +172,16 @@ def write_vectors(root: Path) -> None:
     v.case("silu_f32", "silu", [args["x"]], {}, threaded=True)
     v.case("swiglu_f32", "swiglu", [args["x"], args["g"]], {}, threaded=True)
     v.case("erf_f32", "erf", [args["x"]])
-    v.case("gelu_f32", "gelu", [args["wide"], args["bias"]], {}, threaded=True)
+    v.case("gelu_f32", "gelu", [args["wide"], args["bias"]], {}, threaded=True, held=True)
+    v.case("linear", "linear", [{"packed": "w_q8_0"}, {"array": f"x_tokens_{K}"}, None], {}, threaded=True, held=True)
+    v.case("linear_bias", "linear", [{"packed": "w36_q8_0"}, {"array": f"x_tokens_{K}"}, args["bias"]], {}, threaded=True,
+           held=True)
     v.case("add_bias_f32", "addBias", [args["wide"], args["bias"]])
     v.case("layernorm_f32", "layerNorm", [args["wide"], args["gamma"], args["beta"], args["residual"], args["bias"], 1e-5],
-           {}, threaded=True)
+           {}, threaded=True, held=True)
     v.case("layernorm_f32_plain", "layerNorm", [args["residual"], args["gamma"], args["beta"], None, None, 1e-12], {})
     v.case("mean_pool_f32", "meanPool", [args["tokens"], args["mask"], 3])
-    v.case("attention_f32", "attention", [args["qkv"], [5, 1, 6], 2], {}, threaded=True)
+    v.case("attention_f32", "attention", [args["qkv"], [5, 1, 6], 2], {}, threaded=True, held=True)
     v.case("l2_normalize_f32", "l2Normalize", [args["residual"], 36])
 
     # Relaxed SIMD as the engine natively lowers it (the default), as V8 does; the kernels' 7-bit
@@ -209,6 +217,8 @@ def write_vectors(root: Path) -> None:
         v.expect(target, "swiglu_f32", {"out": k.swiglu_f32(x, g)})
         v.expect(target, "erf_f32", {"out": k.erf_f32(x)})
         v.expect(target, "gelu_f32", {"out": k.gelu_f32(wide, bias).ravel()})
+        v.expect(target, "linear", {"out": k.linear(k.pack("q8_0", blocks["q8_0"]), x_tokens[K]).ravel()})
+        v.expect(target, "linear_bias", {"out": k.linear(k.pack("q8_0", blocks["q8_0"][:36]), x_tokens[K], bias).ravel()})
         v.expect(target, "add_bias_f32", {"out": k.add_bias_f32(wide, bias).ravel()})
         v.expect(target, "layernorm_f32", {"out": k.layernorm_f32(wide, gamma, beta, 1e-5, residual, bias).ravel()})
         v.expect(target, "layernorm_f32_plain", {"out": k.layernorm_f32(residual, gamma, beta, 1e-12).ravel()})

@@ -1,8 +1,8 @@
 """MiniLM sentences/s, one table from one run: kernelgen's JS model (simd128 and relaxed SIMD) against
 onnxruntime-web's wasm backend on the int8 ONNX model, each in Node and in headless Chromium, one and
 two threads, batches of 1, 8 and 32 sentences; onnxruntime (Python, native) on the same file for
-reference; and where kernelgen's time goes (linear layers, attention, the rest: LayerNorm, GELU,
-bias, pooling).
+reference; and where kernelgen's time goes (linear layers with their activation quantization,
+attention, the rest: LayerNorm, GELU, pooling).
 
     python examples/minilm/bench.py [--sentences 32] [--batches 1,8,32] [--threads 1,2] [--repeat 5]
                                     [--where node,chromium]
@@ -139,7 +139,7 @@ def table(runs: list[Run], batches: list[int]) -> str:
             mine, theirs = 1000 / by[relaxed, t, 1].per_second, 1000 / by[peer, t, 1].per_second
             lines.append(f"  Chromium relaxed-simd {t} thread(s) b=1 latency: {mine:.1f} ms vs onnxruntime-web "
                          f"{theirs:.1f} ms (goal: no worse): {'met' if mine <= theirs else 'NOT met'}")
-    lines.append("\nkernelgen's time by stage (share of embed time; rest = LayerNorm, GELU, bias add, pooling)")
+    lines.append("\nkernelgen's time by stage (share of embed time; rest = LayerNorm, GELU, pooling)")
     for name, t in names:
         for b in batches:
             s = by[name, t, b].stage_ms

@@ -36,8 +36,9 @@ export function readSafetensors(bytes) {
   return { metadata: header.__metadata__ ?? {}, tensors };
 }
 
-/** Per-stage wall time (ms) of the calls embed() makes: linear layers, attention, and the rest
- * (embedding LayerNorm, bias add, GELU, LayerNorm, pooling). */
+/** Per-stage wall time (ms) of the calls embed() makes: linear layers (activations quantized, the
+ * product, the QKV bias), attention, and the rest (LayerNorms with their bias and residual, GELU
+ * with its bias, pooling). */
 const STAGES = ['linear', 'attention', 'norm'];
 
 export class MiniLM {
@@ -51,19 +52,21 @@ export class MiniLM {
       return tensors[name];
     };
     const f32 = (name) => get(name).data;
+    // The layers' vectors are held in the module's memory, as the weights are: no copy per call.
+    const held = (name) => k.hold(f32(name));
     const linear = async (name) => {
       const { shape: [rows, bytesPerRow], data } = get(`${name}.w`);
-      return { w: await k.pack(metadata.quant, data, rows, (bytesPerRow / spec.stored_bytes) * spec.block), b: f32(`${name}.b`) };
+      return { w: await k.pack(metadata.quant, data, rows, (bytesPerRow / spec.stored_bytes) * spec.block), b: await held(`${name}.b`) };
     };
-    const norm = (name) => [f32(`${name}.gamma`), f32(`${name}.beta`)];
+    const norm = async (name) => [await held(`${name}.gamma`), await held(`${name}.beta`)];
     const layers = [];
     for (let i = 0; i < Number(metadata.num_hidden_layers); i++) {
-      layers.push({ qkv: await linear(`${i}.qkv`), out: await linear(`${i}.out`), ln1: norm(`${i}.ln1`),
-        ffn1: await linear(`${i}.ffn1`), ffn2: await linear(`${i}.ffn2`), ln2: norm(`${i}.ln2`) });
+      layers.push({ qkv: await linear(`${i}.qkv`), out: await linear(`${i}.out`), ln1: await norm(`${i}.ln1`),
+        ffn1: await linear(`${i}.ffn1`), ffn2: await linear(`${i}.ffn2`), ln2: await norm(`${i}.ln2`) });
     }
     return new MiniLM(k, {
       hidden: Number(metadata.hidden_size), heads: Number(metadata.num_attention_heads), eps: Number(metadata.layer_norm_eps),
-      word: f32('word'), pos: f32('pos'), type0: f32('type0'), ln0: norm('ln0'), layers,
+      word: f32('word'), pos: f32('pos'), type0: await held('type0'), ln0: await norm('ln0'), layers,
     });
   }
 
@@ -82,13 +85,13 @@ export class MiniLM {
     }
   }
 
-  /** x[rows * in] -> x W^T in one qmatmul, Float32Array(rows * out) (the bias is added by the next kernel). */
-  #project({ w }, x, opts) {
-    return this.#timed('linear', async () => this.k.qmatmul(w, await this.k.quantizeAct(x, x.length / w.k), opts));
+  /** x[rows * in] -> x W^T (+ b with `bias`; else the next kernel adds it), quantized and multiplied in one call. */
+  #project({ w, b }, x, opts, bias = false) {
+    return this.#timed('linear', () => this.k.linear(w, x, bias ? b : null, opts));
   }
 
   /** Attention of every sentence of the batch in one call: qkv[rows * 3 * hidden] (biases added) ->
-   * context Float32Array(rows * hidden). */
+   * context [rows * hidden]. */
   #attention(qkv, lengths, opts) {
     return this.#timed('attention', () => this.k.attention(qkv, lengths, this.heads, opts));
   }
@@ -118,17 +121,42 @@ export class MiniLM {
       }
     }
     const norm = (fn) => this.#timed('norm', fn);
-    x = await norm(() => k.layerNorm(x, ...this.ln0, positions, this.type0, eps, opts));
-    for (const L of this.layers) {
-      const projected = await this.#project(L.qkv, x, opts);
-      const qkv = await norm(() => k.addBias(projected, L.qkv.b));
-      const ctx = await this.#attention(qkv, lengths, opts);
-      const o = await this.#project(L.out, ctx, opts);
-      x = await norm(() => k.layerNorm(o, ...L.ln1, x, L.out.b, eps, opts));
-      const f1 = await this.#project(L.ffn1, x, opts);
-      const f = await norm(() => k.gelu(f1, L.ffn1.b, opts));
-      const f2 = await this.#project(L.ffn2, f, opts);
-      x = await norm(() => k.layerNorm(f2, ...L.ln2, x, L.ffn2.b, eps, opts));
+    // Every intermediate stays held in the module's memory (a copy in and out per kernel cost more
+    // than the kernels at a few tokens); `done` frees what the next step no longer reads.
+    const hold = { ...opts, hold: true };
+    const live = new Set();
+    const kept = async (value) => {
+      const h = await value;
+      live.add(h);
+      return h;
+    };
+    const done = async (...held) => {
+      for (const h of held) {
+        live.delete(h);
+        await k.free(h);
+      }
+    };
+    try {
+      let h = await kept(norm(() => k.layerNorm(x, ...this.ln0, positions, this.type0, eps, hold)));
+      for (const L of this.layers) {
+        const qkv = await kept(this.#project(L.qkv, h, hold, true));
+        const ctx = await kept(this.#attention(qkv, lengths, hold));
+        await done(qkv);
+        const o = await kept(this.#project(L.out, ctx, hold));
+        await done(ctx);
+        const h1 = await kept(norm(() => k.layerNorm(o, ...L.ln1, h, L.out.b, eps, hold)));
+        await done(o, h);
+        const f1 = await kept(this.#project(L.ffn1, h1, hold));
+        const f = await kept(norm(() => k.gelu(f1, L.ffn1.b, hold)));
+        await done(f1);
+        const f2 = await kept(this.#project(L.ffn2, f, hold));
+        await done(f);
+        h = await kept(norm(() => k.layerNorm(f2, ...L.ln2, h1, L.ffn2.b, eps, hold)));
+        await done(f2, h1);
+      }
+      x = await k.read(h);
+    } finally {
+      await done(...live);
     }
     // Pooling over the batch padded to its longest sentence, as the Python host pads it.
     const T = Math.max(...lengths);

@@ -9,7 +9,7 @@ The host (this file) only moves data: it gathers embedding rows, lays out buffer
 kernels. Every arithmetic step runs in wasm:
 
     x = layernorm_f32(word[ids], residual=pos[0..T), bias=type[0])
-    per layer:  qkv = qmatmul(Wqkv, quantize_act(x)) over all tokens, + bias      (add_bias_f32)
+    per layer:  qkv = qmatmul(Wqkv, quantize_act(x)) over all tokens, + bias   (linear: one call)
                 ctx = attention_f32(qkv, lengths): per (sentence, head), scores, softmax and
                       the weighted values over the sentence's own tokens, in one call
                 x = layernorm_f32(qmatmul(Wo, ctx), residual=x, bias=bo)
@@ -114,9 +114,9 @@ class MiniLM:
                                     linear(i, "ffn2"), norm(i, "ln2"))
                        for i in range(config["num_hidden_layers"])]
 
-    def _project(self, layer: Linear, x: np.ndarray, pool: Pool | None) -> np.ndarray:
-        """x[tokens, in] -> x W^T, f32[tokens, out] (the bias is added by the next kernel)."""
-        return self.k.qmatmul(layer.w, self.k.quantize_act(x), pool)
+    def _project(self, layer: Linear, x: np.ndarray, pool: Pool | None, bias: bool = False) -> np.ndarray:
+        """x[tokens, in] -> x W^T (+ b with `bias`; else the next kernel adds it), f32[tokens, out]."""
+        return self.k.linear(layer.w, x, layer.b if bias else None, pool)
 
     def embed(self, batch: inputs.Batch, pool: Pool | None = None) -> np.ndarray:
         """Unit-length sentence embeddings, f32[batch, 384]."""
@@ -128,7 +128,7 @@ class MiniLM:
         x = k.layernorm_f32(self.word[ids], *self.ln0, self.eps, residual=self.pos[positions], bias=self.type0,
                             pool=pool)
         for L in self.layers:
-            qkv = k.add_bias_f32(self._project(L.qkv, x, pool), L.qkv.b)
+            qkv = self._project(L.qkv, x, pool, bias=True)
             ctx = k.attention_f32(qkv, lengths, self.heads, pool)
             x = k.layernorm_f32(self._project(L.out, ctx, pool), *L.ln1, self.eps, residual=x, bias=L.out.b, pool=pool)
             f = k.gelu_f32(self._project(L.ffn1, x, pool), L.ffn1.b, pool)

@@ -321,6 +321,31 @@ class Kernels:
             self.run("qmatmul", w.quant, [*w.args, *a, py, tokens, w.rows, w.k], pool, chunk)
             return self.module.get(py, np.float32, tokens * w.rows).reshape(tokens, w.rows)
 
+    def linear(self, w: Packed, x: np.ndarray, bias: np.ndarray | None = None, pool: Pool | None = None,
+               chunk: int | None = None) -> np.ndarray:
+        """x W^T + bias, f32[m, rows], for x[m, k]: quantize_act, qmatmul and add_bias_f32 (with a
+        bias) in one scope, the activations never leaving the module's memory; bit for bit
+        add_bias_f32(qmatmul(w, quantize_act(x)), bias). On `pool` the quantization's blocks and then
+        W's rows are split (`chunk` is qmatmul's)."""
+        w = self._check_packed(w, "linear")
+        x = _f32("linear x", x, 2)
+        if x.shape[1] != w.k or x.shape[0] == 0:
+            raise ValueError(f"linear: x must be [m >= 1, {w.k}] (the weights' rows), got shape {x.shape}")
+        if bias is not None and w.rows % 4:
+            raise ValueError(f"linear: a bias needs rows of a multiple of 4 values; the weights have {w.rows}")
+        m = x.shape[0]
+        with self.module.scope():
+            pb = None if bias is None else self._put_row_vector("linear bias", bias, w.rows)
+            px = self.module.put(x)
+            pq = self.module.alloc(x.size * self._act_dtype.itemsize)
+            pd = self.module.alloc(x.size // 32 * 4)
+            self.run("quantize_act", None, [px, x.size, pq, pd], pool)
+            py = self.module.alloc(4 * m * w.rows)
+            self.run("qmatmul", w.quant, [*w.args, pq, pd, py, m, w.rows, w.k], pool, chunk)
+            if pb is not None:
+                self.call(self.export_name("add_bias_f32"), py, pb, py, m, w.rows)
+            return self.module.get(py, np.float32, m * w.rows).reshape(m, w.rows)
+
     def matmul_f32(self, a: np.ndarray, b: np.ndarray, b_transposed: bool = False, pool: Pool | None = None,
                    chunk: int | None = None) -> np.ndarray:
         """a[m, k] times b[k, n] (out = P V), or with `b_transposed` times b[n, k]^T (scores = Q K^T);

@@ -186,6 +186,41 @@ for (const [target, unusable] of TARGETS) {
       await assert.rejects(k.runJob('no_such_job', 1, 1, []), /no job/);
     });
 
+    test('a held array stays until free(); it is refused once freed, after reset() and by other kernels', async () => {
+      const rand = random(13);
+      const x = normals(rand, 6 * 32);
+      const h = await k.hold(x);
+      assert.equal(h.length, x.length);
+      assert.equal(firstDifference(await k.read(h), x), null);
+      const w = await k.pack('q8_0', randomBlocks(k.manifest.quants.q8_0, 8, rand), 8, 32);
+      const bias = normals(rand, 8);
+      const y = await k.linear(w, h, bias, { hold: true, threads: true });
+      assert.equal(firstDifference(await k.read(y), await k.addBias(await k.qmatmul(w, await k.quantizeAct(x, 6)), bias)), null);
+      const g = await k.gelu(y, null, { hold: true }); // a held input is read, not written over
+      assert.equal(firstDifference(await k.read(g), await k.gelu(await k.read(y), null)), null);
+      await k.free(h);
+      await k.free(h); // again: nothing happens
+      await assert.rejects(k.read(h), /freed/);
+      await assert.rejects(k.linear(w, h, null), /freed/);
+      await assert.rejects(k.read(x), TypeError);
+      await assert.rejects(k.gelu({ held: true, length: 4 }, null), /must come from hold/);
+      await assert.rejects(k.linear(w, await k.hold(new Float32Array(33)), null), RangeError);
+      await assert.rejects(k.linear(w, x, new Float32Array(7)), /expected 8 values/);
+      const other = await loadKernels({ target, threads: 1 });
+      try {
+        await assert.rejects(other.read(g), /held by other kernels/);
+        await assert.rejects(other.free(g), /held by other kernels/);
+        const mine = await other.hold(x);
+        await other.reset();
+        await assert.rejects(other.read(mine), /before reset/);
+      } finally {
+        await other.terminate();
+      }
+      await k.free(y);
+      await k.free(g);
+      await k.free(w);
+    });
+
     test('another thread setting the stop flag ends a bench loop', async () => {
       const setter = new Worker('const { workerData } = require("node:worker_threads");'
         + 'setTimeout(() => Atomics.store(workerData, 0, 1), 100);', { eval: true, workerData: k.stopFlag });

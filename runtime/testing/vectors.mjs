@@ -7,7 +7,8 @@
 //   expected: {target: {case: {output: {file, dtype}}}}}
 // An argument is a literal, {array: name}, {packed: name} (pack() of those blocks) or {act: name,
 // tokens?} (quantizeAct of that array as `tokens` rows). A case with opts takes them as its last
-// argument, and when threaded it runs a second time with {threads: true}.
+// argument, and when threaded it runs a second time with {threads: true}; a case marked held runs
+// again with its Float32Array arguments held (hold()) and {hold: true}, the result read back.
 
 import { packPlanes } from '../kernelgen.mjs';
 
@@ -41,6 +42,28 @@ function outputs(value) {
   if (ArrayBuffer.isView(value)) return { out: value };
   if (typeof value === 'number') return { value: Float32Array.of(value) };
   return value;
+}
+
+/** kernels[call] with every Float32Array argument held and {hold: true} -> the result read back.
+ * The held arguments must come out unchanged (a kernel that writes over its input's copy must not
+ * write over a held input); everything held is freed. */
+async function heldCall(kernels, call, args, opts) {
+  const held = [];
+  try {
+    for (const a of args) held.push(a instanceof Float32Array ? await kernels.hold(a) : a);
+    const result = await kernels[call](...held, { ...opts, hold: true });
+    try {
+      for (const [i, a] of args.entries()) {
+        const diff = a instanceof Float32Array && firstDifference(await kernels.read(held[i]), a);
+        if (diff) throw new Error(`held argument ${i} changed: ${diff}`);
+      }
+      return await kernels.read(result);
+    } finally {
+      await kernels.free(result);
+    }
+  } finally {
+    for (const h of held) if (h?.held) await kernels.free(h);
+  }
 }
 
 /** Run every case on `kernels`; -> [{name, threads, ok, detail}] (plain data, for page.evaluate). */
@@ -78,12 +101,14 @@ export async function runVectors(kernels, index, read) {
   const results = [];
   for (const c of index.cases) {
     const args = await Promise.all(c.args.map(resolve));
-    for (const threads of c.threaded ? [false, true] : [false]) {
-      const name = `${target} ${c.name}${threads ? ' threaded' : ''}`;
+    const runs = (c.threaded ? [false, true] : [false]).flatMap((threads) => (c.held ? [false, true] : [false]).map((held) => [threads, held]));
+    for (const [threads, held] of runs) {
+      const name = `${target} ${c.name}${threads ? ' threaded' : ''}${held ? ' held' : ''}`;
       try {
-        const value = c.call === 'packPlanes'
-          ? packPlanes(kernels.manifest.quants[args[0]], args[1], args[2])
-          : await kernels[c.call](...args, ...(c.opts ? [{ ...c.opts, threads }] : []));
+        let value;
+        if (c.call === 'packPlanes') value = packPlanes(kernels.manifest.quants[args[0]], args[1], args[2]);
+        else if (held) value = await heldCall(kernels, c.call, args, { ...c.opts, threads });
+        else value = await kernels[c.call](...args, ...(c.opts ? [{ ...c.opts, threads }] : []));
         const got = outputs(value);
         const problems = [];
         for (const [key, spec] of Object.entries(want[c.name])) {
