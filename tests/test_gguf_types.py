@@ -132,6 +132,16 @@ def test_q5_1_packs_its_values_as_bytes(quants):
     assert (values[0] == 31).all() and (values[1] == 0).all()
 
 
+def test_codebook_lookups_take_relaxed_swizzle_on_relaxed_simd():
+    """A codebook's nibble indices are below 16, where relaxed_swizzle is defined as swizzle: relaxed
+    SIMD's build uses it (no saturating add on x86), simd128's the plain swizzle. (Its results are the
+    exact dots of the tests here, under wasmtime's relaxed determinism on and off.)"""
+    from kernelgen import library
+    wat = {t: (library.out() / t / "kernels.wat").read_text(encoding="utf-8") for t in ("simd128", "relaxed-simd")}
+    assert "i8x16.relaxed_swizzle" in wat["relaxed-simd"] and "i8x16.swizzle" not in wat["relaxed-simd"]
+    assert "i8x16.swizzle" in wat["simd128"] and "relaxed_swizzle" not in wat["simd128"]
+
+
 # ---- kernels against float64 dequantize(W) @ act ------------------------------------------------
 
 

@@ -385,10 +385,11 @@ def _off(n: int) -> tuple[str, ...]:
 
 
 class _LowerUnpack:
-    """i8x16 of elements 16j..16j+15 of the block whose packed values (plane q) start at `base`."""
+    """i8x16 of elements 16j..16j+15 of the block whose packed values (plane q) start at `base`;
+    `relaxed`: the target has relaxed SIMD."""
 
-    def __init__(self, qf: QuantFormat, base: Instr, j: int) -> None:
-        self.qf, self.base, self.j = qf, base, j
+    def __init__(self, qf: QuantFormat, base: Instr, j: int, relaxed: bool) -> None:
+        self.qf, self.base, self.j, self.relaxed = qf, base, j, relaxed
 
     def on_int(self, n: Int) -> Instr:
         return _splat8(n.value)
@@ -421,7 +422,11 @@ class _LowerUnpack:
         return I("v128.and", I("i8x16.eq", I("v128.and", spread, bitsel), bitsel), _splat8(1))
 
     def on_lookup(self, n: Lookup, code: Instr) -> Instr:
-        return I("i8x16.swizzle", I("v128.const", "i8x16", *map(str, n.values)), code)
+        """A codebook lookup. Its indices are nibbles, below 16, where relaxed_swizzle is defined
+        as swizzle on every engine: x86 then skips swizzle's saturating add that sends indices of
+        16 and up to 0 (one operation per 16 values: IQ4_NL, MXFP4)."""
+        op = "i8x16.relaxed_swizzle" if self.relaxed else "i8x16.swizzle"
+        return I(op, I("v128.const", "i8x16", *map(str, n.values)), code)
 
     def on_op(self, n: Op, left: Instr, right: Instr) -> Instr:
         if n.op == "<<":
@@ -431,14 +436,15 @@ class _LowerUnpack:
 
 
 def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Exception],
-                 what: str = "unpack") -> Instr:
+                 what: str, relaxed: bool) -> Instr:
     """i8x16 of elements 16j..16j+15 of the block whose packed values start at `base`: the unpacked
-    values, or (`what` "codes") the unsigned codes of QuantFormat.codes."""
+    values, or (`what` "codes") the unsigned codes of QuantFormat.codes; `relaxed`: for a target
+    with relaxed SIMD."""
     kb = qf.kernel
     if not 0 <= j < kb.block // LANES:
         raise error(f"{qf.name}.{what}: lane group {j} is out of range 0..{kb.block // LANES - 1}")
     if what == "unpack":
-        return fold(kb.unpack, _LowerUnpack(kb, base, j))
+        return fold(kb.unpack, _LowerUnpack(kb, base, j, relaxed))
     if qf.codes is None:
         raise error(f"{qf.name} has no codes in [0, 127] (Q.codes7 is 0): use {qf.name}.unpack")
-    return fold(qf.codes[0 if what == "codes" else 1], _LowerUnpack(kb, base, j))
+    return fold(qf.codes[0 if what == "codes" else 1], _LowerUnpack(kb, base, j, relaxed))

@@ -12578,7 +12578,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -12587,7 +12587,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -12624,14 +12624,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -12673,7 +12673,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -12685,7 +12685,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -12733,7 +12733,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -12743,7 +12743,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -12909,7 +12909,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -12918,7 +12918,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -12955,14 +12955,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -13004,7 +13004,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -13016,7 +13016,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -13064,7 +13064,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -13074,7 +13074,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -13250,7 +13250,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
               (v128.load (local.get $wq))
@@ -13266,7 +13266,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -13304,7 +13304,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
               (v128.load (local.get $wq))
@@ -13320,7 +13320,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -13457,7 +13457,7 @@
                     (br_if $i_done (i32.ge_s (local.get $i) (i32.const 2)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (v128.and
                           (v128.load (local.get $wq))
@@ -13473,7 +13473,7 @@
                     (local.set $acc (local.get $ret_1))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
                     (local.set $ret_1
@@ -13493,7 +13493,7 @@
                     (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (v128.and
                           (v128.load (local.get $wq_1))
@@ -13509,7 +13509,7 @@
                     (local.set $acc (local.get $ret_2))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
                     (local.set $ret_2
@@ -13604,7 +13604,7 @@
                     (br_if $i_done_1 (i32.ge_s (local.get $i) (i32.const 2)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (v128.and
                           (v128.load (local.get $wq))
@@ -13620,7 +13620,7 @@
                     (local.set $acc (local.get $ret_1))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
                     (local.set $ret_1
@@ -13640,7 +13640,7 @@
                     (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (v128.and
                           (v128.load (local.get $wq_1))
@@ -13656,7 +13656,7 @@
                     (local.set $acc (local.get $ret_2))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                         (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
                     (local.set $ret_2
@@ -13734,7 +13734,7 @@
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
                 ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                 (local.set $wv
-                  (i8x16.swizzle
+                  (i8x16.relaxed_swizzle
                     (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                     (v128.and
                       (v128.load (local.get $wq))
@@ -13750,7 +13750,7 @@
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                 (local.set $wv
-                  (i8x16.swizzle
+                  (i8x16.relaxed_swizzle
                     (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                     (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
                 (local.set $ret
@@ -13889,7 +13889,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -13898,7 +13898,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -13933,14 +13933,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -13984,7 +13984,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -13996,7 +13996,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -14042,7 +14042,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -14052,7 +14052,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -14220,7 +14220,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -14229,7 +14229,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -14264,14 +14264,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -14315,7 +14315,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -14327,7 +14327,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -14373,7 +14373,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -14383,7 +14383,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -14561,7 +14561,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
               (v128.load (local.get $wq))
@@ -14576,7 +14576,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -14615,7 +14615,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
               (v128.load (local.get $wq))
@@ -14630,7 +14630,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -14768,7 +14768,7 @@
                     (br_if $i_done (i32.ge_s (local.get $i) (i32.const 2)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (v128.and
                           (v128.load (local.get $wq))
@@ -14785,7 +14785,7 @@
                     (local.set $acc (local.get $ret_1))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
                     (local.set $ret_1
@@ -14806,7 +14806,7 @@
                     (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (v128.and
                           (v128.load (local.get $wq_1))
@@ -14823,7 +14823,7 @@
                     (local.set $acc (local.get $ret_2))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
                     (local.set $ret_2
@@ -14919,7 +14919,7 @@
                     (br_if $i_done_1 (i32.ge_s (local.get $i) (i32.const 2)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (v128.and
                           (v128.load (local.get $wq))
@@ -14936,7 +14936,7 @@
                     (local.set $acc (local.get $ret_1))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
                     (local.set $ret_1
@@ -14957,7 +14957,7 @@
                     (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                     ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (v128.and
                           (v128.load (local.get $wq_1))
@@ -14974,7 +14974,7 @@
                     (local.set $acc (local.get $ret_2))
                     ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                     (local.set $wv
-                      (i8x16.swizzle
+                      (i8x16.relaxed_swizzle
                         (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                         (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
                     (local.set $ret_2
@@ -15053,7 +15053,7 @@
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
                 ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
                 (local.set $wv
-                  (i8x16.swizzle
+                  (i8x16.relaxed_swizzle
                     (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                     (v128.and
                       (v128.load (local.get $wq))
@@ -15068,7 +15068,7 @@
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
                 (local.set $wv
-                  (i8x16.swizzle
+                  (i8x16.relaxed_swizzle
                     (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                     (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
                 (local.set $ret
@@ -27538,7 +27538,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -27547,7 +27547,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -27609,14 +27609,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -27687,7 +27687,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -27699,7 +27699,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -27780,7 +27780,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -27790,7 +27790,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -28099,7 +28099,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -28108,7 +28108,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -28170,14 +28170,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -28248,7 +28248,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -28260,7 +28260,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -28341,7 +28341,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -28351,7 +28351,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -28662,7 +28662,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
               (v128.load (local.get $wq))
@@ -28678,7 +28678,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -28716,7 +28716,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
               (v128.load (local.get $wq))
@@ -28732,7 +28732,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -28791,7 +28791,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
               (v128.load (local.get $wq))
@@ -28807,7 +28807,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -28845,7 +28845,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
               (v128.load (local.get $wq))
@@ -28861,7 +28861,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -29075,7 +29075,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29084,7 +29084,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29142,14 +29142,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -29224,7 +29224,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29236,7 +29236,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29313,7 +29313,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -29323,7 +29323,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -29636,7 +29636,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29645,7 +29645,7 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29703,14 +29703,14 @@
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_0) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
             ;; kernels.dsl:611: wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
             (local.set $wq (i32.add (local.get $wrow_1) (i32.mul (local.get $pb) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -29785,7 +29785,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29797,7 +29797,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (v128.and
                   (v128.load (local.get $wq))
@@ -29874,7 +29874,7 @@
                 (local.get $wrow_0)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_0 (local.get $ret))
@@ -29884,7 +29884,7 @@
                 (local.get $wrow_1)
                 (i32.mul (i32.add (local.get $pb) (i32.const 1)) (i32.const 16))))
             (local.set $ret
-              (i8x16.swizzle
+              (i8x16.relaxed_swizzle
                 (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                 (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
             (local.set $wv_1 (local.get $ret))
@@ -30199,7 +30199,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
               (v128.load (local.get $wq))
@@ -30214,7 +30214,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -30253,7 +30253,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
               (v128.load (local.get $wq))
@@ -30268,7 +30268,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -30328,7 +30328,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
               (v128.load (local.get $wq))
@@ -30343,7 +30343,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
@@ -30382,7 +30382,7 @@
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
         ;; kernels.dsl:441: var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
               (v128.load (local.get $wq))
@@ -30397,7 +30397,7 @@
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:443: acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
         (local.set $wv
-          (i8x16.swizzle
+          (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
         (local.set $ret
