@@ -41,6 +41,14 @@ export function readSafetensors(bytes) {
  * with its bias, pooling). */
 const STAGES = ['linear', 'attention', 'norm'];
 
+/** Tokens in a batch below which LayerNorm, GELU and attention run on the calling thread alone (the
+ * linear layers always take the pool). At 12 tokens (one sentence) these jobs take 6, 33 and 16 us
+ * on one thread (relaxed SIMD, Node, AMD EPYC), about what a helper costs to wake from its sleep
+ * (6-60 us per job, measured quiet) and less than it waits to be scheduled on a loaded machine
+ * (~90 us per job at load 10, where two threads took 95-110 us for each of them); at 64 tokens GELU
+ * and attention take ~170 and ~70 us alone, worth splitting. The same rule in minilm.py. */
+export const MIN_POOL_TOKENS = 64;
+
 export class MiniLM {
   /** Pack export.py's file (a Uint8Array) into kernels `k`. */
   static async load(k, bytes) {
@@ -124,6 +132,7 @@ export class MiniLM {
     // Every intermediate stays held in the module's memory (a copy in and out per kernel cost more
     // than the kernels at a few tokens); `done` frees what the next step no longer reads.
     const hold = { ...opts, hold: true };
+    const rowHold = rows < MIN_POOL_TOKENS ? { hold: true } : hold;
     const live = new Set();
     const kept = async (value) => {
       const h = await value;
@@ -137,21 +146,21 @@ export class MiniLM {
       }
     };
     try {
-      let h = await kept(norm(() => k.layerNorm(x, ...this.ln0, positions, this.type0, eps, hold)));
+      let h = await kept(norm(() => k.layerNorm(x, ...this.ln0, positions, this.type0, eps, rowHold)));
       for (const L of this.layers) {
         const qkv = await kept(this.#project(L.qkv, h, hold, true));
-        const ctx = await kept(this.#attention(qkv, lengths, hold));
+        const ctx = await kept(this.#attention(qkv, lengths, rowHold));
         await done(qkv);
         const o = await kept(this.#project(L.out, ctx, hold));
         await done(ctx);
-        const h1 = await kept(norm(() => k.layerNorm(o, ...L.ln1, h, L.out.b, eps, hold)));
+        const h1 = await kept(norm(() => k.layerNorm(o, ...L.ln1, h, L.out.b, eps, rowHold)));
         await done(o, h);
         const f1 = await kept(this.#project(L.ffn1, h1, hold));
-        const f = await kept(norm(() => k.gelu(f1, L.ffn1.b, hold)));
+        const f = await kept(norm(() => k.gelu(f1, L.ffn1.b, rowHold)));
         await done(f1);
         const f2 = await kept(this.#project(L.ffn2, f, hold));
         await done(f);
-        h = await kept(norm(() => k.layerNorm(f2, ...L.ln2, h1, L.ffn2.b, eps, hold)));
+        h = await kept(norm(() => k.layerNorm(f2, ...L.ln2, h1, L.ffn2.b, eps, rowHold)));
         await done(f2, h1);
       }
       x = await k.read(h);

@@ -59,6 +59,10 @@ class EncoderLayer:
     ln2: tuple[np.ndarray, np.ndarray]
 
 
+# Tokens in a batch below which LayerNorm, GELU and attention run on the calling thread alone (the
+# linear layers always take the pool): minilm.mjs's MIN_POOL_TOKENS says why.
+MIN_POOL_TOKENS = 64
+
 # The linear layers' quant types: the reference quantizer that makes each one's stored blocks.
 QUANTIZERS = {"q8_0": reference.quantize_q8_0, "q4_0": reference.quantize_q4_0}
 
@@ -125,14 +129,15 @@ class MiniLM:
         # Only real tokens are computed: rows of all sentences one after another.
         ids = np.concatenate([row[:n] for row, n in zip(batch.ids, lengths)])
         positions = np.concatenate([np.arange(n) for n in lengths])
+        rows = None if len(ids) < MIN_POOL_TOKENS else pool
         x = k.layernorm_f32(self.word[ids], *self.ln0, self.eps, residual=self.pos[positions], bias=self.type0,
-                            pool=pool)
+                            pool=rows)
         for L in self.layers:
             qkv = self._project(L.qkv, x, pool, bias=True)
-            ctx = k.attention_f32(qkv, lengths, self.heads, pool)
-            x = k.layernorm_f32(self._project(L.out, ctx, pool), *L.ln1, self.eps, residual=x, bias=L.out.b, pool=pool)
-            f = k.gelu_f32(self._project(L.ffn1, x, pool), L.ffn1.b, pool)
-            x = k.layernorm_f32(self._project(L.ffn2, f, pool), *L.ln2, self.eps, residual=x, bias=L.ffn2.b, pool=pool)
+            ctx = k.attention_f32(qkv, lengths, self.heads, rows)
+            x = k.layernorm_f32(self._project(L.out, ctx, pool), *L.ln1, self.eps, residual=x, bias=L.out.b, pool=rows)
+            f = k.gelu_f32(self._project(L.ffn1, x, pool), L.ffn1.b, rows)
+            x = k.layernorm_f32(self._project(L.ffn2, f, pool), *L.ln2, self.eps, residual=x, bias=L.ffn2.b, pool=rows)
         padded = np.zeros((*batch.ids.shape, self.hidden), np.float32)
         padded[batch.mask > 0] = x  # row-major order of the mask's ones is the rows' order
         return k.l2_normalize_f32(k.mean_pool_f32(padded, batch.mask))
