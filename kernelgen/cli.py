@@ -293,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
                     help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
     be.add_argument("--engine", choices=("wasmtime", "node", "both"), default="wasmtime",
-                    help="run in wasmtime, or the mat-vec rows in Node (V8) through the JS runtime, or both")
+                    help="run in wasmtime, or the mat-vec and GEMM rows in Node (V8) through the JS runtime, or both")
     be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")

@@ -26,6 +26,7 @@ from kernelgen.tuning.bench import NUMPY, Case, Limit, Ratio, Report, as_json, f
 from kernelgen.compiler.build import compile_source
 from kernelgen.compiler.check import check, variants
 from kernelgen.cli import main
+from kernelgen.errors import KernelgenError
 from kernelgen.errors import DslError
 from kernelgen.compiler.parse import parse
 from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash, load_store
@@ -934,6 +935,33 @@ def test_bench_runs_the_mat_vec_rows_in_wasmtime_and_node(tmp_path: Path, monkey
         plot(Report([r for r in report.rows if not r.nbytes], [], [], 1), tmp_path / "none.png")
     with pytest.raises(ValueError, match="engines must be"):
         bench.run(SOURCE, ("simd128",), engines=("v8",))
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
+def test_bench_runs_the_gemm_rows_in_node_too(monkeypatch) -> None:
+    """--engine both: qmatmul and matmul_f32 (both forms) run in V8 too, on the calling thread and
+    through the pool on each thread count their cases name, as rows on "<target> node" beside
+    wasmtime's; a ratio between two of them is formed per engine."""
+    monkeypatch.setattr(bench, "node_timings",
+                        lambda built, keys, min_ms=5, f=bench.node_timings: f(built, keys, min_ms))
+    q, f32 = (8, 64, 128), (16, 8, 32)
+    cases = [Case("qmatmul q8_0", "s", 1, "MACs", bench.qmatmul("q8_0", *q), node=("qmatmul", "q8_0", q, 1)),
+             *[Case(f"qmatmul q8_0 pool, {t}", "s", 1, "MACs", bench.qmatmul("q8_0", *q, t),
+                    node=("qmatmul pool", "q8_0", q, t)) for t in (1, 2)],
+             *[Case(f"matmul_f32_{form}{label}", "s", 1, "MACs", bench.matmul_f32(form, *f32, t),
+                    node=(f"matmul_f32_{form}" + (" pool" if t else ""), "", f32, max(t, 1)))
+               for form in ("nt", "nn") for label, t in (("", 0), (" pool, 2", 2))]]
+    ratios = [Ratio("qmatmul q8_0 pool, 2 s", "qmatmul q8_0 pool, 1 s")]
+    report = bench.run(SOURCE, ("simd128",), cases=cases, ratios=ratios, limits=[], engines=("wasmtime", "node"))
+    rows = {(r.key, r.target): r for r in report.rows}
+    for c in cases:
+        for target in ("simd128", "simd128 node"):
+            assert rows[(c.key, target)].value.median > 0
+    assert [(r.row.target, r.versus.target) for r in report.ratios] == [("simd128", "simd128"),
+                                                                        ("simd128 node", "simd128 node")]
+    built = bench.bench_built(SOURCE, ("simd128",), None)[0]
+    with pytest.raises(KernelgenError, match="no GEMM case matmul_f32_tt"):
+        bench.node_timings(built, [("matmul_f32_tt", "", f32, 1)], 5)
 
 
 def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() -> None:

@@ -14,9 +14,9 @@ The bench is three small tables of data, read by one loop:
 `--repeat N` runs the whole table N times; every cell then shows min/median/max over the runs, and
 a goal is judged on the median. Adding a row or a goal is one entry in these tables.
 
-`--engine node` (or `both`) runs the mat-vec cases again in Node (V8) through the JS runtime
-(`node_bench.mjs`), as rows on the targets "simd128 node" and "relaxed-simd node"; a case names
-its Node timing with `node`. `plot` draws the mat-vec rows as a roofline chart.
+`--engine node` (or `both`) runs the mat-vec and GEMM cases again in Node (V8) through the JS
+runtime (`node_bench.mjs`), as rows on the targets "simd128 node" and "relaxed-simd node"; a case
+names its Node timing with `node`. `plot` draws the mat-vec rows as a roofline chart.
 """
 from __future__ import annotations
 
@@ -74,8 +74,13 @@ def bench_built(source: str, targets: tuple[str, ...], records: list[Record] | N
     return compile_source(source + extra, targets=targets, records=records)
 
 
-# (kernel, quant, (rows, cols), threads): how node_bench.mjs names a timing
-NodeKey = tuple[str, str, tuple[int, int], int]
+# (kernel, quant, shape, threads): how node_bench.mjs names a timing. Mat-vec kernels (MATVEC_KERNELS)
+# have shape (rows, cols), the GEMMs (qmatmul, matmul_f32_nt, matmul_f32_nn; quant "" for f32) (m, n, k);
+# a kernel name ending in " pool" is its job through the pool on `threads` threads, else the API call
+# on the calling thread (threads 1).
+NodeKey = tuple[str, str, tuple[int, ...], int]
+MATVEC_KERNELS = ("qmatvec", "qmatvec pool", "seed", "stream")
+POOL = " pool"
 
 
 @dataclass(frozen=True)
@@ -379,12 +384,14 @@ def _mnk(m: int, n: int, kk: int) -> str:
 PREFILL_CASES: list[Case] = [
     Case("integer dot roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 16, "MACs", roofline("idot")),
     Case("f32 madd roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 4, "MACs", roofline("madd")),
-    *(Case(f"qmatmul {q}{label}", _mnk(m, n, kk), m * n * kk, "MACs", qmatmul(q, m, n, kk, threads))
+    *(Case(f"qmatmul {q}{label}", _mnk(m, n, kk), m * n * kk, "MACs", qmatmul(q, m, n, kk, threads),
+           node=("qmatmul" + (POOL if threads else ""), q, (m, n, kk), max(threads, 1)))
       for q in ("q8_0", "q4_0") for m, n, kk in PREFILL
       for label, threads in (("", 0), (" pool, 1 thread", 1), (" pool, 2 threads", 2))),
     *(Case("numpy f32 matmul A W^T", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul("nt", m, n, kk), numpy=True)
       for m, n, kk in PREFILL),
-    *(Case(f"matmul_f32_{form}{label}", _mnk(m, n, kk), m * n * kk, "MACs", matmul_f32(form, m, n, kk, threads))
+    *(Case(f"matmul_f32_{form}{label}", _mnk(m, n, kk), m * n * kk, "MACs", matmul_f32(form, m, n, kk, threads),
+           node=(f"matmul_f32_{form}" + (POOL if threads else ""), "", (m, n, kk), max(threads, 1)))
       for (form, _), (m, n, kk) in ATTENTION.items() for label, threads in (("", 0), (" pool, 2 threads", 2))),
     *(Case(f"numpy f32 matmul {form}", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul(form, m, n, kk), numpy=True)
       for (form, _), (m, n, kk) in ATTENTION.items()),
@@ -614,7 +621,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
                 if k is not None:
                     k.reset()
         for t in node_targets:
-            progress(f"run {i + 1}/{repeat}: the mat-vec cases in {t}")
+            progress(f"run {i + 1}/{repeat}: the mat-vec and GEMM cases in {t}")
             times = node_timings(bench.built[t.removesuffix(NODE)], [c.node for c in node_cases])[1]
             for c in node_cases:
                 rows[(c.key, t)].value.samples.append(times[c.node])
@@ -634,7 +641,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
             if not {t, vt} <= benched:
                 continue  # a target not benched in this run
             if t in node_targets and not {(r.row, t), (r.versus, vt)} <= rows.keys():
-                continue  # Node runs the mat-vec cases only
+                continue  # Node runs the mat-vec and GEMM cases only
             a, b = _row(rows, r.row, t), _row(rows, r.versus, vt)
             cell = Cell([(a.work / x) / (b.work / y) for x, y in zip(a.value.samples, b.value.samples)])
             out_ratios.append(RatioRow(a, b, cell, r.at_least))
@@ -648,13 +655,21 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
 
 def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tuple[str, dict[NodeKey, float]]:
     """Time `keys` in Node (V8) through the JS runtime on `built` (a bench module): (engine, seconds
-    per call by key). A q8_0 shape times the seed-style peer too, checked against qmatvec first; a
-    "qmatvec pool" key runs its shape on the pool's one and two threads."""
+    per call by key). A q8_0 mat-vec shape times the seed-style peer too, checked against qmatvec
+    first; a "qmatvec pool" key runs its shape on the pool's one and two threads. A GEMM key's case
+    is timed on the calling thread and on the pool's thread counts its keys name."""
     node = shutil.which("node")
     if node is None:
         raise KernelgenError("--engine node needs Node.js (node) on PATH")
-    shapes = list(dict.fromkeys((q, shape) for _, q, shape, _ in keys))
-    pooled = {(q, shape) for kernel, q, shape, _ in keys if kernel == "qmatvec pool"}
+    matvec = [key for key in keys if key[0] in MATVEC_KERNELS]
+    shapes = list(dict.fromkeys((q, shape) for _, q, shape, _ in matvec))
+    pooled = {(q, shape) for kernel, q, shape, _ in matvec if kernel == "qmatvec pool"}
+    gemms: dict[tuple[str, str, tuple[int, ...]], set[int]] = {}
+    for kernel, q, shape, threads in keys:
+        if kernel not in MATVEC_KERNELS:
+            pool = gemms.setdefault((kernel.removesuffix(POOL), q, shape), set())
+            if kernel.endswith(POOL):
+                pool.add(threads)
     with tempfile.TemporaryDirectory(prefix="kernelgen-bench-") as tmp:
         out = Path(tmp, built.target)
         out.mkdir()
@@ -663,7 +678,9 @@ def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tupl
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
         config = {"out": tmp, "target": built.target, "seed": str(Path(tmp, "seed.wasm")), "minMs": min_ms,
                   "runtime": (library.runtime() / "kernelgen.mjs").as_uri(),
-                  "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes]}
+                  "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes],
+                  "gemms": [{"kernel": kernel, "quant": q, "shape": list(shape), "pool": sorted(pool)}
+                            for (kernel, q, shape), pool in gemms.items()]}
         proc = subprocess.run([node, "--experimental-wasm-relaxed-simd", "--no-liftoff", str(NODE_BENCH),
                                json.dumps(config)], capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:

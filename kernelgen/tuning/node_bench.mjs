@@ -1,11 +1,14 @@
 // `kernelgen bench --engine node`: the mat-vec rows run in V8 through the JS runtime, as a browser
 // runs them. Started by kernelgen/tuning/bench.py as
 //   node --experimental-wasm-relaxed-simd --no-liftoff node_bench.mjs CONFIG_JSON
-// with CONFIG_JSON {out, target, seed, runtime, cases: [{quant, shape: [rows, cols], twoThreads}], minMs}:
+// with CONFIG_JSON {out, target, seed, runtime, cases: [{quant, shape: [rows, cols], twoThreads}],
+// gemms: [{kernel, quant, shape: [m, n, k], pool: [threads...]}], minMs}:
 // `out` a build directory holding the bench module (the library plus bench_stream_chunks), `seed` the
 // seed-style peer's wasm, `runtime` the URL of runtime/kernelgen.mjs (kernelgen.library.runtime():
 // the checkout's, or the copy an installed wheel carries). Prints one JSON object: {engine, rows: [{kernel, quant, shape, threads, seconds}]},
-// kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream.
+// kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream, and
+// for each GEMM case (qmatmul: Y = A W^T of m tokens; matmul_f32_nt: a b^T, b n x k; matmul_f32_nn:
+// a b, b k x n) the kernel on the calling thread and "<kernel> pool" on each of its thread counts.
 //
 // Every time is per call of the runtime's API (Kernels.bench: activations copied in, y copied out,
 // as a model runs it), except the peer's, which is called directly on a memory laid out as the
@@ -128,7 +131,7 @@ function timeIt(fn) {
 const k = await loadKernels({ dir: config.out, target: config.target, threads: 2 });
 const seedWasm = await readFile(config.seed);
 const rows = [];
-const row = (kernel, quant, [r, c], threads, seconds) => rows.push({ kernel, quant, shape: `${r}x${c}`, threads, seconds });
+const row = (kernel, quant, shape, threads, seconds) => rows.push({ kernel, quant, shape: shape.join('x'), threads, seconds });
 for (const { quant, shape, twoThreads } of config.cases) {
   const spec = k.manifest.quants[quant];
   const [r, c] = shape;
@@ -162,6 +165,31 @@ for (const { quant, shape, twoThreads } of config.cases) {
       row('qmatvec pool', quant, shape, threads, (await k.bench('qmatvec', [w, act, { threads: true, chunk: 16 }], { minMs })).msPerCall / 1e3);
       row('stream', quant, shape, threads, await stream());
     }
+  }
+  await k.reset();
+}
+/** A timer of GEMM case `kernel` (qmatmul, matmul_f32_nt or matmul_f32_nn): opts -> seconds per API
+ * call, its inputs made (and the weights packed) once. */
+async function gemmTimer(kernel, quant, [m, n, kk]) {
+  const rand = generator(m * 31 + n * 7 + kk);
+  if (kernel === 'qmatmul') {
+    const w = await k.pack(quant, blocksOf(k.manifest.quants[quant], n, kk, rand), n, kk);
+    const act = await k.quantizeAct(normals(m * kk, rand), m);
+    return async (opts) => (await k.bench('qmatmul', [w, act, opts], { minMs })).msPerCall / 1e3;
+  }
+  const form = { matmul_f32_nt: 'nt', matmul_f32_nn: 'nn' }[kernel];
+  if (!form) throw new RangeError(`node bench: no GEMM case ${kernel}`);
+  const a = normals(m * kk, rand), b = normals(n * kk, rand);
+  return async (opts) => (await k.bench('matmulF32', [a, b, m, n, { ...opts, bTransposed: form === 'nt' }], { minMs })).msPerCall / 1e3;
+}
+
+for (const { kernel, quant, shape, pool } of config.gemms ?? []) {
+  const time = await gemmTimer(kernel, quant, shape);
+  await k.setThreads(1);
+  row(kernel, quant, shape, 1, await time({}));
+  for (const threads of pool) {
+    await k.setThreads(threads);
+    row(`${kernel} pool`, quant, shape, threads, await time({ threads: true }));
   }
   await k.reset();
 }
