@@ -124,6 +124,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory)
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
+        if args.sizes:
+            from .tuning.size import format_sizes, sizes
+            print(format_sizes(sizes(b)))
     print(f"{len(changed)} file(s) written under {args.out}" if changed else f"{args.out} is up to date")
     return 0
 
@@ -270,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
                         " recorded in the manifest (memory.max_pages), honoured by both hosts")
     b.add_argument("--tune-host-from", type=Path, metavar="MANIFEST",
                    help="use the tunings recorded for the host a manifest was built for (reproduces a committed out/)")
+    b.add_argument("--sizes", action="store_true",
+                   help="print where each module's bytes go: raw, gzip and brotli sizes, code per quant type and per kernel")
     b.set_defaults(func=cmd_build)
     c = sub.add_parser("check", parents=[common, tune], help="parse and check for every target, write nothing")
     c.set_defaults(func=cmd_check)

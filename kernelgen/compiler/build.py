@@ -30,8 +30,8 @@ from .. import __version__
 from ..errors import KernelgenError
 from . import layout
 from .assemble import assemble, wabt_version
-from .check import Checked, check, resolve_tune
-from ..tuning.store import Record, best_tune, host, load_store, usable
+from .check import Checked, check, resolve_tune, tune_key
+from ..tuning.store import Record, best_tune, host, load_store, smallest, usable
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -141,8 +141,12 @@ def _params(e: Export) -> list[dict]:
 
 def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, int]] | None,
                 records: list[Record] | None, tune_host: dict | None) -> tuple[dict[str, dict[str, int]], dict]:
-    """Each exported kernel's tune values for `target`: an override, else the store's best for
-    `tune_host` (this machine by default), else the declared defaults; and where each came from."""
+    """Each exported kernel's tune values for `target` (a table of check.tune_key entries), and where
+    each came from: an override; else, per quant type, the store's pick from that type's timings on
+    `tune_host` (this machine by default; store.best_tune: the smallest variant unless a larger one
+    is SIZE_MARGIN faster); a type the store has no timing for, when others have some, takes the
+    smallest variant (its code is built for every such type); a kernel without timings takes its
+    declared defaults."""
     overrides = dict(overrides or {})
     want = tune_host or host()
     sources: dict[str, str] = {}
@@ -151,13 +155,20 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             continue
         if name in overrides:
             sources[name] = "override"
-        elif records and (best := best_tune(records, checked, name, target, want,
-                                            {t.name: t.default for t in k.ast.tunes})) is not None:
-            overrides[name] = best
-            sources[name] = "store"
-        else:
+            continue
+        least = smallest(checked, name)
+        picks = {q: best for q in (checked.quants if k.ast.generics else (None,))
+                 if records and (best := best_tune(records, checked, name, target, want, least, q)) is not None}
+        if not picks:
             sources[name] = "default"
+            continue
+        overrides[name], sources[name] = (picks[None], "store") if None in picks else (least, "smallest")
+        for q, best in picks.items():
+            if q is not None and best != least and tune_key(name, q) not in overrides:
+                overrides[tune_key(name, q)] = best
+                sources[tune_key(name, q)] = "store"
     values = resolve_tune(checked, overrides)
+    sources.update({key: "override" for key in overrides if key not in sources})
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
     for name in checked.jobs:
         if records and (best := best_tune(records, checked, name, target, want)) is not None:

@@ -13,7 +13,7 @@ from . import ast as A
 from . import layout
 from . import types as T
 from ..errors import DslError
-from ..names import TUNE_NAME
+from ..names import TUNE_NAME, variant_name
 from .ops import TARGETS, Val, fold
 from ..quantformat import QuantFormat
 from .quant import check_quant
@@ -272,19 +272,33 @@ def _with_docs(k: A.KernelDecl, lines: list[str]) -> KernelInfo:
     return KernelInfo(k, [t for t in text if t], params)
 
 
+def tune_key(kernel: str, quant: str | None) -> str:
+    """The key of a kernel's tune values for one quant type in a build's table (`qmatvec_q8_0`, the
+    base of its export names); a kernel's own name holds its values for every type without one."""
+    return variant_name(kernel, quant, {})
+
+
+def tune_for(tune: dict[str, dict[str, int]], kernel: str, quant: str | None) -> dict[str, int]:
+    """`kernel`'s tune values for `quant` in a build's table (see tune_key)."""
+    return tune.get(tune_key(kernel, quant), tune.get(kernel, {})) if quant else tune.get(kernel, {})
+
+
 def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None = None,
                  where: str = "--tune") -> dict[str, dict[str, int]]:
     """Each exported kernel's tune values: declared defaults, replaced by `overrides`; every
-    value in its domain and every `restrict` met."""
+    value in its domain and every `restrict` met. An override keyed by tune_key (`qmatvec_q8_0`)
+    sets one quant type's values (the rest from the kernel's); the result holds it under that key."""
     overrides = overrides or {}
+    per_quant = {tune_key(k.name, q): k for k in checked.kernels.values() if k.ast.exported and k.ast.generics
+                 for q in checked.quants}
     for name, values in overrides.items():
-        k = checked.kernels.get(name)
+        k = checked.kernels.get(name) or per_quant.get(name)
         if k is None or not k.ast.exported:
             raise DslError(None, f"{where}: no exported kernel {name!r}")
         declared = {t.name: t for t in k.ast.tunes}
         for p, v in values.items():
             if p not in declared:
-                raise DslError(None, f"{where}: kernel {name} has no tune parameter {p!r}"
+                raise DslError(None, f"{where}: kernel {k.name} has no tune parameter {p!r}"
                                      f" (it has: {', '.join(declared) or 'none'})")
             if v not in declared[p].domain:
                 raise DslError(declared[p].span, f"{where}: {name}.{p}={v} is outside its domain {list(declared[p].domain)}",
@@ -292,12 +306,17 @@ def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None =
     result: dict[str, dict[str, int]] = {}
     for k in checked.kernels.values():
         if k.ast.exported:
-            values = {t.name: overrides.get(k.name, {}).get(t.name, t.default) for t in k.ast.tunes}
-            broken = _broken_restrict(checked, k, values)
-            if broken is not None:
-                shown = ", ".join(f"{n}={v}" for n, v in values.items())
-                raise DslError(broken.span, f"{where}: {k.name} with {shown} breaks this restriction", checked.source)
-            result[k.name] = values
+            result[k.name] = {t.name: overrides.get(k.name, {}).get(t.name, t.default) for t in k.ast.tunes}
+    for name, values in overrides.items():
+        if name in per_quant:
+            k = per_quant[name]
+            result[name] = {p: values.get(p, v) for p, v in result[k.name].items()}
+    for name, values in result.items():
+        k = checked.kernels.get(name) or per_quant[name]
+        broken = _broken_restrict(checked, k, values)
+        if broken is not None:
+            shown = ", ".join(f"{n}={v}" for n, v in values.items())
+            raise DslError(broken.span, f"{where}: {name} with {shown} breaks this restriction", checked.source)
     return result
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from . import ast as A
 from . import layout
 from . import types as T
-from .check import Checked, KernelInfo
+from .check import Checked, KernelInfo, tune_for
 from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
@@ -95,11 +95,15 @@ class Instances:
         self._chain: tuple[str, ...] = ()  # that of the instance being lowered
 
     def export(self, k: KernelInfo, quant: QuantFormat | None) -> str:
-        return variant_name(k.name, quant.name if quant else None, self.tune.get(k.name, {}))
+        return variant_name(k.name, quant.name if quant else None, self.values(k, quant))
 
     def job(self, k: KernelInfo, quant: QuantFormat | None) -> str:
         assert k.job is not None
-        return variant_name(k.job, quant.name if quant else None, self.tune.get(k.name, {}))
+        return variant_name(k.job, quant.name if quant else None, self.values(k, quant))
+
+    def values(self, k: KernelInfo, quant: QuantFormat | None) -> dict[str, int]:
+        """Exported kernel `k`'s tune values for `quant` (check.tune_for)."""
+        return tune_for(self.tune, k.name, quant.name if quant else None)
 
     def internal(self, k: KernelInfo, generics: dict[str, Binding], error: Callable[[str], DslError]) -> str:
         """The function of internal kernel `k` for these compile-time arguments (queued for
@@ -189,6 +193,7 @@ class Lowerer:
         self._inline_locals: list[set[str]] = []  # locals each expansion declared
         self._copies = 1  # copies the enclosing unrolls (inline expansions included) make of this statement
         self._span: A.Span | None = None
+        self._quant: str | None = None  # the quant type of the function being lowered, if any
         self._frame = Frame()
         self._scopes: list[dict[str, Binding]] = []
 
@@ -201,7 +206,7 @@ class Lowerer:
                 generics: dict[str, Binding] = {}
                 if quant is not None:
                     generics[k.ast.generics[0].name] = quant
-                tune = self.tune.get(k.name, {})
+                tune = self.instances.values(k, quant)
                 generics.update({n: Val(None, "i32", v) for n, v in tune.items()})
                 name = self.instances.export(k, quant)
                 count = self._lower_func(k, generics, name, "export")
@@ -304,6 +309,7 @@ class Lowerer:
         """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
         its pool "job". Returns, for a parallel export, its item count as hosts evaluate it."""
         frame = Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
+        self._quant = next((v.name for v in generics.values() if isinstance(v, QuantFormat)), None)
         with self._context(frame, [dict(generics)], k.ast.span), self._scope():
             params: list[tuple[str, str]] = []
             for p in k.job_params if role == "job" else k.ast.params:
@@ -705,8 +711,8 @@ class Lowerer:
             if T.resolve(e.base.id) is not None and b is None:
                 raise self.error(f"{e.base.id}.{e.name} is an operation: call it")
             kernel = self.c.kernels.get(e.base.id) if b is None else None
-            if kernel is not None:  # another kernel's tune value in this build: `qmatvec.rows`
-                values = self.tune.get(kernel.name, {})
+            if kernel is not None:  # another kernel's tune value in this build: `qmatvec.rows`, for
+                values = tune_for(self.tune, kernel.name, self._quant)  # the quant type being lowered
                 if e.name not in values:
                     raise self.error(f"kernel {kernel.name} has no tune parameter {e.name!r}"
                                      f" (it has: {', '.join(values) or 'none'})")

@@ -21,7 +21,6 @@ names its Node timing with `node`. `plot` draws the mat-vec rows as a roofline c
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from ..names import parse_variant, variant_name
 from ..quantformat import Field, nodes
 from .store import Record
 from .peer import SeedPeer
+from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
 from .timing import (COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_CHUNK, STREAM_SOURCE, measure,
                      measure_python, repeat_name, repeat_source, roof_name)
@@ -460,58 +460,20 @@ RATIOS: list[Ratio] = [
     Ratio("softmax_f32 64x4096", "numpy softmax by row 64x4096", versus_target=NUMPY, at_least=1.5),
 ]
 
-# Figures of the build, measured once per run: (name, unit). The module's size, and the bytes of its
-# function bodies split by feature: the instances of kernels generic over a quant type (dots,
-# mat-vec and GEMM tiles for every declared type) and everything else (f32, activations, pool).
-QUANT_CODE, OTHER_CODE = "wasm code of quant-type kernels", "wasm code of the rest"
-FIGURES = {"build all targets": "s", "wasm size": "bytes", QUANT_CODE: "bytes", OTHER_CODE: "bytes"}
+# Figures of the build, measured once per run: (name, unit). The module's size, raw and compressed,
+# and the bytes of its function bodies split by feature (size.py): the instances of kernels generic
+# over a quant type (mat-vec and GEMM tiles for every declared type), each quant type's share, and
+# everything else (f32, activations, pool). The per-type rows are added for the types the DSL declares.
+FIGURES = {"build all targets": "s", WASM: "bytes", GZIP: "bytes", BROTLI: "bytes", QUANT_CODE: "bytes",
+           OTHER_CODE: "bytes"}
 
 LIMITS: list[Limit] = [
     Limit("empty pool job, 2 threads", 5e-6),
     Limit("build all targets", 3.0, "-"),
     Limit(QUANT_CODE, 32768),  # issue 13: ten quant types' kernels in 32 KB
     Limit(OTHER_CODE, 16384),  # the library's first limit, for what it held then and has since gained
-    Limit("wasm size", 32768 + 16384 + 2048),  # both, and 2 KB of types, exports and globals
+    Limit(WASM, 32768 + 16384 + 2048),  # both, and 2 KB of types, exports and globals
 ]
-
-
-def _leb(b: bytes, i: int) -> tuple[int, int]:
-    """An unsigned LEB128 at b[i]: (value, index past it)."""
-    value = shift = 0
-    while True:
-        x = b[i]
-        value, shift, i = value | (x & 0x7F) << shift, shift + 7, i + 1
-        if x < 0x80:
-            return value, i
-
-
-def code_sizes(built: Built) -> dict[str, int]:
-    """Bytes of each defined function of `built`'s wasm (code section entries, their size prefix
-    included), by the name the WAT gives it: the WAT lists functions in index order."""
-    names = re.findall(r"^  \(func \$(\S+)", built.wat, re.M)
-    wasm, i, sizes = built.wasm, 8, []
-    while i < len(wasm):
-        section, (size, j) = wasm[i], _leb(wasm, i + 1)
-        if section == 10:  # the code section: a count, then each body's size and bytes
-            count, k = _leb(wasm, j)
-            for _ in range(count):
-                body, at = _leb(wasm, k)
-                sizes.append(at - k + body)
-                k = at + body
-        i = j + size
-    if len(sizes) != len(names):
-        raise ValueError(f"{built.target}: {len(sizes)} function bodies but {len(names)} functions in the WAT")
-    return dict(zip(names, sizes))
-
-
-def code_by_feature(built: Built) -> dict[str, int]:
-    """Function-body bytes of the quant-type kernels (instances whose name ends in a quant type,
-    names.variant_name) and of the rest."""
-    quants = tuple(f"_{q}" for q in built.manifest["quants"])
-    out = {QUANT_CODE: 0, OTHER_CODE: 0}
-    for name, size in code_sizes(built).items():
-        out[QUANT_CODE if parse_variant(name).base.endswith(quants) else OTHER_CODE] += size
-    return out
 
 
 # ---- running and reporting -----------------------------------------------------------------------
@@ -609,7 +571,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
         for t in on:
             nbytes = _packed_bytes(bench.kernels[t.removesuffix(NODE)], *c.weights) if c.weights else 0
             rows[(c.key, t)] = Row(c.key, t, Cell(), c.work, c.unit, nbytes=nbytes)
-    for name, unit in FIGURES.items():
+    for name, unit in FIGURES.items():  # (each quant type's row is added by the first run's build)
         for t in (("-",) if unit == "s" else targets):
             rows[(name, t)] = Row(name, t, Cell(), unit=unit, figure=True)
     for i in range(repeat):
@@ -630,9 +592,11 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
         built = compile_source(source, records=records)
         rows[("build all targets", "-")].value.samples.append(time.perf_counter() - t0)
         for b in built:
-            for name, size in {"wasm size": len(b.wasm), **code_by_feature(b)}.items():
-                if (name, b.target) in rows:
-                    rows[(name, b.target)].value.samples.append(float(size))
+            if b.target not in targets:
+                continue
+            for name, size in sizes(b).figures().items():
+                row = rows.setdefault((name, b.target), Row(name, b.target, Cell(), unit="bytes", figure=True))
+                row.value.samples.append(float(size))
     benched = {*wasm_targets, *node_targets, NUMPY, "-"}
     out_ratios = []
     for r in ratios:

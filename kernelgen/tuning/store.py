@@ -193,24 +193,42 @@ def append_record(path: Path, rec: Record) -> None:
         f.write(json.dumps(rec.stored(), sort_keys=True) + "\n")
 
 
-# A variant replaces the declared defaults only when it is this much faster (geometric mean over
-# the shapes): on a shared machine smaller differences are noise, and a needless variant costs
-# code size (multi-row passes are separate functions).
-MARGIN = 1.03
+# A variant larger than the smallest is built only when it is this much faster than the smallest
+# (geometric mean of time over the shapes measured). The larger variants are more code in every
+# quant type they are built for (relaxed SIMD qmatvec rows 2 accs 2 with qmatmul 2x2: 12 KB per type
+# against 2.2 KB for 1x1), and the store's re-timings of one variant differ from its first timing by
+# 3.8% (median over 336 pairs): a smaller gain is not told from noise.
+SIZE_MARGIN = 1.05
+ALL_QUANTS = "*"  # best_tune over the timings of every quant type (a pool job's run-time values)
+
+
+def smallest(checked: Checked, kernel: str) -> dict[str, int]:
+    """The variant with the least code: each tune parameter at the least value of its domain (every
+    parameter here counts copies of code: unrolled steps, a tile's tokens and rows, accumulators),
+    when that meets the restricts; else the declared defaults."""
+    k = checked.kernels[kernel].ast
+    least = {t.name: min(t.domain) for t in k.tunes}
+    try:
+        resolve_tune(checked, {kernel: least}, where="smallest variant")
+    except DslError:
+        return {t.name: t.default for t in k.tunes}
+    return least
 
 
 def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
-              default: dict | None = None) -> dict | None:
-    """The variant to build for `kernel` on `target`: among successful timings on `want_host` for
-    the current DSL, the one with the lowest geometric mean of time / best time over the shapes
-    measured, counting only variants timed on every shape; `default` unless the winner beats it
-    by MARGIN. The latest timing of a (variant, shape) wins (re-timings replace first timings).
-    None when nothing matches."""
+              baseline: dict | None = None, quant: str | None = ALL_QUANTS) -> dict | None:
+    """The variant to build for `kernel` (for one `quant` type, or over every type's timings) on
+    `target`: among successful timings on `want_host` for the current DSL, the one with the lowest
+    geometric mean of time / best time over the shapes measured, counting only variants timed on
+    every shape; `baseline` (the smallest variant) unless the winner beats it by SIZE_MARGIN. The
+    latest timing of a (variant, shape) wins (re-timings replace first timings). None when nothing
+    matches."""
     h = kernel_hash(checked, kernel)
     hk = json.dumps(want_host, sort_keys=True)
     latest: dict[tuple[str, str], float] = {}
     for r in sorted(records, key=lambda r: r.when):
-        if (r.kernel, r.target, r.dsl_hash) == (kernel, target, h) and json.dumps(r.host, sort_keys=True) == hk:
+        if (r.kernel, r.target, r.dsl_hash) == (kernel, target, h) and json.dumps(r.host, sort_keys=True) == hk \
+                and quant in (ALL_QUANTS, r.quant):
             key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}")
             if r.seconds is not None and r.status == "ok":
                 latest[key] = r.seconds
@@ -228,9 +246,7 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
     if not scores:
         return None
     best = min(sorted(scores), key=lambda t: scores[t])
-    kept = json.dumps(default, sort_keys=True) if default is not None else None
-    if kept in scores and scores[kept] <= scores[best] * MARGIN:
-        return default
+    kept = json.dumps(baseline, sort_keys=True) if baseline is not None else None
+    if kept in scores and scores[kept] < scores[best] * SIZE_MARGIN:
+        return baseline
     return json.loads(best)
-
-
