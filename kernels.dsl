@@ -579,9 +579,14 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, n
 # The M x N dots (M * N > 1; single dots are qsingles') of tokens t0 .. t0 + M - 1 with rows
 # r0, r0 + rs, .., r0 + (N - 1) * rs of W (rs: qtiles' slab length), their accumulators side by side in registers (M * N * A of them). Each four-block step is a small integer GEMM:
 # every weight vector is unpacked once for the M tokens, every activation vector serves the N rows
-# (one address: the engine loads it once), the raw dots of two blocks at a time folded by
-# lanepairs, then lanequads; the exact dots then go through qscale4, the float operations of
-# qstep4. Integer sums are exact in any order, and the float order is qrowsum's (A
+# (the compiler loads it once: V8 does not merge equal loads), one block per round of a run-time
+# loop, each round's raw dots folded in pairs of dots by lanepairs, then lanequads and a shuffle
+# per pair after the four rounds; the exact dots then go through qscale4, the float operations of
+# qstep4. One block a round: engines issue a round's loads before its arithmetic, and V8 (15
+# vector registers to cranelift's 16) spilled with two blocks' loads in flight (qmatvec Q8_0 with
+# NR = 2 at 256x4096, simd128: 0.8x the seed-style kernel in V8, 1.2x now; wasmtime 1.22x -> 1.24x,
+# its 2x2 GEMM tile 1.28x faster; bits unchanged). M * N is even (tiles of 1, 2 or 4 with M * N > 1),
+# so the dots pair up. Integer sums are exact in any order, and the float order is qrowsum's (A
 # accumulators taking turns over the four-block steps, qstep1 for the leftover blocks), so no
 # result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
@@ -600,43 +605,59 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
     for b in 0..nbs step 4 * A {
         unroll s in 0..A {
             let blk = b + 4 * s;
-            var d[M * N * 2]: i32x4 = i32x4.splat(0);  # dot i's lanepairs: 2i blocks 0-1, 2i + 1 blocks 2-3
-            var pb: i32 = blk;
-            for p in 0..2 {
-                var raw[M * N * 2]: i32x4 = i32x4.splat(0);  # dot i's blocks pb, pb + 1: 2i, 2i + 1
-                unroll j in 0..2 {
-                    unroll h in 0..Q.block / 16 {
-                        var wv[N]: i8x16 = i8x16.splat(0);
+            var x[M * N * 2]: i32x4 = i32x4.splat(0);  # dots 2q, 2q + 1 of block blk + j: x[4q + j]
+            var wb[N]: ptr = 0;
+            unroll r in 0..N {
+                wb[r] = wrow[r] + blk * Q.bytes;
+            }
+            var ab[M]: ptr = 0;
+            unroll t in 0..M {
+                ab[t] = arow[t] + blk * Q.block * ACT_BYTES;
+            }
+            for j in 0..4 {
+                var raw[M * N]: i32x4 = i32x4.splat(0);
+                unroll h in 0..Q.block / 16 {
+                    var wv[N]: i8x16 = i8x16.splat(0);
+                    unroll r in 0..N {
+                        wv[r] = qlanes[Q](wb[r], h);
+                    }
+                    unroll t in 0..M {
                         unroll r in 0..N {
-                            wv[r] = qlanes[Q](wrow[r] + (pb + j) * Q.bytes, h);
-                        }
-                        unroll t in 0..M {
-                            let at = arow[t] + (pb + j) * Q.block * ACT_BYTES;
-                            unroll r in 0..N {
-                                let i = (t * N + r) * 2 + j;
-                                static if h == 0 {  # the first half starts the sum: no add of zero (qraw)
-                                    raw[i] = qhalf[Q](i32x4.splat(0), wv[r], wrow[r] + (pb + j) * Q.bytes, at, h);
-                                } else {
-                                    raw[i] = qhalf[Q](raw[i], wv[r], wrow[r] + (pb + j) * Q.bytes, at, h);
-                                }
+                            let i = t * N + r;
+                            static if h == 0 {  # the first half starts the sum: no add of zero (qraw)
+                                raw[i] = qhalf[Q](i32x4.splat(0), wv[r], wb[r], ab[t], h);
+                            } else {
+                                raw[i] = qhalf[Q](raw[i], wv[r], wb[r], ab[t], h);
                             }
                         }
                     }
                 }
-                unroll i in 0..M * N {
-                    d[2 * i] = d[2 * i + 1];
-                    d[2 * i + 1] = lanepairs(raw[2 * i], raw[2 * i + 1]);
+                unroll q in 0..M * N / 2 {
+                    x[4 * q] = x[4 * q + 1];
+                    x[4 * q + 1] = x[4 * q + 2];
+                    x[4 * q + 2] = x[4 * q + 3];
+                    x[4 * q + 3] = lanepairs(raw[2 * q], raw[2 * q + 1]);
                 }
-                pb = pb + 2;
+                unroll r in 0..N {
+                    wb[r] = wb[r] + Q.bytes;
+                }
+                unroll t in 0..M {
+                    ab[t] = ab[t] + Q.block * ACT_BYTES;
+                }
+            }
+            var dots[M * N]: i32x4 = i32x4.splat(0);  # dot i's four blocks, lane j: block blk + j
+            unroll q in 0..M * N / 2 {
+                let lo = lanequads(x[4 * q], x[4 * q + 1]);  # dots 2q, 2q + 1 of blocks 0, 1
+                let hi = lanequads(x[4 * q + 2], x[4 * q + 3]);  # of blocks 2, 3
+                dots[2 * q] = qexact[Q](i32x4.shuffle(lo, hi, 0, 2, 4, 6));
+                dots[2 * q + 1] = qexact[Q](i32x4.shuffle(lo, hi, 1, 3, 5, 7));
             }
             unroll t in 0..M {
                 let da4 = f32x4.load(ad + ((t0 + t) * nb + blk) * 4);
                 let as4 = ascaled4[Q](arow[t] + blk * Q.block * ACT_BYTES, da4);
                 unroll r in 0..N {
-                    let rb = (r0 + r * rs) * nb + blk;
-                    let i = (t * N + r) * A + s;
-                    let di = 2 * (t * N + r);
-                    acc[i] = qscale4[Q](w, rb, qexact[Q](lanequads(d[di], d[di + 1])), da4, as4, acc[i]);
+                    let i = t * N + r;
+                    acc[i * A + s] = qscale4[Q](w, (r0 + r * rs) * nb + blk, dots[i], da4, as4, acc[i * A + s]);
                 }
             }
         }
@@ -708,7 +729,7 @@ kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr,
 #   n: row count
 #   k: row length, a multiple of Q.block
 export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
-    tune rows: i32 in {1, 2, 4} = 1;
+    tune rows: i32 in {1, 2, 4} = 2;  # 2: the fastest in both wasmtime and V8 (qtile)
     tune accs: i32 in {1, 2} = 1;
     restrict rows * accs <= 4;  # accumulators in flight: 16 vector registers on x86-64 hold no more
     parallel rows r0..r1 in 0..n;
@@ -725,8 +746,8 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
 #   n: row count
 #   k: row length, a multiple of Q.block
 export kernel qmatmul[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n: i32, k: i32) {
-    tune tokens: i32 in {1, 2, 4} = 2;
-    tune rows: i32 in {1, 2, 4} = 1;
+    tune tokens: i32 in {1, 2, 4} = 1;  # 1 x 2: as fast as 2 x 1, and qmatvec's own tile (no more code)
+    tune rows: i32 in {1, 2, 4} = 2;
     restrict tokens * rows <= 4;  # a tile's integer dots and float sums (x qmatvec's accs <= 2) in registers
     parallel rows r0..r1 in 0..n;  # rows of W, each read by one thread, every token passing over it there
     qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);

@@ -93,7 +93,7 @@ def test_huge_or_bad_chunk_is_refused_and_large_ones_give_the_same_bits() -> Non
         print("done")
     """)
     assert out.strip().endswith("done")
-    assert "qmatvec_job_q8_0__rows1_accs1 chunk: 4294967296 is outside 1..2147483647" in out
+    assert "qmatvec_job_q8_0__rows2_accs1 chunk: 4294967296 is outside 1..2147483647" in out
     assert "expected an integer, got float" in out and "expected an integer, got bool" in out
 
 
@@ -379,7 +379,7 @@ def test_store_records_outside_the_domain_are_skipped_with_one_line_warnings(tmp
     assert [w.split(": ")[2] for w in warned] == [f"{store}:{n}" for n in (7, 1, 2, 3, 4, 5)], err
     assert "UserWarning" not in err and len(err.splitlines()) == 6
     manifest = json.loads((out / "simd128" / "kernels.json").read_text())
-    job = manifest["exports"]["qmatvec_q8_0__rows1_accs1"]["parallel"]["job"]
+    job = manifest["exports"]["qmatvec_q8_0__rows2_accs1"]["parallel"]["job"]
     assert manifest["jobs"][job]["tuned"] == {"threads": 2, "chunk": 32}
     assert manifest["tune"]["source"]["qmatvec"] == "default"
 

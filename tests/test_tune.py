@@ -93,7 +93,7 @@ def test_variants_of_dot_f32_defaults_first_then_the_rest_of_the_domain(checked)
 
 def test_variants_of_qmatvec_respect_the_restriction(checked) -> None:
     vs = variants(checked, "qmatvec")
-    assert vs[0] == {"rows": 1, "accs": 1}  # the declared defaults
+    assert vs[0] == {"rows": 2, "accs": 1}  # the declared defaults
     assert len(vs) == len({json.dumps(v, sort_keys=True) for v in vs}), "a variant is listed twice"
     assert {(v["rows"], v["accs"]) for v in vs} == {(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)}
     assert all(v["rows"] * v["accs"] <= 4 for v in vs)
@@ -123,13 +123,13 @@ def test_variants_enumerate_every_assignment_meeting_every_restriction() -> None
 
 
 def broken_defaults() -> str:
-    """The library with a qmatvec restriction its defaults (rows=1, accs=1) break."""
-    return edit(SOURCE, RESTRICT, "    restrict rows * accs >= 2;")
+    """The library with a qmatvec restriction its defaults (rows=2, accs=1) break."""
+    return edit(SOURCE, RESTRICT, "    restrict rows * accs >= 4;")
 
 
 def test_restriction_the_defaults_break_is_rejected_at_the_restrict_line() -> None:
     broken = broken_defaults()
-    line = line_of(broken, "restrict rows * accs >= 2;")
+    line = line_of(broken, "restrict rows * accs >= 4;")
     with pytest.raises(DslError) as e:
         compile_source(broken, str(DSL_PATH), targets=("simd128",))
     assert e.value.span is not None and e.value.span.line == line
@@ -141,13 +141,13 @@ def test_restriction_the_defaults_break_is_rejected_at_the_restrict_line() -> No
 
 def test_variants_never_return_an_assignment_that_breaks_a_restriction() -> None:
     broken = broken_defaults()
-    line = line_of(broken, "restrict rows * accs >= 2;")
+    line = line_of(broken, "restrict rows * accs >= 4;")
     try:
         vs = variants(check(parse(broken)), "qmatvec")
     except DslError as e:
         assert e.span is not None and e.span.line == line
         return
-    assert all(v["rows"] * v["accs"] >= 2 for v in vs), vs
+    assert all(v["rows"] * v["accs"] >= 4 for v in vs), vs
 
 
 @pytest.mark.parametrize("restriction, bad", [
@@ -1065,7 +1065,7 @@ def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None
     assert [r.tune for r in first] == job_variants()
     assert all(r.status == "ok" and r.seconds > 0 for r in recs)
     (built,) = compile_source(SOURCE, targets=("simd128",), records=load_store(store), tune_host=S.host())
-    job = built.manifest["exports"]["qmatvec_q8_0__rows1_accs1"]["parallel"]["job"]
+    job = built.manifest["exports"]["qmatvec_q8_0__rows2_accs1"]["parallel"]["job"]
     tuned = built.manifest["jobs"][job]["tuned"]
     assert tuned in job_variants() and built.manifest["tune"]["host"] == S.host()
     assert built.manifest["jobs"]["softmax_f32_job"]["tuned"] is None  # not tuned: the API's own default

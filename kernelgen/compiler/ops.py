@@ -32,6 +32,7 @@ class Ctx(Protocol):
     def error(self, message: str) -> Exception: ...
     def materialize(self, v: Val, type_: str | None = None) -> Instr: ...
     def reuse(self, v: Val) -> tuple[Instr, Instr]: ...
+    def load_once(self, op: str, offset: int, addr: Instr) -> Instr: ...
 
 
 Op = Callable[[Ctx, "str | None", list[Val]], Val]
@@ -471,9 +472,10 @@ def _idot_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, int | None]:
     return acc, w, a, None
 
 
-def _act_load(p: Instr, offset: int, op: str = "v128.load") -> Instr:
-    """Stored activations at p + offset bytes (16 bytes, or 8 widened by a load8x8 `op`)."""
-    return Instr(op, (f"offset={offset}",) if offset else (), (p,))
+def _act_load(c: Ctx, p: Instr, offset: int, op: str = "v128.load") -> Instr:
+    """Stored activations at p + offset bytes (16 bytes, or 8 widened by a load8x8 `op`): loaded once
+    for the dots in the statements that follow with the same activations (a GEMM tile's rows)."""
+    return c.load_once(op, offset, p)
 
 
 def _idot_i16(c: Ctx, args: list[Val], act: dict[str, int]) -> Val:
@@ -490,7 +492,7 @@ def _idot_i16(c: Ctx, args: list[Val], act: dict[str, int]) -> Val:
         a_lo, a_hi = I("i16x8.extend_low_i8x16_s", a1), I("i16x8.extend_high_i8x16_s", a2)
     else:
         p1, p2 = c.reuse(a)
-        a_lo, a_hi = _act_load(p1, offset, "v128.load8x8_s"), _act_load(p2, offset + 8, "v128.load8x8_s")
+        a_lo, a_hi = _act_load(c, p1, offset, "v128.load8x8_s"), _act_load(c, p2, offset + 8, "v128.load8x8_s")
     lo = I("i32x4.dot_i16x8_s", I("i16x8.extend_low_i8x16_s", w1), a_lo)
     hi = I("i32x4.dot_i16x8_s", I("i16x8.extend_high_i8x16_s", w2), a_hi)
     return _plus_acc(c, acc, I("i32x4.add", lo, hi))
@@ -514,8 +516,8 @@ def _idot_split(c: Ctx, acc: Val, w: Val, p: Val, offset: int) -> Val:
     p1, p2 = c.reuse(p)
     even = I("i16x8.shl", w1, I("i32.const", "8"))
     odd = I("v128.and", w2, I("v128.const", "i16x8", *["0xff00"] * 8))
-    dots = I("i32x4.add", I("i32x4.dot_i16x8_s", even, _act_load(p1, offset * 2)),
-             I("i32x4.dot_i16x8_s", odd, _act_load(p2, offset * 2 + 16)))
+    dots = I("i32x4.add", I("i32x4.dot_i16x8_s", even, _act_load(c, p1, offset * 2)),
+             I("i32x4.dot_i16x8_s", odd, _act_load(c, p2, offset * 2 + 16)))
     return _plus_acc(c, acc, dots)
 
 
@@ -543,7 +545,7 @@ def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     the same value in [0, 127]; x86's pmaddubsw adds pairs in saturating i16, and a pair is at most
     2 * 127 * 128 = 32512 in magnitude (|a| <= 128 for any int8), below 32767: no saturation."""
     acc, u, a, offset = _idot_check(c, args)
-    act = c.materialize(a) if offset is None else _act_load(c.materialize(a, "i32"), offset)
+    act = c.materialize(a) if offset is None else _act_load(c, c.materialize(a, "i32"), offset)
     code = I("i32x4.relaxed_dot_i8x16_i7x16_add_s", act, c.materialize(u), c.materialize(acc))
     return Val(code, "i32x4")
 
@@ -575,8 +577,8 @@ def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     where idot7 twice and a subtraction take seven."""
     acc, u, z, a, offset = _idot7z_check(c, args)
     p1, p2 = c.reuse(a)
-    dot_u = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(p1, offset), c.materialize(u))
-    dot_z = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(p2, offset), c.materialize(z))
+    dot_u = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u))
+    dot_z = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset), c.materialize(z))
     return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z)))
 
 
