@@ -19,6 +19,7 @@ from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
 from .tuning.store import STORE, StoreWarning, load_store
+from .tuning.timing import ENGINE_CHOICES
 
 DEFAULT_DSL = Path("kernels.dsl")
 EXIT_USER = 2
@@ -174,7 +175,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except OSError as e:
         raise KernelgenError(f"--store {store}: cannot write it ({e.strerror})") from None
     recs = tune(source, args.target, kernels, shapes, args.quant, store, args.budget, args.strategy, args.seed,
-                out=sys.stderr, remeasure=args.remeasure)
+                out=sys.stderr, remeasure=args.remeasure, engine=args.engine)
     if not recs:
         return 0  # tune said why: nothing left to do, no budget, or interrupted
     ok = [r for r in recs if r.seconds is not None]
@@ -291,13 +292,16 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--remeasure", action="store_true",
                    help="time again what the store already holds for this host (default: skip it)")
     t.add_argument("--plot", type=Path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
+    t.add_argument("--engine", choices=ENGINE_CHOICES, default="both",
+                   help="time variants in wasmtime, in V8 through Node (what browsers run), or both (default; "
+                        "the build's pick weighs both; pool jobs are timed in wasmtime)")
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     be.add_argument("--repeat", type=_positive, default=1, metavar="N",
                     help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
-    be.add_argument("--engine", choices=("wasmtime", "node", "both"), default="wasmtime",
+    be.add_argument("--engine", choices=ENGINE_CHOICES, default="wasmtime",
                     help="run in wasmtime, or the mat-vec and GEMM rows in Node (V8) through the JS runtime, or both")
     be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
     be.set_defaults(func=cmd_bench)

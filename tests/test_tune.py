@@ -577,7 +577,7 @@ def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, f
     assert _tune_dot(SOURCE, store) == []
     assert store.read_bytes() == before
     argv = ("tune", "--dsl", str(DSL_PATH), "--target", "simd128", "--kernel", "dot_f32", "--shape", "256",
-            "--store", str(store))
+            "--store", str(store), "--engine", "wasmtime")
     code, out, err = run_cli(*argv)
     assert code == 0 and out == ""
     assert (f"nothing to do: all {len(first)} variant(s) asked for are already recorded in {store}" in err
@@ -984,6 +984,61 @@ def test_best_tune_keeps_the_smallest_variant_unless_a_larger_one_is_size_margin
     assert S.best_tune(mixed, checked, "qmatvec", "simd128", HOST_A, smallest) == smallest
     # the smallest not timed on every shape: the fastest of those that were
     assert S.best_tune(mixed[1:], checked, "qmatvec", "simd128", HOST_A, smallest) == other
+
+
+def test_best_tune_weighs_v8_timings_beside_wasmtime_ones(checked) -> None:
+    """A variant that ties under wasmtime and wins in V8 (what browsers run) is picked: each engine's
+    timing of a shape counts in the geometric mean; without the V8 timings the smallest stays."""
+    small, rows2 = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}
+
+    def r(tune: dict, seconds: float, engine: str) -> Record:
+        out = rec(checked, tune, seconds, "256x4096", kernel="qmatvec", quant="q8_0")
+        out.engine = engine
+        return out
+
+    wasmtime = [r(small, 1.0, "wasmtime"), r(rows2, 0.98, "wasmtime")]
+    v8 = [r(small, 1.5, "v8 11.3"), r(rows2, 1.0, "v8 11.3")]
+    pick = functools.partial(S.best_tune, checked=checked, kernel="qmatvec", target="simd128", want_host=HOST_A,
+                             baseline=small)
+    assert pick(wasmtime) == small  # 2% is under the size margin
+    assert pick(wasmtime + v8) == rows2  # geometric mean over both engines: 1.22x
+    assert pick(wasmtime + v8[:1]) == small  # rows 2 not timed in V8: only variants timed everywhere count
+
+
+def test_a_store_line_from_before_engines_reads_as_wasmtime(checked, tmp_path: Path) -> None:
+    path = tmp_path / "store.jsonl"
+    line = rec(checked, {"unroll": 2}, 1e-6).stored()
+    del line["engine"]
+    path.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = load_store(path)
+    assert got.engine == "wasmtime" and got == rec(checked, {"unroll": 2}, 1e-6)
+    bad = {**line, "engine": 7}
+    path.write_text(json.dumps(bad) + "\n", encoding="utf-8")
+    with pytest.warns(S.StoreWarning, match="bad engine"):
+        assert load_store(path) == []
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
+def test_tune_engine_both_times_each_variant_in_wasmtime_and_v8(checked, tmp_path: Path) -> None:
+    """--engine both: every variant is verified under wasmtime, then timed there and in V8 on a copy
+    of the same memory; a V8 record names the V8 version, and the pick reads both."""
+    from kernelgen.tuning.v8 import engine_name
+    store = tmp_path / "store.jsonl"
+    new = tune(SOURCE, ["relaxed-simd"], ["qmatvec"], {"qmatvec": [(8, 256)]}, ["q4_0"], store, budget=300.0,
+               out=io.StringIO(), retime=0, engine="both")
+    v8 = engine_name()
+    assert v8.startswith("v8 ")
+    every = variants(checked, "qmatvec")
+    for engine in ("wasmtime", v8):
+        timed = [r for r in new if r.engine == engine]
+        assert [r.tune for r in timed] == every
+        assert all(r.status == "ok" and r.seconds > 0 for r in timed)
+    assert load_store(store) == new
+    assert S.best_tune(new, checked, "qmatvec", "relaxed-simd", S.host(), quant="q4_0") in every
+    with pytest.raises(ValueError, match="engine 'spidermonkey': one of wasmtime, node, both"):
+        tune(SOURCE, ["simd128"], ["qmatvec"], {}, None, store, 1.0, out=io.StringIO(), engine="spidermonkey")
 
 
 def test_best_tune_per_quant_type_reads_only_that_types_timings(checked) -> None:

@@ -27,6 +27,7 @@ from ..host.module import I32_MAX
 
 STORE = Path("tuning") / "store.jsonl"
 FORMAT = 1
+WASMTIME = "wasmtime"  # a record's engine when wasmtime timed it (every record before V8 timings)
 # A pool job's tuned values (threads taking part, items per claim) and the ranges a manifest may
 # hold (kernelgen/host/manifest.py checks them when it loads).
 JOB_TUNE = {"threads": (1, MAX_THREADS), "chunk": (1, I32_MAX)}
@@ -98,6 +99,7 @@ class Record:
     status: str  # "ok" or "failed: <why>"
     retimed: bool = False
     when: float = field(default_factory=time.time)
+    engine: str = WASMTIME  # what ran it: wasmtime (its version is in host), or "v8 <version>" (tuning/v8.py)
     origin: str = field(default="", compare=False, repr=False)  # file:line it was read from; not stored
 
     def stored(self) -> dict:
@@ -105,14 +107,15 @@ class Record:
         return {"format": FORMAT, **{k: v for k, v in self.__dict__.items() if k != "origin"}}
 
     def key(self) -> tuple:
-        return (self.kernel, self.quant, self.target, self.shape, self.dsl_hash, json.dumps(self.host, sort_keys=True))
+        return (self.kernel, self.quant, self.target, self.shape, self.dsl_hash, json.dumps(self.host, sort_keys=True),
+                self.engine)
 
 
 def _check_record(data: object) -> Record:
     """A Record from one parsed JSON line, every field of the type it must have; ValueError else."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not a kernelgen tuning record of this format")
-    fields = {k: v for k, v in data.items() if k != "format"}
+    fields = {"engine": WASMTIME, **{k: v for k, v in data.items() if k != "format"}}  # lines before engines: wasmtime
     if set(fields) != set(Record.__dataclass_fields__) - {"origin"}:
         raise ValueError("not a kernelgen tuning record of this format")
 
@@ -127,7 +130,7 @@ def _check_record(data: object) -> Record:
                                                           for v in fields["tune"].values()),
         "seconds": fields["seconds"] is None or (number(fields["seconds"]) and fields["seconds"] > 0),
         "status": isinstance(fields["status"], str), "retimed": isinstance(fields["retimed"], bool),
-        "when": number(fields["when"]),
+        "when": number(fields["when"]), "engine": isinstance(fields["engine"], str),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -219,8 +222,9 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
               baseline: dict | None = None, quant: str | None = ALL_QUANTS) -> dict | None:
     """The variant to build for `kernel` (for one `quant` type, or over every type's timings) on
     `target`: among successful timings on `want_host` for the current DSL, the one with the lowest
-    geometric mean of time / best time over the shapes measured, counting only variants timed on
-    every shape; `baseline` (the smallest variant) unless the winner beats it by SIZE_MARGIN. The
+    geometric mean of time / best time over the shapes measured (a shape timed in wasmtime and in V8
+    counts once per engine: the pick serves Python hosts and browsers alike), counting only variants
+    timed on every shape; `baseline` (the smallest variant) unless the winner beats it by SIZE_MARGIN. The
     latest timing of a (variant, shape) wins (re-timings replace first timings). None when nothing
     matches."""
     h = kernel_hash(checked, kernel)
@@ -229,7 +233,7 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
     for r in sorted(records, key=lambda r: r.when):
         if (r.kernel, r.target, r.dsl_hash) == (kernel, target, h) and json.dumps(r.host, sort_keys=True) == hk \
                 and quant in (ALL_QUANTS, r.quant):
-            key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}")
+            key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}:{r.engine}")
             if r.seconds is not None and r.status == "ok":
                 latest[key] = r.seconds
             else:

@@ -17,6 +17,7 @@ from ..compiler import ast as A
 from ..compiler.check import Checked
 
 STREAM_CHUNK = 1 << 16  # bytes per item of the threaded streaming read
+ENGINE_CHOICES = ("wasmtime", "node", "both")  # --engine of tune and bench: wasmtime, V8 through Node, or both
 
 STREAM_SOURCE = f"\nconst STREAM_CHUNK: i32 = {STREAM_CHUNK};\n" + """
 # The roofline: read nbytes (a multiple of 64) as fast as wasm can, XOR-folding so nothing is skipped.
@@ -146,26 +147,31 @@ class Timing:
     reps: int
 
 
-def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: bool = False) -> Timing:
+def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: bool = False,
+            timed_by_call: bool = False) -> Timing:
     """`call(reps)` runs the kernel reps times inside wasm; returns the median time per run.
     `thread_time`: count the calling thread's CPU time instead of the wall clock, for a call that
     runs only on this thread: on a machine other work shares, the time the thread waits for a core
-    is then left out (the tuner's single-thread kernels; a pool job's helpers run on other threads)."""
+    is then left out (the tuner's single-thread kernels; a pool job's helpers run on other threads).
+    `timed_by_call`: `call` returns the seconds its batch took, measured where it ran (another
+    process: v8.measure_v8)."""
     now = time.thread_time if thread_time else time.perf_counter
-    reps = 1
-    while True:
+
+    def timed(reps: int) -> float:
+        if timed_by_call:
+            return call(reps)
         t0 = now()
         call(reps)
-        dt = now() - t0
+        return now() - t0
+
+    reps = 1
+    while True:
+        dt = timed(reps)
         if dt >= min_batch or reps >= MAX_REPS:
             break
         reps = min(MAX_REPS, max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2)))
     call(reps)  # warm-up at the final size
-    times = []
-    for _ in range(samples):
-        t0 = now()
-        call(reps)
-        times.append((now() - t0) / reps)
+    times = [timed(reps) / reps for _ in range(samples)]
     return Timing(statistics.median(times), tuple(times), reps)
 
 

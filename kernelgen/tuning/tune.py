@@ -27,8 +27,9 @@ from ..compiler.check import Checked, check, variants
 from ..names import variant_name
 from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
-from .store import Record, append_record, host, kernel_hash, load_store
-from .timing import POOL_REPEAT, measure, repeat_name, repeat_source
+from .store import WASMTIME, Record, append_record, host, kernel_hash, load_store
+from .timing import ENGINE_CHOICES, POOL_REPEAT, measure, repeat_name, repeat_source
+from .v8 import engine_name, measure_v8
 
 
 # ---- what is tuned: inputs, a numpy check, and the timed call per kernel ---------------------------
@@ -216,11 +217,14 @@ class Plan:
     quant: str | None
     shape: tuple[int, ...]
     tune: dict[str, int]
+    engine: str = WASMTIME
 
 
 def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
-             tune: dict[str, int], min_batch: float = 0.02, samples: int = 5) -> tuple[float | None, str]:
-    """Build one variant, verify it once, then time it inside wasm: (seconds per call, status)."""
+             tune: dict[str, int], min_batch: float = 0.02, samples: int = 5,
+             engine: str = WASMTIME) -> tuple[float | None, str]:
+    """Build one variant, verify it once under wasmtime, then time it inside wasm on `engine`
+    (wasmtime, or V8 on a copy of the verified memory: not pool jobs): (seconds per call, status)."""
     maker, _ = SPECS[kernel]
     if kernel in checked.jobs:
         (built,) = compile_source(source + POOL_REPEAT, targets=(target,))
@@ -235,33 +239,46 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         if problem:
             return None, f"failed: wrong results ({problem})"
         bench = variant_name(repeat_name(kernel), quant, {})
-        timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
+        if engine == WASMTIME:
+            timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
+        else:
+            timing = measure_v8(built.wasm, k, bench, list(case.args), min_batch, samples)
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         return None, f"failed: trapped ({str(e).splitlines()[0]})"
     return timing.seconds, "ok"
 
 
+def engine_names(engine: str) -> list[str]:
+    """The engines (Record.engine) --engine names: wasmtime, V8 through Node, or both."""
+    if engine not in ENGINE_CHOICES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINE_CHOICES)}")
+    return ([WASMTIME] if engine != "node" else []) + ([engine_name()] if engine != "wasmtime" else [])
+
+
 def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
          quants: list[str] | None, store: Path, budget: float, strategy: str = "exhaustive", seed: int = 0,
-         retime: int = 3, out=sys.stderr, remeasure: bool = False) -> list[Record]:
-    """Tune `kernels` on `targets`; every result is appended to `store` as it comes. What `store`
+         retime: int = 3, out=sys.stderr, remeasure: bool = False, engine: str = "wasmtime") -> list[Record]:
+    """Tune `kernels` on `targets`, timed on `engine` (ENGINE_CHOICES; pool jobs in wasmtime only: their
+    threads are the Python host's); every result is appended to `store` as it comes. What `store`
     already holds for this host and DSL is skipped, unless `remeasure`."""
     checked = check(parse(source))
     me = host()
+    engines = engine_names(engine)
     done = set() if remeasure else {
-        (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True))
+        (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine)
         for r in load_store(store) if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
     plans: list[tuple[str, Plan]] = []
     for target in targets:
         for kernel in kernels:
             kinfo = checked.jobs.get(kernel) or checked.kernels[kernel]
             qs = (quants or list(checked.quants)) if kinfo.ast.generics else [None]
+            on = [WASMTIME] if kernel in checked.jobs else engines
             for q in qs:
                 for shape in shapes.get(kernel) or SPECS[kernel][1]:
                     for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
-                        plans.append((target, Plan(kernel, q, shape, t)))
+                        plans += [(target, Plan(kernel, q, shape, t, e)) for e in on]
     def key(target: str, p: Plan) -> tuple:
-        return p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True)
+        return p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True), p.engine
 
     if all(key(t, p) in done for t, p in plans):
         print(f"nothing to do: all {len(plans)} variant(s) asked for are already recorded in {store} for this"
@@ -282,9 +299,11 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
                 print(f"\ntime budget of {budget:.0f} s used; {len(plans) - i + 1} variant(s) left", file=out)
                 break
             name = variant_name(p.kernel, p.quant, p.tune)
-            print(f"\r[{i}/{len(plans)}] {target} {name} {shape} ...".ljust(79), end="", file=out, flush=True)
-            seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune)
-            rec = Record(p.kernel, p.quant, target, shape, kernel_hash(checked, p.kernel), me, p.tune, seconds, status)
+            where = "" if p.engine == WASMTIME else f" in {p.engine}"
+            print(f"\r[{i}/{len(plans)}] {target} {name} {shape}{where} ...".ljust(79), end="", file=out, flush=True)
+            seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine)
+            rec = Record(p.kernel, p.quant, target, shape, kernel_hash(checked, p.kernel), me, p.tune, seconds, status,
+                         engine=p.engine)
             append_record(store, rec)
             new.append(rec)
         new += _retime_best(source, checked, new, store, retime, out)
@@ -295,18 +314,20 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
 
 
 def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path, n: int, out) -> list[Record]:
-    """Time the best few of each (kernel, quant, target, shape) again before the pick."""
+    """Time the best few of each (kernel, quant, target, shape, engine) again before the pick."""
     groups: dict[tuple, list[Record]] = {}
     for r in recs:
         if r.seconds is not None:
-            groups.setdefault((r.kernel, r.quant, r.target, r.shape), []).append(r)
+            groups.setdefault((r.kernel, r.quant, r.target, r.shape, r.engine), []).append(r)
     again = []
-    for (kernel, quant, target, shape), rs in groups.items():
+    for (kernel, quant, target, shape, engine), rs in groups.items():
         for r in sorted(rs, key=lambda r: r.seconds)[:n]:
-            print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape}".ljust(79), end="",
+            print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape} {engine}".ljust(79), end="",
                   file=out, flush=True)
-            seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune)
-            rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True)
+            seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune,
+                                       engine=engine)
+            rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True,
+                         engine=engine)
             append_record(store, rec)
             again.append(rec)
     return again
