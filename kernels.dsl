@@ -681,7 +681,7 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
 }
 
 # The dots of tokens t0 .. t1 - 1 with rows r0 .. r1 - 1 one at a time (qrowsum), rows outside:
-# the one-dot tiling, and a larger tiling's tails. One call for the lot (see qrowsum).
+# the one-dot tiling, and the token tails of tilings of one row. One call for the lot (see qrowsum).
 kernel qsingles[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, t0: i32, t1: i32, r0: i32, r1: i32, nb: i32, n: i32) {
     for r in r0..r1 {
         for t in t0..t1 {
@@ -690,8 +690,26 @@ kernel qsingles[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, t0: i32
     }
 }
 
+# Tokens 0 .. m - 1 against the NR rows r, r + rs, ..: tiles of MR tokens, then the tokens left over
+# one at a time in tiles of 1 x NR (NR = 1: qsingles). rs = 0 makes every row of a tile row r: the
+# row tails of qtiles take the tile the build already holds instead of a single-dot copy of
+# qrowsum per quant type (1.2-1.7 KB each), at NR times the work for those fewer than NR rows.
+inline kernel qtokens[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, r: i32, rs: i32, nb: i32, n: i32) {
+    let tfull = m - m % MR;
+    for t in 0..tfull step MR {
+        qtile[Q, MR, NR, A](w, aq, ad, y, t, r, rs, nb, n);
+    }
+    static if NR == 1 {
+        qsingles[Q, A](w, aq, ad, y, tfull, m, r, r + 1, nb, n);
+    } else {
+        for t in tfull..m {
+            qtile[Q, 1, NR, A](w, aq, ad, y, t, r, rs, nb, n);
+        }
+    }
+}
+
 # Rows r0 .. r1 - 1 of W against tokens 0 .. m - 1: tiles of MR tokens x NR rows, the dots left
-# over (token and row tails) one at a time. Row tiles outside, token tiles inside: a tile's rows
+# over (token and row tails) in tiles of one token (qtokens). Row tiles outside, token tiles inside: a tile's rows
 # stay in cache while every token passes over them. Each dot's order is qrowsum's whatever the
 # tiling (see qtile).
 # The rows are cut into NR slabs of equal length and tile i takes row i of every slab: each row of
@@ -706,18 +724,12 @@ kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr,
         qsingles[Q, A](w, aq, ad, y, 0, m, r0, r1, nb, n);
     } else {
         let slab = (r1 - r0) / NR;
-        let tfull = m - m % MR;
         for r in r0..r0 + slab {
-            for t in 0..tfull step MR {
-                qtile[Q, MR, NR, A](w, aq, ad, y, t, r, slab, nb, n);
-            }
-            if tfull < m {
-                unroll j in 0..NR {
-                    qsingles[Q, A](w, aq, ad, y, tfull, m, r + j * slab, r + j * slab + 1, nb, n);
-                }
-            }
+            qtokens[Q, MR, NR, A](w, aq, ad, y, m, r, slab, nb, n);
         }
-        qsingles[Q, A](w, aq, ad, y, 0, m, r0 + slab * NR, r1, nb, n);
+        for r in r0 + slab * NR..r1 {  # the rows past the slabs, fewer than NR: each alone (see qtokens)
+            qtokens[Q, MR, NR, A](w, aq, ad, y, m, r, 0, nb, n);
+        }
     }
 }
 
