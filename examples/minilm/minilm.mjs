@@ -19,7 +19,7 @@ export function readSafetensors(bytes) {
   const headerBytes = bytes.length >= 8 ? Number(view.getBigUint64(0, true)) : -1;
   if (headerBytes < 2 || 8 + headerBytes > bytes.length) throw new RangeError('readSafetensors: not a safetensors file (bad header length)');
   const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + headerBytes)));
-  const arrays = { F32: Float32Array, U8: Uint8Array };
+  const arrays = { F32: Float32Array, I32: Int32Array, U8: Uint8Array };
   const tensors = {};
   for (const [name, t] of Object.entries(header)) {
     if (name === '__metadata__') continue;
@@ -74,7 +74,7 @@ export class MiniLM {
     }
     return new MiniLM(k, {
       hidden: Number(metadata.hidden_size), heads: Number(metadata.num_attention_heads), eps: Number(metadata.layer_norm_eps),
-      word: f32('word'), pos: f32('pos'), type0: await held('type0'), ln0: await norm('ln0'), layers,
+      word: f32('word'), pos: f32('pos'), type0: await held('type0'), ln0: await norm('ln0'), layers, order: get('order').data,
     });
   }
 
@@ -178,7 +178,11 @@ export class MiniLM {
       row += length;
     });
     const pooled = await norm(() => k.meanPool(padded, mask, sentences.length));
-    return norm(() => k.l2Normalize(pooled, n));
+    const e = await norm(() => k.l2Normalize(pooled, n));
+    // The file's hidden channels are in minilm.py's channel_order: put them back in the model's.
+    const out = new Float32Array(e.length);
+    for (let s = 0; s < sentences.length; s++) for (let j = 0; j < n; j++) out[s * n + this.order[j]] = e[s * n + j];
+    return out;
   }
 }
 
