@@ -2,7 +2,8 @@
 #
 # Pointers are byte addresses in the one shared memory. Target constants differ per target:
 #   ACT_ZERO, ACT_MAX  how activations are quantized for the integer dot: int8 in [-127, 127]
-#                      stored as is (0, 127), the same values on both targets
+#                      stored as is (0, 127), the same values on both targets (never -128: relaxed
+#                      SIMD's idots takes |a| in the relaxed dot's 7-bit operand)
 #   ACT_BYTES          bytes per stored activation: 2 on simd128 (widened to i16 once, for its
 #                      i16 dot), 1 on relaxed SIMD; idot and idot7(acc, w, ptr, offset) read this layout
 #   ACT_SPLIT          1 on simd128: each 16 activations stored as the 8 at even positions, then the
@@ -345,8 +346,16 @@ export kernel matmul_f32_nn(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
 
 # ---- activations -------------------------------------------------------------------------------
 
-# Blocks b0 .. b1 - 1 of quantize_act.
-kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
+# Where quantize_act stores its blocks' sums: after all the scales (d + blocks * 4, blocks the
+# call's block count), one i32 per block of 32: sum(a), which the kernels need, where a type has a
+# zero or a minimum, once per activation block instead of once per weight row.
+inline kernel act_sums(d: ptr, blocks: i32) -> ptr {
+    return d + blocks * 4;
+}
+
+# Blocks b0 .. b1 - 1 of quantize_act of n values.
+kernel quantize_blocks(x: ptr, n: i32, q: ptr, d: ptr, b0: i32, b1: i32) {
+    let s = act_sums(d, n / 32);
     for b in b0..b1 {
         let xb = x + b * 128;
         var m: f32x4 = f32x4.splat(0.0);
@@ -361,12 +370,14 @@ kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
         }
         let vinv = f32x4.splat(inv);
         let lim = f32x4.splat(f32(ACT_MAX));
+        var sum: i32x4 = i32x4.splat(0);
         unroll h in 0..2 {
             var v[4]: i32x4 = i32x4.splat(0);
             unroll j in 0..4 {
-                let s = f32x4.load(xb, h * 64 + j * 16) * vinv;
-                v[j] = i32x4.trunc_sat(nearest(min(max(s, -lim), lim)));
+                let xs = f32x4.load(xb, h * 64 + j * 16) * vinv;
+                v[j] = i32x4.trunc_sat(nearest(min(max(xs, -lim), lim)));
             }
+            sum = sum + (v[0] + v[1]) + (v[2] + v[3]);
             static if ACT_SPLIT == 1 {  # even positions, then odd (ACT_BYTES is 2)
                 let even = i16x8.narrow(i32x4.shuffle(v[0], v[1], 0, 2, 4, 6), i32x4.shuffle(v[2], v[3], 0, 2, 4, 6));
                 let odd = i16x8.narrow(i32x4.shuffle(v[0], v[1], 1, 3, 5, 7), i32x4.shuffle(v[2], v[3], 1, 3, 5, 7));
@@ -383,18 +394,20 @@ kernel quantize_blocks(x: ptr, q: ptr, d: ptr, b0: i32, b1: i32) {
                 }
             }
         }
+        i32.store(s + b * 4, hsum(sum));
     }
 }
 
 # Quantize activations per block of 32 for the integer dot: d = amax / ACT_MAX,
-# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO in ACT_BYTES.
+# q = nearest(x / d) clamped to +-ACT_MAX (NaN -> 0), stored as q + ACT_ZERO in ACT_BYTES, and
+# each block's sum of q (act_sums).
 #   x: f32[n]
 #   n: element count, a multiple of 32
 #   q: i16[n] on simd128, i8[n] on relaxed SIMD, written
-#   d: f32[n / 32], written: the block scales
+#   d: f32[n / 32] then i32[n / 32], written: the block scales, then the blocks' sums
 export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
     parallel blocks b0..b1 in 0..n / 32;
-    quantize_blocks(x, q, d, b0, b1);
+    quantize_blocks(x, n, q, d, b0, b1);
 }
 
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
@@ -406,30 +419,43 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 # The integer dots are exact on both targets, with the same int8 activations: on relaxed SIMD a
 # type whose values are codes - zero with codes and zero in [0, 127] (Q.dot7: every 4-, 5- and
 # 6-bit type; the manifest's "dot": "i7") puts the codes in the 7-bit operand of the relaxed dot
-# (idot7) and subtracts zero . a; Q8_0 and IQ4_NL (8-bit signed values, "i16") take the i16 dot of
-# simd128 (idot). Either way w . a is exact, so both targets' dots are equal.
+# (idot7); Q8_0 and IQ4_NL (8-bit signed values, "i16") take the i16 dot of simd128 (idot). A
+# constant zero that multiplies whole blocks (Q.block_zero: Q4_0's 8 and on relaxed SIMD MXFP4's
+# 12) is removed per block, zero * sum(a) with the sums quantize_act stored (qscale4); the others
+# in each half (idot7z) or in the unpacked values: Q6_K's under sub-block scales, and q4_onnx's
+# zero point, a byte of each block (gathering four blocks' zeros into a vector cost what the sums
+# saved, measured). Either way w . a is exact, so both targets' dots are equal.
+#
+# S, below: 1 in the four-block steps, whose lanes are summed in integers (exact in any split):
+# the dots are of the codes with a block zero left for qscale4, and the i16 types take idots; 0 in
+# qstep1, whose lanes are converted to float one by one (a single block's float sum is over its
+# lanes, so their split is part of its order): the values' products in idot's lanes.
 
-# The lanes of half h of a block (16 values) that qhalf multiplies: the codes on the i7 scheme,
-# else the values.
-inline kernel qlanes[Q: quant](wq: ptr, h: i32) -> i8x16 {
-    static if Q.dot7 {
+# The lanes of half h of a block (16 values) that qhalf multiplies: the codes on the i7 scheme or
+# for a block zero under S, else the values.
+inline kernel qlanes[Q: quant, S: i32](wq: ptr, h: i32) -> i8x16 {
+    static if Q.dot7 | S * Q.block_zero {
         return Q.codes(wq, h);
     } else {
         return Q.unpack(wq, h);
     }
 }
 
-# acc plus the exact integer dot of half h's values with its activations (a: the block's), given
-# its lanes wv (qlanes): on the i7 scheme (codes - zero) . a.
-inline kernel qdot16[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
+# acc plus the integer dot of half h's lanes wv (qlanes) with its activations (a: the block's):
+# exact, and with a block zero left in only under S.
+inline kernel qdot16[Q: quant, S: i32](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
     static if Q.dot7 {
-        static if Q.has_zero {
+        static if Q.has_zero > S * Q.block_zero {
             return idot7z(acc, wv, Q.zeros(wq, h), a, h * 16);
         } else {
             return idot7(acc, wv, a, h * 16);
         }
     } else {
-        return idot(acc, wv, a, h * 16);
+        static if S {
+            return idots(acc, wv, a, h * 16);
+        } else {
+            return idot(acc, wv, a, h * 16);
+        }
     }
 }
 
@@ -437,10 +463,10 @@ inline kernel qdot16[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -
 # codes, a at its activations. Types with sub-blocks of 16 (Q6_K) multiply each half's dot by its
 # integer scale, two i32 stored after the codes (Q.sub_scales_at).
 # The first half's dot starts the sum: engines keep an add of a zero vector (7% of simd128 qmatvec).
-inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
-    var acc: i32x4 = qhalf[Q](i32x4.splat(0), qlanes[Q](wq, 0), wq, a, 0);
+inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
+    var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
     unroll h in 1..Q.block / 16 {
-        acc = qhalf[Q](acc, qlanes[Q](wq, h), wq, a, h);
+        acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
     }
     return acc;
 }
@@ -451,11 +477,11 @@ inline kernel qraw[Q: quant](wq: ptr, a: ptr) -> i32x4 {
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
 # Its sums are "raw": see qexact (a sub-scaled half is made exact before its multiply: the
 # product with 2^DOT_SHIFT could overflow i32).
-inline kernel qhalf[Q: quant](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
+inline kernel qhalf[Q: quant, S: i32](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
     static if Q.has_sub_scales {
-        return acc + (qdot16[Q](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
+        return acc + (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4));
     } else {
-        return qdot16[Q](acc, wv, wq, a, h);
+        return qdot16[Q, S](acc, wv, wq, a, h);
     }
 }
 
@@ -482,22 +508,17 @@ inline kernel lanequads(ab: i32x4, cd: i32x4) -> i32x4 {
     return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);
 }
 
-# Four vectors -> one whose lane i is the sum of vector i's lanes (a transpose folded into adds).
-inline kernel lanesums4(a: i32x4, b: i32x4, c: i32x4, d: i32x4) -> i32x4 {
-    return lanequads(lanepairs(a, b), lanepairs(c, d));
-}
-
-# The exact dots of blocks blk .. blk + 3 of one row, lane i for block blk + i: their scales then
-# apply as one vector, a quarter of the per-block scalar work of qstep1. Two blocks per pass of a
-# run-time loop: an engine computes each pass's dots before the loop's back edge, so only two
-# blocks' loads are live at once (all four unrolled, cranelift places the pure arithmetic after all
-# the loads and spills vectors to the stack).
+# The dots of blocks blk .. blk + 3 of one row (codes, under Q.block_zero), lane i for block
+# blk + i: their scales then apply as one vector, a quarter of the per-block scalar work of
+# qstep1. Two blocks per pass of a run-time loop: an engine computes each pass's dots before the
+# loop's back edge, so only two blocks' loads are live at once (all four unrolled, cranelift places
+# the pure arithmetic after all the loads and spills vectors to the stack).
 inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
     var p[2]: i32x4 = i32x4.splat(0);
     var wq: ptr = w.q + blk * Q.bytes;
     var ap: ptr = a;
     for i in 0..2 {
-        let x = lanepairs(qraw[Q](wq, ap), qraw[Q](wq + Q.bytes, ap + Q.block * ACT_BYTES));
+        let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
         p[0] = p[1];
         p[1] = x;
         wq = wq + 2 * Q.bytes;
@@ -506,7 +527,9 @@ inline kernel qdots4[Q: quant](w: packed Q, blk: i32, a: ptr) -> i32x4 {
     return qexact[Q](lanequads(p[0], p[1]));
 }
 
-# One activation block's sum (lanes sum to it), for quant types with an offset term (S * q + M).
+# One activation block's sum in lanes that sum to it, for a single block of a type with an offset
+# term (S * q + M): qstep1's float order is over these lanes (the four-block steps read the stored
+# sums, asums4).
 inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
     var acc: i32x4 = i32x4.splat(0);
     unroll j in 0..Q.block / 16 {
@@ -515,36 +538,41 @@ inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
     return acc >> DOT_SHIFT;
 }
 
-# d_a * sum(a) of four activation blocks (lane i: block i), or zeros for types without an offset.
-inline kernel ascaled4[Q: quant](a: ptr, da4: f32x4) -> f32x4 {
-    var s: f32x4 = f32x4.splat(0.0);
-    static if Q.has_offset {
-        let sums = lanesums4(ablock[Q](a), ablock[Q](a + Q.block * ACT_BYTES), ablock[Q](a + 2 * Q.block * ACT_BYTES),
-                             ablock[Q](a + 3 * Q.block * ACT_BYTES));
-        s = f32x4.convert(sums) * da4;
+# The stored sums of four activation blocks (lane i: block i; s: the first's, act_sums), for types
+# with an offset or a block zero; zeros for the others (nothing loaded).
+inline kernel asums4[Q: quant](s: ptr) -> i32x4 {
+    static if Q.has_offset | Q.block_zero {
+        return i32x4.load(s);
+    } else {
+        return i32x4.splat(0);
     }
-    return s;
 }
 
-# acc plus blocks blk .. blk + 3 of a row given their exact dots (lane i: block blk + i): the sum of
-# scale * d_a * dot (+ offset * d_a * sum(a)). The float operations of every quantized dot, in the
-# order that qmatvec and qmatmul share.
-inline kernel qscale4[Q: quant](w: packed Q, blk: i32, dots: i32x4, da4: f32x4, as4: f32x4, acc: f32x4) -> f32x4 {
-    var r: f32x4 = madd(f32x4.convert(dots), f32x4.load(w.scale + blk * 4) * da4, acc);
+# acc plus blocks blk .. blk + 3 of a row given their dots (lane i: block blk + i; of the codes
+# under Q.block_zero) and their activations' scales and sums (asums4): the sum of scale * d_a *
+# (dot - zero * sum(a)) (+ offset * d_a * sum(a)). The zero comes off in integers (exact), the
+# rest are the float operations of every quantized dot, in the order that qmatvec and qmatmul
+# share.
+inline kernel qscale4[Q: quant](w: packed Q, blk: i32, dots: i32x4, da4: f32x4, s4: i32x4, acc: f32x4) -> f32x4 {
+    var exact: i32x4 = dots;
+    static if Q.block_zero {
+        exact = dots - i32x4.splat(Q.zero) * s4;
+    }
+    var r: f32x4 = madd(f32x4.convert(exact), f32x4.load(w.scale + blk * 4) * da4, acc);
     static if Q.has_offset {
-        r = madd(as4, f32x4.load(w.offset + blk * 4), r);
+        r = madd(f32x4.convert(s4) * da4, f32x4.load(w.offset + blk * 4), r);
     }
     return r;
 }
 
-# acc plus blocks blk .. blk + 3 of a row.
-inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, as4: f32x4, acc: f32x4) -> f32x4 {
-    return qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, as4, acc);
+# acc plus blocks blk .. blk + 3 of a row (s: the first activation block's sum).
+inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, s: ptr, acc: f32x4) -> f32x4 {
+    return qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc);
 }
 
 # acc plus the single block blk of a row (the blocks left over past a multiple of four).
 inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x4) -> f32x4 {
-    var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q](w.q + blk * Q.bytes, a))), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
+    var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
     static if Q.has_offset {
         r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
     }
@@ -557,14 +585,13 @@ inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x
 # quant type's code: 16.6 KB of simd128's 54 KB). Inline: a call per row (stack-passed arguments,
 # callee-saved registers, the stack check) cost qmatvec 0.66x the seed-style kernel at k = 1024
 # and ~10% at k = 4096 (simd128, wasmtime).
-inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, nb: i32) -> f32 {
+inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, r: i32, nb: i32) -> f32 {
     var acc[A]: f32x4 = f32x4.splat(0.0);
     let nbs = nb - nb % (4 * A);
     for b in 0..nbs step 4 * A {
         unroll s in 0..A {
             let ab = aq + (b + 4 * s) * Q.block * ACT_BYTES;
-            let da4 = f32x4.load(ad + (b + 4 * s) * 4);
-            acc[s] = qstep4[Q](w, r * nb + b + 4 * s, ab, da4, ascaled4[Q](ab, da4), acc[s]);
+            acc[s] = qstep4[Q](w, r * nb + b + 4 * s, ab, f32x4.load(ad + (b + 4 * s) * 4), as + (b + 4 * s) * 4, acc[s]);
         }
     }
     for b in nbs..nb {
@@ -589,9 +616,10 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, r: i32, n
 # so the dots pair up. Integer sums are exact in any order, and the float order is qrowsum's (A
 # accumulators taking turns over the four-block steps, qstep1 for the leftover blocks), so no
 # result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
-#   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4
+#   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
+#   blocks' sums as + t * nb * 4
 #   y[t, r] at y + (t * n + r) * 4
-kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, t0: i32, r0: i32, rs: i32, nb: i32, n: i32) {
+kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, r0: i32, rs: i32, nb: i32, n: i32) {
     var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     var wrow[N]: ptr = 0;
     unroll r in 0..N {
@@ -619,15 +647,15 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
                 unroll h in 0..Q.block / 16 {
                     var wv[N]: i8x16 = i8x16.splat(0);
                     unroll r in 0..N {
-                        wv[r] = qlanes[Q](wb[r], h);
+                        wv[r] = qlanes[Q, 1](wb[r], h);
                     }
                     unroll t in 0..M {
                         unroll r in 0..N {
                             let i = t * N + r;
                             static if h == 0 {  # the first half starts the sum: no add of zero (qraw)
-                                raw[i] = qhalf[Q](i32x4.splat(0), wv[r], wb[r], ab[t], h);
+                                raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
                             } else {
-                                raw[i] = qhalf[Q](raw[i], wv[r], wb[r], ab[t], h);
+                                raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
                             }
                         }
                     }
@@ -654,10 +682,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
             }
             unroll t in 0..M {
                 let da4 = f32x4.load(ad + ((t0 + t) * nb + blk) * 4);
-                let as4 = ascaled4[Q](arow[t] + blk * Q.block * ACT_BYTES, da4);
+                let s4 = asums4[Q](as + ((t0 + t) * nb + blk) * 4);
                 unroll r in 0..N {
                     let i = t * N + r;
-                    acc[i * A + s] = qscale4[Q](w, (r0 + r * rs) * nb + blk, dots[i], da4, as4, acc[i * A + s]);
+                    acc[i * A + s] = qscale4[Q](w, (r0 + r * rs) * nb + blk, dots[i], da4, s4, acc[i * A + s]);
                 }
             }
         }
@@ -682,10 +710,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y:
 
 # The dots of tokens t0 .. t1 - 1 with rows r0 .. r1 - 1 one at a time (qrowsum), rows outside:
 # the one-dot tiling, and the token tails of tilings of one row. One call for the lot (see qrowsum).
-kernel qsingles[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, t0: i32, t1: i32, r0: i32, r1: i32, nb: i32, n: i32) {
+kernel qsingles[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, t1: i32, r0: i32, r1: i32, nb: i32, n: i32) {
     for r in r0..r1 {
         for t in t0..t1 {
-            f32.store(y + (t * n + r) * 4, qrowsum[Q, A](w, aq + t * nb * Q.block * ACT_BYTES, ad + t * nb * 4, r, nb));
+            f32.store(y + (t * n + r) * 4, qrowsum[Q, A](w, aq + t * nb * Q.block * ACT_BYTES, ad + t * nb * 4, as + t * nb * 4, r, nb));
         }
     }
 }
@@ -694,16 +722,16 @@ kernel qsingles[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, t0: i32
 # one at a time in tiles of 1 x NR (NR = 1: qsingles). rs = 0 makes every row of a tile row r: the
 # row tails of qtiles take the tile the build already holds instead of a single-dot copy of
 # qrowsum per quant type (1.2-1.7 KB each), at NR times the work for those fewer than NR rows.
-inline kernel qtokens[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, r: i32, rs: i32, nb: i32, n: i32) {
+inline kernel qtokens[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, m: i32, r: i32, rs: i32, nb: i32, n: i32) {
     let tfull = m - m % MR;
     for t in 0..tfull step MR {
-        qtile[Q, MR, NR, A](w, aq, ad, y, t, r, rs, nb, n);
+        qtile[Q, MR, NR, A](w, aq, ad, as, y, t, r, rs, nb, n);
     }
     static if NR == 1 {
-        qsingles[Q, A](w, aq, ad, y, tfull, m, r, r + 1, nb, n);
+        qsingles[Q, A](w, aq, ad, as, y, tfull, m, r, r + 1, nb, n);
     } else {
         for t in tfull..m {
-            qtile[Q, 1, NR, A](w, aq, ad, y, t, r, rs, nb, n);
+            qtile[Q, 1, NR, A](w, aq, ad, as, y, t, r, rs, nb, n);
         }
     }
 }
@@ -720,15 +748,16 @@ inline kernel qtokens[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, 
 # with slabs 1.10x and 1.07x. Each call's range starts its streams afresh too: on the pool at
 # 8192x8192, rows = 2 was 0.87x rows = 1 with chunks of 16 rows, 1.04x with 64 and 1.10x with 256.
 kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, r0: i32, r1: i32, nb: i32, n: i32) {
+    let as = act_sums(ad, m * nb);
     static if MR * NR == 1 {
-        qsingles[Q, A](w, aq, ad, y, 0, m, r0, r1, nb, n);
+        qsingles[Q, A](w, aq, ad, as, y, 0, m, r0, r1, nb, n);
     } else {
         let slab = (r1 - r0) / NR;
         for r in r0..r0 + slab {
-            qtokens[Q, MR, NR, A](w, aq, ad, y, m, r, slab, nb, n);
+            qtokens[Q, MR, NR, A](w, aq, ad, as, y, m, r, slab, nb, n);
         }
         for r in r0 + slab * NR..r1 {  # the rows past the slabs, fewer than NR: each alone (see qtokens)
-            qtokens[Q, MR, NR, A](w, aq, ad, y, m, r, 0, nb, n);
+            qtokens[Q, MR, NR, A](w, aq, ad, as, y, m, r, 0, nb, n);
         }
     }
 }
@@ -736,7 +765,7 @@ kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr,
 # y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
 #   w: packed matrix, n rows of k / Q.block blocks
 #   aq: activations from quantize_act, k of ACT_BYTES each
-#   ad: activation scales from quantize_act, k / 32 f32
+#   ad: activation scales and sums from quantize_act, k / 32 f32 then k / 32 i32
 #   y: f32[n], written
 #   n: row count
 #   k: row length, a multiple of Q.block
@@ -752,7 +781,7 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
 # of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
 #   w: packed matrix, n rows of k / Q.block blocks
 #   aq: activations from quantize_act of an [m, k] array, m * k of ACT_BYTES each
-#   ad: activation scales, m * k / 32 f32
+#   ad: activation scales and sums, m * k / 32 f32 then m * k / 32 i32
 #   y: f32[m, n], written
 #   m: token count
 #   n: row count

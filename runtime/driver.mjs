@@ -11,7 +11,7 @@ import { Pool } from './pool.mjs';
 
 const PAGE_BYTES = 65536;
 const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
-const ACT_ARRAYS = { int8: Int8Array, uint8: Uint8Array, int16: Int16Array }; // manifest activation.dtype
+const ACT_ARRAYS = { int8: Int8Array, uint8: Uint8Array, int16: Int16Array, int32: Int32Array }; // manifest activation.dtype, .sums
 const VECTOR_BYTES = 16; // elementwise kernels read a partial last vector whole
 const LANES = 4; // f32 lanes per vector: softmax rows are padded to a multiple of it
 const TARGETS = ['relaxed-simd', 'simd128'];
@@ -99,6 +99,7 @@ export class Driver {
   }
 
   #actArray;
+  #sumsArray;
   #exports;
   #memory;
   #pool;
@@ -125,6 +126,8 @@ export class Driver {
     // relaxed SIMD): the manifest says.
     this.#actArray = ACT_ARRAYS[manifest.activation.dtype];
     if (!this.#actArray) throw new Error(`unknown activation dtype ${manifest.activation.dtype} in the manifest`);
+    this.#sumsArray = ACT_ARRAYS[manifest.activation.sums];
+    if (!this.#sumsArray) throw new Error(`unknown activation sums ${manifest.activation.sums} in the manifest`);
     for (const [name, e] of Object.entries(manifest.exports)) this.#exportNames.set(`${e.kernel}/${e.quant}`, name);
   }
 
@@ -358,11 +361,12 @@ export class Driver {
 
   // ---- weights and activations ---------------------------------------------------------------
 
-  /** f32[tokens * k] (k a positive multiple of 32: `tokens` rows of k values) -> {q, d}: q
+  /** f32[tokens * k] (k a positive multiple of 32: `tokens` rows of k values) -> {q, d, s}: q
    * Int16Array on simd128 (int8 values, stored widened and, as manifest.activation.split says,
    * each 16 as the 8 at even positions then the 8 at odd ones), Int8Array (the same values, in
    * order) on relaxed SIMD: the kernels' layout, passed back to them as it is; d one f32 scale per
-   * 32 values. Blocks never cross rows, so the tokens are one call over
+   * 32 values; s the sum of each 32 values (Int32Array: manifest.activation.sums, which kernels
+   * read after the scales). Blocks never cross rows, so the tokens are one call over
    * all the values. */
   quantizeAct(x, tokens = 1) {
     f32Array('quantizeAct x', x);
@@ -373,11 +377,17 @@ export class Driver {
     }
     return this.#scoped(() => {
       const px = this.#put(x);
-      const pq = this.#alloc(x.length * this.#actArray.BYTES_PER_ELEMENT);
-      const pd = this.#alloc((x.length / ACT_BLOCK) * 4);
+      const nb = x.length / ACT_BLOCK;
+      const [pq, pd] = this.#actBuffers(x.length);
       this.#exports[this.exportName('quantize_act')](px, x.length, pq, pd);
-      return { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, x.length / ACT_BLOCK) };
+      return { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, nb), s: this.#get(pd + nb * 4, this.#sumsArray, nb) };
     });
+  }
+
+  /** Fresh buffers for quantize_act of n values, sized as manifest.activation says: the stored
+   * values, and the scales followed by the sums. */
+  #actBuffers(n) {
+    return [this.#alloc(n * this.#actArray.BYTES_PER_ELEMENT), this.#alloc((n / ACT_BLOCK) * (4 + this.#sumsArray.BYTES_PER_ELEMENT))];
   }
 
   /** Stored blocks (`rows` rows of k / block blocks, each stored_bytes bytes) -> a Packed handle
@@ -425,16 +435,23 @@ export class Driver {
     return names.map((n) => w.planes[n]); // the kernels take the planes in the manifest's order
   }
 
-  /** Addresses of act's values and scales: `tokens` rows of k values (1 for qdot and qmatvec). */
+  /** Addresses of act's values and of its scales followed by its sums: `tokens` rows of k values
+   * (1 for qdot and qmatvec). */
   #actArgs(act, k, what, tokens = 1) {
-    if (!(act?.q instanceof this.#actArray) || !(act.d instanceof Float32Array)) {
-      throw new TypeError(`${what}: activations must come from quantizeAct (q a ${this.#actArray.name} on ${this.info.target})`);
+    if (!(act?.q instanceof this.#actArray) || !(act.d instanceof Float32Array) || !(act.s instanceof this.#sumsArray)) {
+      throw new TypeError(`${what}: activations must come from quantizeAct (q a ${this.#actArray.name} on ${this.info.target}, `
+        + `d a Float32Array, s an ${this.#sumsArray.name})`);
     }
-    if (act.q.length !== tokens * k || act.d.length !== (tokens * k) / ACT_BLOCK) {
-      throw new RangeError(`${what}: activations have ${act.q.length} values and ${act.d.length} scales, `
+    const nb = (tokens * k) / ACT_BLOCK;
+    if (act.q.length !== tokens * k || act.d.length !== nb || act.s.length !== nb) {
+      throw new RangeError(`${what}: activations have ${act.q.length} values, ${act.d.length} scales and ${act.s.length} sums, `
         + `${tokens} token(s) of the weights' rows need ${tokens * k}`);
     }
-    return [this.#put(act.q), this.#put(act.d)];
+    const pd = this.#alloc(act.d.byteLength + act.s.byteLength);
+    const bytes = new Uint8Array(this.#memory.buffer);
+    bytes.set(new Uint8Array(act.d.buffer, act.d.byteOffset, act.d.byteLength), pd);
+    bytes.set(new Uint8Array(act.s.buffer, act.s.byteOffset, act.s.byteLength), pd + act.d.byteLength);
+    return [this.#put(act.q), pd];
   }
 
   // ---- kernels -------------------------------------------------------------------------------
@@ -610,8 +627,7 @@ export class Driver {
     return this.#scoped(() => {
       const pb = withBias ? this.#putRow('linear bias', bias, w.rows) : 0;
       const px = this.#in('linear x', x);
-      const pq = this.#alloc(x.length * this.#actArray.BYTES_PER_ELEMENT);
-      const pd = this.#alloc((x.length / ACT_BLOCK) * 4);
+      const [pq, pd] = this.#actBuffers(x.length);
       this.#run('quantize_act', null, [px, x.length, pq, pd], { threads: opts.threads });
       const py = this.#alloc(4 * m * w.rows + VECTOR_BYTES);
       this.#run('qmatmul', w.quant, [...planes, pq, pd, py, m, w.rows, w.k], opts);

@@ -88,7 +88,7 @@ def bits_of(a: np.ndarray) -> np.ndarray:
 def assert_bitwise_equal(a: Any, b: Any, what: str) -> None:
     """Bit-identical results: dtype and shape must match; floats compare bit patterns except that
     any NaN matches any NaN (payloads are unspecified, NaN positions must match); integer and bool
-    arrays compare exactly; lists/tuples element by element; Act compares q and d."""
+    arrays compare exactly; lists/tuples element by element; Act compares q, d and s."""
     if isinstance(a, (tuple, list)):
         assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} items"
         for i, (x, y) in enumerate(zip(a, b)):
@@ -97,6 +97,7 @@ def assert_bitwise_equal(a: Any, b: Any, what: str) -> None:
     if isinstance(a, Act):
         assert_bitwise_equal(a.q, b.q, f"{what}.q")
         assert_bitwise_equal(a.d, b.d, f"{what}.d")
+        assert_bitwise_equal(a.s, b.s, f"{what}.s")
         return
     a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"

@@ -66,6 +66,7 @@ def test_manifest_constants(module_cache, target):
                                        "ACT_SPLIT": int(simd128), "DOT_SHIFT": 8 if simd128 else 0}
     assert k.manifest["activation"]["dtype"] == ("int16" if simd128 else "int8")
     assert k.manifest["activation"]["split"] is simd128
+    assert k.manifest["activation"]["sums"] == "int32"
     assert "q8_0" in k.quants
 
 

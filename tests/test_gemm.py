@@ -96,7 +96,7 @@ def token_acts(k: Kernels, m: int, kk: int, rng: np.random.Generator) -> tuple[n
 
 
 def row_of(act: Act, t: int) -> Act:
-    return Act(act.q[t], act.d[t])
+    return Act(act.q[t], act.d[t], act.s[t])
 
 
 # ---- prefill equals decode ---------------------------------------------------------------------
@@ -142,10 +142,9 @@ def test_qmatmul_rows_are_qmatvec_bit_for_bit(target, accs, tile):
 
 
 def activation_rows(k: Kernels, m: int, kk: int, rng: np.random.Generator) -> np.ndarray:
-    """m rows of stored activations at each target's extremes: int8 values -128 / 127 on simd128,
-    the 7-bit operand's 0 / 127 on relaxed SIMD, whole rows and random mixes (in the module's
-    activation dtype)."""
-    lo, hi = (-128, 127) if consts(k)[0] == 0 else (0, 127)
+    """m rows of activation values at their extremes, -127 / 127 (quantize_act's range, the same on
+    both targets), whole rows and random mixes."""
+    lo, hi = -127, 127
     rows = [np.full(kk, lo), np.full(kk, hi), np.resize([lo, hi], kk)]
     while len(rows) < m:
         rows.append(rng.choice([lo, hi], kk))
@@ -218,7 +217,7 @@ def test_qmatmul_and_quantize_act_reject_bad_inputs():
     w = k.pack("q8_0", blocks_for(k, "q8_0", 3, 64, rng_for("bad"), extreme=False))
     one = k.quantize_act(np.ones(64, np.float32))
     many = k.quantize_act(np.ones((2, 64), np.float32))
-    assert many.q.shape == (2, 64) and many.d.shape == (2, 2) and many.tokens == 2 and one.tokens is None
+    assert many.q.shape == (2, 64) and many.d.shape == many.s.shape == (2, 2) and many.tokens == 2 and one.tokens is None
     with pytest.raises(ValueError, match=r"\[m, k\]"):
         k.qmatmul(w, one)
     with pytest.raises(ValueError, match="one token"):
@@ -226,9 +225,13 @@ def test_qmatmul_and_quantize_act_reject_bad_inputs():
     with pytest.raises(ValueError, match="64"):
         k.qmatmul(w, k.quantize_act(np.ones((2, 32), np.float32)))
     with pytest.raises(ValueError, match="scales"):
-        k.qmatmul(w, Act(many.q, many.d[:, :1].copy()))
+        k.qmatmul(w, Act(many.q, many.d[:, :1].copy(), many.s))
+    with pytest.raises(ValueError, match="sums"):
+        k.qmatmul(w, Act(many.q, many.d, many.s[:, :1].copy()))
+    with pytest.raises(ValueError, match="sums"):
+        k.qmatmul(w, Act(many.q, many.d, many.s.astype(np.int16)))
     with pytest.raises(TypeError):
-        k.qmatmul(w, Act(many.q.astype(np.uint8), many.d))
+        k.qmatmul(w, Act(many.q.astype(np.uint8), many.d, many.s))
     with pytest.raises(TypeError):
         k.qmatmul(np.zeros((3, 64)), many)  # type: ignore[arg-type]
     k.reset()

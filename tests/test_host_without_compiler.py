@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent('''
                 acts = k.quantize_act(rng.standard_normal((3, kdim)).astype(np.float32))  # prefill: 3 tokens
                 ym = k.qmatmul(w, acts)
                 for t in range(3):
-                    same(ym[t], k.qmatvec(w, type(act)(acts.q[t], acts.d[t])), f"qmatmul {name} token {t}")
+                    same(ym[t], k.qmatvec(w, type(act)(acts.q[t], acts.d[t], acts.s[t])), f"qmatmul {name} token {t}")
                 same(k.qmatmul(w, acts, pool=pool), ym, f"qmatmul {name}")
             # f32 linear algebra
             wm = rng.standard_normal((5, 37)).astype(np.float32)

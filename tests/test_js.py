@@ -190,9 +190,9 @@ def write_vectors(root: Path) -> None:
         k = kernelgen.load(ROOT / "out", target)
         v.index["builds"][target] = k.manifest["inputs_sha256"]
         act = k.quantize_act(x_act)
-        v.expect(target, "quantize_act", {"q": act.q, "d": act.d})
+        v.expect(target, "quantize_act", {"q": act.q, "d": act.d, "s": act.s})
         special = k.quantize_act(x_special)
-        v.expect(target, "quantize_act_special", {"q": special.q, "d": special.d})
+        v.expect(target, "quantize_act_special", {"q": special.q, "d": special.d, "s": special.s})
         acts = {kq: k.quantize_act(xa) for kq, xa in x_acts.items()}
         prefill = {kq: k.quantize_act(xt) for kq, xt in x_tokens.items()}
         for q, b in blocks.items():
@@ -201,7 +201,7 @@ def write_vectors(root: Path) -> None:
             v.expect(target, f"qdot_{q}", {"value": k.qdot(k.pack(q, b[:1]), act_q)})
             v.expect(target, f"qmatvec_{q}", {"out": k.qmatvec(k.pack(q, b), act_q)})
             v.expect(target, f"qmatmul_{q}", {"out": k.qmatmul(k.pack(q, b), prefill[k_of(k.quants[q])])})
-        v.expect(target, "quantize_act_tokens", {"q": prefill[K].q, "d": prefill[K].d})
+        v.expect(target, "quantize_act_tokens", {"q": prefill[K].q, "d": prefill[K].d, "s": prefill[K].s})
         v.expect(target, "dot_f32", {"value": k.dot_f32(xn, y)})
         v.expect(target, "matvec_f32", {"out": k.matvec_f32(wf, xf)})
         v.expect(target, "matmul_f32_nt", {"out": k.matmul_f32(qm, kt, b_transposed=True)})

@@ -124,6 +124,10 @@ def test_quantize_act_matches_reference_exactly(mode, kgen, case):
     np.testing.assert_array_equal(np.isnan(act.d), nan, err_msg=f"quantize_act {case}: NaN scales differ")
     np.testing.assert_array_equal(act.d[~nan].view(np.uint32), ref_d[~nan].view(np.uint32),
                                   err_msg=f"quantize_act {case}: d differs")
+    # each block's sum of its values (the kernels take the zero and minimum terms from it)
+    assert act.s.dtype == np.int32 and act.s.shape == act.d.shape
+    np.testing.assert_array_equal(act.s, (ref_q.astype(np.int64) - zero).reshape(-1, 32).sum(-1),
+                                  err_msg=f"quantize_act {case}: sums differ")
     same_as_deterministic(mode, kgen, None, run, act)
 
 
@@ -352,20 +356,28 @@ def weight_patterns(k: int) -> dict[str, np.ndarray]:
 
 
 def activation_patterns(target: str, k: int) -> dict[str, np.ndarray]:
-    """Activation values at the extremes, the same int8 on both targets (-128 is outside
-    quantize_act's range but a valid int8)."""
+    """Activation values at the extremes of quantize_act's range [-127, 127], the same int8 on both
+    targets (-128 is refused: test_act_values_outside_the_range_are_refused)."""
     rng = rng_for("exact-a", target, k)
-    v = np.array([-128, -127, 127], np.int8)
+    v = np.array([-127, 0, 127], np.int8)
     return {
-        "all_-128": np.full(k, -128, np.int8),
         "all_-127": np.full(k, -127, np.int8),
         "all_127": np.full(k, 127, np.int8),
-        "alt_-128_127": np.resize(v[[0, 2]], k),
-        "alt_127_-128": np.resize(v[[2, 0]], k),
-        "alt_-127_127": np.resize(v[[1, 2]], k),
-        "pairs_127_-128": np.resize(v[[2, 2, 0, 0]], k),
-        "random_extremes": rng.choice(v, k),
+        "alt_-127_127": np.resize(v[[0, 2]], k),
+        "alt_127_-127": np.resize(v[[2, 0]], k),
+        "pairs_127_-127": np.resize(v[[2, 2, 0, 0]], k),
+        "random_extremes": rng.choice(v[[0, 2]], k),
+        "random_with_zeros": rng.choice(v, k),
     }
+
+
+def test_act_values_outside_the_range_are_refused(kernels):
+    """-128 is a valid int8 but outside quantize_act's range: relaxed SIMD's idots takes |a| in the
+    relaxed dot's 7-bit operand, so act_from_values refuses it on both targets."""
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        kernels.act_from_values(np.r_[-128, np.zeros(31, np.int8)].astype(np.int8), np.ones(1, np.float32))
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        kernels.act_from_values(np.full(32, 128), np.ones(1, np.float32))
 
 
 @pytest.mark.parametrize("k", EXACT_K, ids=lambda k: f"k{k}")
@@ -469,16 +481,20 @@ def test_act_with_wrong_scale_count_is_rejected(kernels):
     k = 64
     w = kernels.pack("q8_0", q8_blocks(np.ones((1, k), np.int8)))
     zero, _ = consts(kernels)
-    bad = Act(q=np.full(k, zero + 1, act_dtype(kernels)), d=np.ones(1, np.float32))  # needs 2 scales
-    with pytest.raises(ValueError):
+    sums = np.full(k // 32, 32 * (zero + 1), np.int32)
+    bad = Act(q=np.full(k, zero + 1, act_dtype(kernels)), d=np.ones(1, np.float32), s=sums)  # needs 2 scales
+    with pytest.raises(ValueError, match="scales"):
+        kernels.qmatvec(w, bad)
+    bad = Act(q=np.full(k, zero + 1, act_dtype(kernels)), d=np.ones(k // 32, np.float32), s=sums[:1])  # and 2 sums
+    with pytest.raises(ValueError, match="sums"):
         kernels.qmatvec(w, bad)
 
 
 def test_act_with_wrong_byte_dtype_is_rejected(kernels):
     k = 64
     w = kernels.pack("q8_0", q8_blocks(np.ones((1, k), np.int8)))
-    bad = Act(q=np.ones(k, np.float32), d=np.ones(k // 32, np.float32))  # 4 bytes per value
-    with pytest.raises((TypeError, ValueError)):
+    bad = Act(q=np.ones(k, np.float32), d=np.ones(k // 32, np.float32), s=np.full(k // 32, 32, np.int32))  # 4 bytes per value
+    with pytest.raises(TypeError, match="activation values"):
         kernels.qmatvec(w, bad)
 
 

@@ -16,7 +16,7 @@ from kernelgen import reference
 from kernelgen.host import formats
 from kernelgen.host.api import Act, Kernels
 
-from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, rows_tune,
+from helpers import (ROW_TUNES, assert_bitwise_equal, assert_q_close, consts, rng_for, rows_tune,
                      random_blocks, same_as_deterministic, unit_scale_qmatvec_and_qdots)
 
 Q4_TYPES = ("q4_0", "q4_1", "q4_onnx")
@@ -301,13 +301,13 @@ def q4_extreme_blocks(quant: str, q: Any, k: int) -> tuple[np.ndarray, list[str]
 
 
 def activation_extremes(target: str, k: int) -> dict[str, np.ndarray]:
-    """Activation values at the extremes, the same int8 on both targets: -128 (outside quantize_act's
-    range but a valid int8: the relaxed dot's saturation bound holds for |a| <= 128), -127, 127."""
+    """Activation values at the extremes of quantize_act's range, the same int8 on both targets:
+    -127, 127 and 0 (-128 is refused: relaxed SIMD's idots takes |a| in 7 bits)."""
     rng = rng_for("q4-act", target, k)
-    v = np.array([-128, -127, 127], np.int8)
-    return {"all_-128": np.full(k, -128, np.int8), "all_-127": np.full(k, -127, np.int8),
-            "all_127": np.full(k, 127, np.int8), "alt_-128_127": np.resize(v[[0, 2]], k),
-            "pairs_127_-128": np.resize(v[[2, 2, 0, 0]], k), "random": rng.choice(v, k)}
+    v = np.array([-127, 0, 127], np.int8)
+    return {"all_-127": np.full(k, -127, np.int8), "all_127": np.full(k, 127, np.int8),
+            "alt_-127_127": np.resize(v[[0, 2]], k), "pairs_127_-127": np.resize(v[[2, 2, 0, 0]], k),
+            "random": rng.choice(v, k)}
 
 
 @pytest.mark.parametrize("quant", Q4_TYPES)
@@ -356,7 +356,7 @@ def test_reference_qmatvec_magnitude_covers_offset_terms(mode, kgen):
     vals = np.resize(np.array([7, 8], np.uint8), 32)
     b["qs"][0, 0] = vals[:16] | (vals[16:] << 4)
     assert q.unpack_ref(b).sum() == 240
-    act = Act(q=np.full(32, zero + 1, act_dtype(km)), d=np.float32([0.1]))
+    act = km.act_from_values(np.full(32, zero + 1), np.float32([0.1]))
     y = km.qmatvec(km.pack("q4_1", b), act)
     ref, mag = reference.qmatvec(q.scale_ref(b), q.unpack_ref(b).reshape(1, -1), act.q, act.d, zero, 32,
                                  q.offset_ref(b))

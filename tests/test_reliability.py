@@ -112,7 +112,7 @@ def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() 
     out = py("""
         name = k.export_name("qmatvec", "q8_0")
         with k.module.scope():
-            aq, ad = k.module.put(act.q), k.module.put(act.d)
+            aq, ad = k.put_act(act)
             print(refused(k.call, name, *packed.args, aq, ad, 0, 67, 256))       # y at address 0
             print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
             print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))

@@ -87,9 +87,11 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         # quantize_act's blocks: ACT_MAX-scaled values per this many f32, stored + ACT_ZERO in
         # ACT_BYTES each (hosts size and type the activation buffer from this), with "split" each
         # 16 stored as the 8 at even positions, then the 8 at odd ones (ACT_SPLIT; hosts pass the
-        # stored values on as they are, and reorder them only to show them).
+        # stored values on as they are, and reorder them only to show them). The scales' buffer
+        # holds one f32 per block, then after all of them one "sums" per block: the sum of its
+        # values (act_sums in kernels.dsl).
         "activation": {"block": 32, "zero": t.constants["ACT_ZERO"], "max": t.constants["ACT_MAX"],
-                       "dtype": _act_dtype(t.constants), "split": bool(t.constants["ACT_SPLIT"])},
+                       "dtype": _act_dtype(t.constants), "split": bool(t.constants["ACT_SPLIT"]), "sums": "int32"},
         # each type's integer-dot scheme on this target (Target.dot_scheme): "i7" or "i16"
         "quants": {name: {**q.to_json(), "dot": t.dot_scheme(q.codes is not None)} for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},

@@ -77,12 +77,14 @@ class Packed:
 @dataclass(frozen=True)
 class Act:
     """Activations quantized by the module's own quantize_act: q (int8 values, stored as int16 on
-    simd128, int8 on relaxed SIMD, in the target's order: Kernels.act_values gives them in order)
-    and one f32 scale per 32 values; q[k], d[k / 32] for one token, q[m, k], d[m, k / 32] for m
-    tokens."""
+    simd128, int8 on relaxed SIMD, in the target's order: Kernels.act_values gives them in order),
+    one f32 scale per 32 values (d) and the sum of each 32 values (s, int32: the kernels remove a
+    weight type's zero or minimum with it); q[k], d[k / 32], s[k / 32] for one token, q[m, k],
+    d[m, k / 32], s[m, k / 32] for m tokens."""
 
     q: np.ndarray
     d: np.ndarray
+    s: np.ndarray
 
     @property
     def n(self) -> int:
@@ -138,6 +140,7 @@ class Kernels:
         # SIMD): the manifest says.
         self._act_dtype = np.dtype(manifest["activation"]["dtype"])
         self._act_split: bool = manifest["activation"]["split"]
+        self._act_sums = np.dtype(manifest["activation"]["sums"])
         self._exports: dict[tuple[str, str | None], str] = {}
         for name, e in manifest["exports"].items():
             self._exports[(e["kernel"], e["quant"])] = name
@@ -229,13 +232,20 @@ class Kernels:
         k = x.shape[-1]
         if x.size == 0 or k % 32:
             raise ValueError(f"quantize_act: rows must be a positive multiple of 32 long, got shape {x.shape}")
+        nb = x.size // 32
         with self.module.scope():
             px = self.module.put(x)
-            pq = self.module.alloc(x.size * self._act_dtype.itemsize)
-            pd = self.module.alloc(x.size // 32 * 4)
+            pq, pd = self._act_buffers(x.size)
             self.run("quantize_act", None, [px, x.size, pq, pd], pool, chunk)
             return Act(self.module.get(pq, self._act_dtype, x.size).reshape(x.shape),
-                       self.module.get(pd, np.float32, x.size // 32).reshape(*x.shape[:-1], k // 32))
+                       self.module.get(pd, np.float32, nb).reshape(*x.shape[:-1], k // 32),
+                       self.module.get(pd + nb * 4, self._act_sums, nb).reshape(*x.shape[:-1], k // 32))
+
+    def _act_buffers(self, n: int) -> tuple[int, int]:
+        """Fresh buffers for quantize_act of n values, sized as the manifest's activation entry says:
+        the stored values, and the scales followed by the sums."""
+        return (self.module.alloc(n * self._act_dtype.itemsize),
+                self.module.alloc(n // 32 * (4 + self._act_sums.itemsize)))
 
     def act_values(self, act: Act) -> np.ndarray:
         """act.q's values in order. The kernels read act.q as stored (the manifest's activation
@@ -245,8 +255,16 @@ class Kernels:
 
     def act_from_values(self, q: np.ndarray, d: np.ndarray) -> Act:
         """Activations of int8 values q in order (any integer dtype, [..., k]) and their scales d,
-        stored as quantize_act stores them: the inverse of act_values."""
-        return Act(self._act_order(np.asarray(q).astype(self._act_dtype), (8, 2)), d)
+        stored as quantize_act stores them (with each block's sum): the inverse of act_values."""
+        q = np.asarray(q)
+        if q.shape[-1] % 32:
+            raise ValueError(f"activations come in blocks of 32, got {q.shape[-1]} values per token")
+        act_max = self.manifest["activation"]["max"]
+        if q.size and (q.min() < -act_max or q.max() > act_max):  # (relaxed SIMD's idots reads |a| in 7 bits)
+            raise ValueError(f"activation values must lie in [-{act_max}, {act_max}] (quantize_act's range),"
+                             f" got {q.min()} .. {q.max()}")
+        sums = q.astype(np.int64).reshape(*q.shape[:-1], -1, 32).sum(-1).astype(self._act_sums)
+        return Act(self._act_order(q.astype(self._act_dtype), (8, 2)), d, sums)
 
     def _act_order(self, q: np.ndarray, groups: tuple[int, int]) -> np.ndarray:
         """q with each 16 values read as `groups` rows and transposed: (8, 2) splits them into even
@@ -274,7 +292,17 @@ class Kernels:
         want_d = (*act.q.shape[:-1], k // 32)
         if act.d.dtype != np.float32 or act.d.shape != want_d:
             raise ValueError(f"{what}: activation scales must be float32{list(want_d)}, got {act.d.dtype}{list(act.d.shape)}")
-        return [self.module.put(act.q), self.module.put(act.d)]
+        if act.s.dtype != self._act_sums or act.s.shape != want_d:
+            raise ValueError(f"{what}: activation sums must be {self._act_sums}{list(want_d)}, got {act.s.dtype}{list(act.s.shape)}")
+        return self.put_act(act)
+
+    def put_act(self, act: Act) -> list[int]:
+        """Put act in memory as the kernels take it (unchecked: the methods check first): the
+        address of its values, and of its scales followed by its sums (the manifest's activation
+        "sums")."""
+        scales_sums = np.concatenate([np.ascontiguousarray(act.d, np.float32).reshape(-1).view(np.uint8),
+                                      np.ascontiguousarray(act.s, self._act_sums).reshape(-1).view(np.uint8)])
+        return [self.module.put(act.q), self.module.put(scales_sums)]
 
     def _check_packed(self, w: Any, what: str) -> Packed:
         if not isinstance(w, Packed):
@@ -337,8 +365,7 @@ class Kernels:
         with self.module.scope():
             pb = None if bias is None else self._put_row_vector("linear bias", bias, w.rows)
             px = self.module.put(x)
-            pq = self.module.alloc(x.size * self._act_dtype.itemsize)
-            pd = self.module.alloc(x.size // 32 * 4)
+            pq, pd = self._act_buffers(x.size)
             self.run("quantize_act", None, [px, x.size, pq, pd], pool)
             py = self.module.alloc(4 * m * w.rows)
             self.run("qmatmul", w.quant, [*w.args, pq, pd, py, m, w.rows, w.k], pool, chunk)

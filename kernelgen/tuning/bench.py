@@ -173,7 +173,7 @@ def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Ker
         rng = np.random.default_rng(1)
         w = k.pack(quant, _blocks(k, quant, rows, cols, rng))
         act = k.quantize_act(rng.standard_normal(cols).astype(np.float32))
-        args = [*w.args, k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * rows), rows, cols]
+        args = [*w.args, *k.put_act(act), k.module.alloc(4 * rows), rows, cols]
         if not threads:
             fn = variant_name(repeat_name("qmatvec"), quant, {})
             return measure(lambda reps: k.call(fn, reps, *args)).seconds
@@ -243,7 +243,7 @@ def qmatmul(quant: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[
         rng = np.random.default_rng(4)
         w = k.pack(quant, _blocks(k, quant, n, kk, rng))
         act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
-        aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * m * n)
+        aq, ad, y = *k.put_act(act), k.module.alloc(4 * m * n)
         if threads:
             return _job(k, threads, k.export_name("qmatmul", quant), [*w.args, aq, ad, y, m, n, kk])
         fn = variant_name(repeat_name("qmatmul"), quant, {})

@@ -84,7 +84,7 @@ def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random
     n, kk = shape
     blocks, w = _weights(k, quant, n, kk, rng)
     act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
-    aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * n)
+    aq, ad, y = *k.put_act(act), k.module.alloc(4 * n)
     return Case([*w.args, aq, ad, y, n, kk], _qcheck(k, quant, blocks, act, y, 1, n), float(n * kk))
 
 
@@ -93,7 +93,7 @@ def _case_qmatmul(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random
     m, n, kk = shape
     blocks, w = _weights(k, quant, n, kk, rng)
     act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
-    aq, ad, y = k.module.put(act.q), k.module.put(act.d), k.module.alloc(4 * m * n)
+    aq, ad, y = *k.put_act(act), k.module.alloc(4 * m * n)
     return Case([*w.args, aq, ad, y, m, n, kk], _qcheck(k, quant, blocks, act, y, m, n), float(m * n * kk))
 
 
