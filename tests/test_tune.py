@@ -1111,6 +1111,18 @@ def test_build_picks_per_quant_type_and_gives_untimed_types_the_smallest_variant
             assert np.float32(k.qdot(first, act)).tobytes() == row[:1].tobytes(), quant
 
 
+@pytest.mark.parametrize("quant", ["q4_k", "q6_k"])
+def test_tune_verifies_super_block_types_against_numpy(checked, quant: str) -> None:
+    """A super-block type's scales are per sub-block (32 or 16 values), an activation scale per 32:
+    the tuner's check pairs them (it broadcast a 256-value block against 32-value scales and
+    crashed)."""
+    from kernelgen.tuning.tune import run_case
+    for kernel, shape, tune_values in (("qmatvec", (8, 512), {"rows": 2, "accs": 1}),
+                                       ("qmatmul", (3, 8, 512), {"tokens": 1, "rows": 2})):
+        seconds, status = run_case(SOURCE, checked, "relaxed-simd", kernel, quant, shape, tune_values, 1e-4, 1)
+        assert status == "ok" and seconds > 0, (kernel, status)
+
+
 def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None:
     """qmatvec_job's run-time choices: every (threads, chunk) is verified and timed; the build puts the
     best into the manifest's job entries and the API uses its chunk (at most two claims per thread)."""

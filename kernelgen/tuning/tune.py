@@ -64,9 +64,11 @@ def _qcheck(k: Kernels, quant: str, blocks: np.ndarray, act: Act, y: int, m: int
     rows = np.unique(np.linspace(0, n - 1, min(n, 64)).astype(int))
     tokens = np.unique(np.linspace(0, m - 1, min(m, 4)).astype(int))
     sub = blocks[rows]
+    kb = q.block // q.subs  # values per scale: a super-block's sub-block (16 or 32), else the block
     q_act, d_act = k.act_values(act).reshape(m, -1), act.d.reshape(m, -1)
+    d_act = np.repeat(d_act, q_act.shape[1] // kb // d_act.shape[1], axis=1)  # an activation scale per weight scale
     refs = [reference.qmatvec(q.scale_ref(sub), q.unpack_ref(sub).reshape(len(rows), -1), q_act[t], d_act[t],
-                              k.manifest["constants"]["ACT_ZERO"], q.block,
+                              k.manifest["constants"]["ACT_ZERO"], kb,
                               q.offset_ref(sub) if q.offset is not None else None) for t in tokens]
 
     def verify(_: object) -> str | None:
