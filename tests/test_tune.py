@@ -931,7 +931,8 @@ def test_bench_runs_the_mat_vec_rows_in_wasmtime_and_node(tmp_path: Path, monkey
     pairs = [(q.row.target, q.versus.target) for q in report.ratios]
     assert pairs == [("relaxed-simd", "relaxed-simd"), ("relaxed-simd node", "relaxed-simd node")] * 3 + [
         ("relaxed-simd node", "relaxed-simd node")]
-    assert all(q.met for q in report.ratios if q.at_least)
+    # a goal is judged from the ratio's median (not a timing limit: the values depend on the machine's load)
+    assert all(q.met == (q.value.median >= q.at_least) for q in report.ratios if q.at_least)
     assert "relaxed-simd node" in format_table(report)
     plot(report, tmp_path / "roof.png")
     assert (tmp_path / "roof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
