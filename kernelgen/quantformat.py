@@ -622,6 +622,19 @@ class QuantFormat:
     def offset_ref(self, blocks: np.ndarray) -> np.ndarray:
         return self._per_block(self.offset, blocks)
 
+    def set_scale_bytes(self, blocks: np.ndarray, near: float) -> None:
+        """Set every byte field of the scale formula (an e8m0 exponent: MXFP4) in `blocks` to the
+        value whose scale is nearest `near`, in place: for timing and tuning data, where random
+        exponent bytes make scales of 2^-128 .. 2^127 (subnormal and infinite products, which x86
+        runs in microcode and float64 references do not reproduce)."""
+        for name in dict.fromkeys(n.field for n in nodes(self.scale) if isinstance(n, Field)):
+            if self.field(name).type in ("u8", "i8"):
+                trial = np.repeat(blocks.reshape(-1)[:1], 256)
+                trial[name] = np.arange(256).astype(np.uint8).view(trial[name].dtype)
+                with np.errstate(over="ignore", divide="ignore"):
+                    off = np.abs(np.log2(np.abs(self.scale_ref(trial[:, None])[:, 0])) - np.log2(near))
+                blocks[name] = trial[name][np.argmin(np.where(np.isfinite(off), off, np.inf))]
+
     def dequantize_ref(self, blocks: np.ndarray) -> np.ndarray:
         """f32 values, shape blocks.shape[:-1] + (n_blocks * block,): the declared formula."""
         blocks = self.as_blocks(blocks)

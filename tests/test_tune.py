@@ -1112,11 +1112,12 @@ def test_build_picks_per_quant_type_and_gives_untimed_types_the_smallest_variant
             assert np.float32(k.qdot(first, act)).tobytes() == row[:1].tobytes(), quant
 
 
-@pytest.mark.parametrize("quant", ["q4_k", "q6_k"])
-def test_tune_verifies_super_block_types_against_numpy(checked, quant: str) -> None:
+@pytest.mark.parametrize("quant", ["q4_k", "q6_k", "mxfp4"])
+def test_tune_verifies_super_block_and_exponent_types_against_numpy(checked, quant: str) -> None:
     """A super-block type's scales are per sub-block (32 or 16 values), an activation scale per 32:
     the tuner's check pairs them (it broadcast a 256-value block against 32-value scales and
-    crashed)."""
+    crashed). MXFP4's exponent bytes are set near the f16 types' scales (random ones overflowed to
+    inf in f32 and every variant failed its check)."""
     from kernelgen.tuning.tune import run_case
     for kernel, shape, tune_values in (("qmatvec", (8, 512), {"rows": 2, "accs": 1}),
                                        ("qmatmul", (3, 8, 512), {"tokens": 1, "rows": 2})):

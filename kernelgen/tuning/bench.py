@@ -40,7 +40,6 @@ from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
-from ..quantformat import Field, nodes
 from .store import Record
 from .peer import SeedPeer
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
@@ -137,13 +136,7 @@ def _blocks(k: Kernels, quant: str, rows: int, cols: int, rng: np.random.Generat
     for f in q.fields:
         if f.type == "f16":
             blocks[f.name] = np.float16(0.01)
-    for name in dict.fromkeys(n.field for n in nodes(q.scale) if isinstance(n, Field)):
-        if q.field(name).type in ("u8", "i8"):
-            trial = np.repeat(blocks[:1, :1], 256, axis=0)
-            trial[name] = np.arange(256).astype(np.uint8).view(trial[name].dtype)[:, None]
-            with np.errstate(over="ignore", divide="ignore"):
-                off = np.abs(np.log2(np.abs(q.scale_ref(trial)[:, 0])) - np.log2(0.01))
-            blocks[name] = trial[name][np.argmin(np.where(np.isfinite(off), off, np.inf)), 0]
+    q.set_scale_bytes(blocks, 0.01)
     return blocks
 
 

@@ -54,6 +54,7 @@ def _weights(k: Kernels, quant: str, n: int, kk: int, rng: np.random.Generator) 
             blocks[f.name] = rng.uniform(-0.05, 0.05, blocks.shape).astype(blocks[f.name].dtype)
         elif f.count is None and f.name in q.value_fields:  # a per-block offset such as a zero point:
             blocks[f.name] = rng.integers(0, 16, blocks.shape)  # small, so values stay in int8
+    q.set_scale_bytes(blocks, 0.01)  # an exponent byte: scales near the f16 ones, no overflow to inf
     return blocks, k.pack(quant, blocks)
 
 
