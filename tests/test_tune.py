@@ -1022,6 +1022,18 @@ def test_a_store_line_from_before_engines_reads_as_wasmtime(checked, tmp_path: P
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
+def test_a_node_that_does_not_answer_is_stopped_not_waited_for() -> None:
+    """Each wait for Node's timing process is bounded: a silent Node is killed with a clear error."""
+    import subprocess
+    from kernelgen.tuning import v8
+    proc = subprocess.Popen([shutil.which("node"), "-e", "setTimeout(() => {}, 600000)"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    with pytest.raises(KernelgenError, match="node did not answer within 0.5 s; stopped it"):
+        v8._line(proc, 0.5)
+    assert proc.poll() is not None
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
 def test_tune_engine_both_times_each_variant_in_wasmtime_and_v8(checked, tmp_path: Path) -> None:
     """--engine both: every variant is verified under wasmtime, then timed there and in V8 on a copy
     of the same memory; a V8 record names the V8 version, and the pick reads both."""

@@ -21,6 +21,7 @@ import numpy as np
 import wasmtime
 
 from .. import reference
+from ..errors import KernelgenError
 from ..host.api import Act, Kernels, Packed
 from ..compiler.build import compile_source, from_built
 from ..compiler.check import Checked, check, variants
@@ -245,7 +246,10 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         if engine == WASMTIME:
             timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
         else:
-            timing = measure_v8(built.wasm, k, bench, list(case.args), min_batch, samples)
+            try:
+                timing = measure_v8(built.wasm, k, bench, list(case.args), min_batch, samples)
+            except KernelgenError as e:  # Node stopped or hung on this variant: the others still count
+                return None, f"failed: in {engine} ({e})"
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         return None, f"failed: trapped ({str(e).splitlines()[0]})"
     return timing.seconds, "ok"

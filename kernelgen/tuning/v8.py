@@ -9,6 +9,7 @@ wasmtime alone can cost browsers that much.
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,7 @@ from .timing import Timing, measure
 V8_TIME = Path(__file__).with_name("v8_time.mjs")
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")  # relaxed SIMD; optimized code from the first call
 STARTUP_SECONDS = 120  # instantiating a module and copying its memory; far less in practice
+BATCH_SECONDS = 120  # one batch (timing.measure aims at 20 ms; a first batch of one slow call is longer)
 
 
 def node_path() -> str:
@@ -66,7 +68,13 @@ def _node_batches(wasm_bytes: bytes, k: Kernels, export: str, args: list[int]) -
                 proc.wait()
 
 
-def _line(proc: subprocess.Popen) -> str:
+def _line(proc: subprocess.Popen, timeout: float) -> str:
+    """Node's next line of output, waiting at most `timeout` seconds (then Node is stopped)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        proc.kill()
+        proc.wait()
+        raise KernelgenError(f"node did not answer within {timeout:g} s; stopped it")
     line = proc.stdout.readline()
     if not line:
         proc.wait(timeout=STARTUP_SECONDS)
@@ -79,12 +87,12 @@ def measure_v8(wasm_bytes: bytes, k: Kernels, export: str, args: list[int], min_
     """Seconds per call of `export(reps, *args)` of the module `wasm_bytes` (the one `k` runs) in V8,
     on a copy of `k`'s memory: timing.measure's protocol, each batch timed in Node by its CPU time."""
     with _node_batches(wasm_bytes, k, export, args) as proc:
-        if _line(proc) != "ready":
+        if _line(proc, STARTUP_SECONDS) != "ready":
             raise KernelgenError("node did not start the kernel module")
 
         def batch(reps: int) -> float:
             proc.stdin.write(f"{reps}\n")
             proc.stdin.flush()
-            return float(_line(proc))
+            return float(_line(proc, BATCH_SECONDS))
 
         return measure(batch, min_batch, samples, timed_by_call=True)
