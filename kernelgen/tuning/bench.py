@@ -21,7 +21,6 @@ names its Node timing with `node`. `plot` draws the mat-vec rows as a roofline c
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -41,6 +40,7 @@ from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
 from .store import Record
+from .v8 import NODE_FLAGS, node_path
 from .peer import SeedPeer
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
@@ -615,9 +615,7 @@ def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tupl
     per call by key). A q8_0 mat-vec shape times the seed-style peer too, checked against qmatvec
     first; a "qmatvec pool" key runs its shape on the pool's one and two threads. A GEMM key's case
     is timed on the calling thread and on the pool's thread counts its keys name."""
-    node = shutil.which("node")
-    if node is None:
-        raise KernelgenError("--engine node needs Node.js (node) on PATH")
+    node = node_path()
     matvec = [key for key in keys if key[0] in MATVEC_KERNELS]
     shapes = list(dict.fromkeys((q, shape) for _, q, shape, _ in matvec))
     pooled = {(q, shape) for kernel, q, shape, _ in matvec if kernel == "qmatvec pool"}
@@ -638,7 +636,7 @@ def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tupl
                   "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes],
                   "gemms": [{"kernel": kernel, "quant": q, "shape": list(shape), "pool": sorted(pool)}
                             for (kernel, q, shape), pool in gemms.items()]}
-        proc = subprocess.run([node, "--experimental-wasm-relaxed-simd", "--no-liftoff", str(NODE_BENCH),
+        proc = subprocess.run([node, *NODE_FLAGS, str(NODE_BENCH),
                                json.dumps(config)], capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise KernelgenError(f"node bench failed: {proc.stderr.strip()[-2000:]}")
