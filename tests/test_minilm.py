@@ -243,6 +243,32 @@ def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 
+def test_js_model_reads_pythons_threading_rule(tmp_path) -> None:
+    """One MIN_POOL_TOKENS for both hosts: the JS model reads minilm.py's value from export.py's
+    file (settings in minilm.mjs), and refuses a file without it rather than guessing."""
+    need_parts()
+    need(NODE, "node is not installed")
+    import export
+    import minilm
+
+    model_file = tmp_path / "minilm-q8_0.safetensors"
+    export.export(model_file, "q8_0")
+    script = """
+const { readFileSync } = await import('node:fs');
+const { readSafetensors, settings } = await import(process.argv[1]);
+const { metadata } = readSafetensors(new Uint8Array(readFileSync(process.argv[2])));
+console.log(JSON.stringify(settings(metadata)));
+const { min_pool_tokens, ...without } = metadata;
+try { settings(without); } catch (e) { console.log(e.message); }
+"""
+    proc = subprocess.run([NODE, "--input-type=module", "-e", script, (ROOT / "examples" / "minilm" / "minilm.mjs").as_uri(),
+                           str(model_file)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    figures, refusal = proc.stdout.splitlines()
+    assert json.loads(figures)["minPoolTokens"] == minilm.MIN_POOL_TOKENS
+    assert "no number min_pool_tokens" in refusal
+
+
 # Text the corpus does not have: accents (composed and combining), CJK, other scripts, punctuation of
 # every kind, control and zero-width characters, odd whitespace, emoji, ligatures, a word over the
 # 100-character limit, words that do not split, and more than 128 tokens (truncation).

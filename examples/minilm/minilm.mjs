@@ -41,18 +41,26 @@ export function readSafetensors(bytes) {
  * with its bias, pooling). */
 const STAGES = ['linear', 'attention', 'norm'];
 
-/** Tokens in a batch below which LayerNorm, GELU and attention run on the calling thread alone (the
- * linear layers always take the pool). At 12 tokens (one sentence) these jobs take 6, 33 and 16 us
- * on one thread (relaxed SIMD, Node, AMD EPYC), about what a helper costs to wake from its sleep
- * (6-60 us per job, measured quiet) and less than it waits to be scheduled on a loaded machine
- * (~90 us per job at load 10, where two threads took 95-110 us for each of them); at 64 tokens GELU
- * and attention take ~170 and ~70 us alone, worth splitting. The same rule in minilm.py. */
-export const MIN_POOL_TOKENS = 64;
+/** The figures embed() needs from the file's metadata (export.py writes them): the config's and
+ * min_pool_tokens, the batch size below which LayerNorm, GELU and attention run on the calling
+ * thread alone (minilm.py's MIN_POOL_TOKENS says why). A missing or non-numeric one is refused. */
+export function settings(metadata) {
+  const number = (key) => {
+    const value = Number(metadata[key]);
+    if (!(key in metadata) || !Number.isFinite(value)) throw new RangeError(`MiniLM: the file's metadata has no number ${key} (re-export it with export.py)`);
+    return value;
+  };
+  return {
+    hidden: number('hidden_size'), heads: number('num_attention_heads'), layers: number('num_hidden_layers'),
+    eps: number('layer_norm_eps'), minPoolTokens: number('min_pool_tokens'),
+  };
+}
 
 export class MiniLM {
   /** Pack export.py's file (a Uint8Array) into kernels `k`. */
   static async load(k, bytes) {
     const { metadata, tensors } = readSafetensors(bytes);
+    const { layers: count, ...figures } = settings(metadata);
     const spec = k.manifest.quants[metadata.quant];
     if (!spec) throw new RangeError(`MiniLM: the file's quant ${metadata.quant} is not in this build`);
     const get = (name) => {
@@ -68,13 +76,12 @@ export class MiniLM {
     };
     const norm = async (name) => [await held(`${name}.gamma`), await held(`${name}.beta`)];
     const layers = [];
-    for (let i = 0; i < Number(metadata.num_hidden_layers); i++) {
+    for (let i = 0; i < count; i++) {
       layers.push({ qkv: await linear(`${i}.qkv`), out: await linear(`${i}.out`), ln1: await norm(`${i}.ln1`),
         ffn1: await linear(`${i}.ffn1`), ffn2: await linear(`${i}.ffn2`), ln2: await norm(`${i}.ln2`) });
     }
     return new MiniLM(k, {
-      hidden: Number(metadata.hidden_size), heads: Number(metadata.num_attention_heads), eps: Number(metadata.layer_norm_eps),
-      word: f32('word'), pos: f32('pos'), type0: await held('type0'), ln0: await norm('ln0'), layers, order: get('order').data,
+      ...figures, word: f32('word'), pos: f32('pos'), type0: await held('type0'), ln0: await norm('ln0'), layers, order: get('order').data,
     });
   }
 
@@ -132,7 +139,7 @@ export class MiniLM {
     // Every intermediate stays held in the module's memory (a copy in and out per kernel cost more
     // than the kernels at a few tokens); `done` frees what the next step no longer reads.
     const hold = { ...opts, hold: true };
-    const rowHold = rows < MIN_POOL_TOKENS ? { hold: true } : hold;
+    const rowHold = rows < this.minPoolTokens ? { hold: true } : hold;
     const live = new Set();
     const kept = async (value) => {
       const h = await value;
