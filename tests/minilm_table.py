@@ -12,7 +12,7 @@ tests/test_minilm.py runs the same comparison (Q8_0) on a subset.
 """
 from __future__ import annotations
 
-import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples" / "minilm")]
 
 import inputs  # noqa: E402
 import minilm  # noqa: E402
-from minilm_reference import HEADER, Agreement, BertReference, agreement, onnx_embedder  # noqa: E402
+from minilm_reference import HEADER, Agreement, BertReference, Layer, agreement, onnx_embedder  # noqa: E402
 
 from kernelgen import reference as R  # noqa: E402
 
@@ -55,15 +55,29 @@ def peer_rows(ref: Embeddings, sentences: list[str], queries: list[str], quants:
 
 
 class QuantizedReference(BertReference):
-    """The float64 reference with every linear layer's weights replaced by their Q8_0 values and,
-    with `act_max`, each linear layer's input rounded as quantize_act rounds it (per 32 values,
-    d = amax / act_max): the quantization errors of the kernels without their float32 arithmetic."""
+    """The float64 reference on the tensors the kernels run (minilm.prepare: the hidden channels in
+    channel_order, each linear layer's weights as their Q8_0 values, the query scale folded in) and,
+    with `act_max`, each linear layer's input rounded as quantize_act rounds it (per 32 values in the
+    prepared channel order, d = amax / act_max): the quantization errors of the kernels without their
+    float32 arithmetic. LayerNorm, attention and GELU do not see the channel order; the embedding is
+    put back in the model's order as minilm.py does."""
 
     def __init__(self, safetensors_file: Path, config: dict, act_max: int | None) -> None:
         super().__init__(safetensors_file, config)
-        q8 = lambda w: R.dequantize_q8_0(R.quantize_q8_0(w.astype(np.float32))).astype(np.float64)  # noqa: E731
-        self.layers = [dataclasses.replace(L, **{f: q8(getattr(L, f)) for f in ("wq", "wk", "wv", "wo", "w1", "w2")})
-                       for L in self.layers]
+        t = minilm.prepare(safetensors_file, config, "q8_0")
+        f64 = lambda name: t[name].astype(np.float64)  # noqa: E731
+        q8 = lambda name: R.dequantize_q8_0(t[name]).astype(np.float64)  # noqa: E731
+        norm = lambda name: (f64(f"{name}.gamma"), f64(f"{name}.beta"))  # noqa: E731
+        # attention divides the scores by sqrt(head size): undo the scale prepare folded into the queries
+        unscale = math.sqrt(config["hidden_size"] // config["num_attention_heads"])
+        self.order = t["order"]
+        self.word, self.pos, self.type0, self.ln0 = f64("word"), f64("pos"), f64("type0"), norm("ln0")
+        self.layers = []
+        for i in range(config["num_hidden_layers"]):
+            (wq, wk, wv), (bq, bk, bv) = np.split(q8(f"{i}.qkv.w"), 3), np.split(f64(f"{i}.qkv.b"), 3)
+            self.layers.append(Layer(wq * unscale, bq * unscale, wk, bk, wv, bv, q8(f"{i}.out.w"), f64(f"{i}.out.b"),
+                                     norm(f"{i}.ln1"), q8(f"{i}.ffn1.w"), f64(f"{i}.ffn1.b"),
+                                     q8(f"{i}.ffn2.w"), f64(f"{i}.ffn2.b"), norm(f"{i}.ln2")))
         self.act_max = act_max
 
     def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -71,6 +85,12 @@ class QuantizedReference(BertReference):
             q, d = R.quantize_act(x.astype(np.float32), self.act_max, 0)
             x = (q.reshape(-1, 32).astype(np.float64) * d[:, None].astype(np.float64)).reshape(x.shape)
         return BertReference.linear(x, w, b)
+
+    def embed(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        e = super().embed(ids, mask)
+        out = np.empty_like(e)
+        out[:, self.order] = e
+        return out
 
 
 def top5_differences(ref: Embeddings, got: Embeddings, queries: list[str], sentences: list[str]) -> list[str]:
