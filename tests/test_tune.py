@@ -459,6 +459,29 @@ def test_build_override_beats_the_store(checked) -> None:
     assert t["host"] is None  # nothing came from the store
 
 
+def test_a_variant_is_built_with_the_other_kernels_the_build_picks(checked) -> None:
+    """qmatmul's tiles take qmatvec.accs (the summation order it shares with qmatvec): the tuner
+    builds each qmatmul variant with the accs the build picks for qmatvec from the store, per quant
+    type, and its own values for every type (a store pick for qmatmul itself does not replace the
+    variant being timed); a pool job is built with its kernel as the build picks it."""
+    records = [rec(checked, {"rows": 2, "accs": 2}, 1e-3, "256x4096", kernel="qmatvec", quant="q8_0"),
+               rec(checked, {"rows": 1, "accs": 1}, 2e-3, "256x4096", kernel="qmatvec", quant="q8_0"),
+               rec(checked, {"tokens": 2, "rows": 2}, 1e-3, "64x4096x4096", kernel="qmatmul", quant="q8_0"),
+               rec(checked, {"tokens": 1, "rows": 1}, 2e-3, "64x4096x4096", kernel="qmatmul", quant="q8_0")]
+    variant = {"tokens": 1, "rows": 4}
+    table = kernelgen.tuning.tune.variant_table(checked, "simd128", "qmatmul", variant, records, HOST_A)
+    assert tune_for(table, "qmatvec", "q8_0") == {"rows": 2, "accs": 2}  # the store's pick, not accs 1 declared
+    assert tune_for(table, "qmatvec", "q4_0") == {"rows": 1, "accs": 1}  # a type not timed: the smallest
+    assert all(tune_for(table, "qmatmul", q) == variant for q in checked.quants)
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), tune=table)
+    assert "qmatmul_q8_0__tokens1_rows4" in b.manifest["exports"] and "qmatvec_q8_0__rows2_accs2" in b.manifest["exports"]
+    # Without records (test_gemm's direct calls), the others take their declared defaults, as before.
+    plain = kernelgen.tuning.tune.variant_table(checked, "simd128", "qmatmul", variant, None, HOST_A)
+    assert tune_for(plain, "qmatvec", "q8_0") == {"rows": 2, "accs": 1} and tune_for(plain, "qmatmul", "q8_0") == variant
+    job = kernelgen.tuning.tune.variant_table(checked, "simd128", "qmatmul_job", {"threads": 2, "chunk": 8}, records, HOST_A)
+    assert tune_for(job, "qmatmul", "q8_0") == {"tokens": 2, "rows": 2} and tune_for(job, "qmatvec", "q8_0")["accs"] == 2
+
+
 def _store_file(path: Path, records: list[Record]) -> Path:
     for r in records:
         append_record(path, r)

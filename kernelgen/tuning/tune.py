@@ -23,12 +23,12 @@ import wasmtime
 from .. import reference
 from ..errors import KernelgenError
 from ..host.api import Act, Kernels, Packed
-from ..compiler.build import compile_source, from_built
-from ..compiler.check import Checked, check, variants
+from ..compiler.build import choose_tune, compile_source, from_built
+from ..compiler.check import Checked, check, tune_key, variants
 from ..names import variant_name
 from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
-from .store import WASMTIME, Record, append_record, host, kernel_hash, load_store
+from .store import WASMTIME, Record, append_record, host, kernel_hash, load_store, usable
 from .timing import ENGINE_CHOICES, POOL_REPEAT, measure, repeat_name, repeat_source
 from .v8 import engine_name, measure_v8
 
@@ -224,16 +224,33 @@ class Plan:
     engine: str = WASMTIME
 
 
+def variant_table(checked: Checked, target: str, kernel: str, tune: dict[str, int], records: list[Record] | None,
+                  tune_host: dict | None = None) -> dict[str, dict[str, int]]:
+    """The tune table a variant is built with: `tune` for `kernel` in every quant type (a pool job:
+    none of its own), every other kernel at what the build would pick from `records` for
+    `tune_host` (build.choose_tune; declared defaults without records). Why: a kernel can read
+    another's tune value (qmatmul's tiles take qmatvec.accs, its summation order), so a variant
+    is timed as the build would run it, not with the other kernel's declared default."""
+    values, _ = choose_tune(checked, target, None, records, tune_host)
+    mine = {kernel, *(tune_key(kernel, q) for q in checked.quants)}
+    table = {name: v for name, v in values.items() if name not in mine}
+    if kernel not in checked.jobs:
+        table[kernel] = tune
+    return table
+
+
 def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
              tune: dict[str, int], min_batch: float = 0.02, samples: int = 5,
-             engine: str = WASMTIME) -> tuple[float | None, str]:
-    """Build one variant, verify it once under wasmtime, then time it inside wasm on `engine`
-    (wasmtime, or V8 on a copy of the verified memory: not pool jobs): (seconds per call, status)."""
+             engine: str = WASMTIME, records: list[Record] | None = None) -> tuple[float | None, str]:
+    """Build one variant (variant_table: the other kernels as the build picks them from `records`),
+    verify it once under wasmtime, then time it inside wasm on `engine` (wasmtime, or V8 on a copy
+    of the verified memory: not pool jobs): (seconds per call, status)."""
     maker, _ = SPECS[kernel]
+    table = variant_table(checked, target, kernel, tune, records)
     if kernel in checked.jobs:
-        (built,) = compile_source(source + POOL_REPEAT, targets=(target,))
+        (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table)
     else:
-        (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune={kernel: tune})
+        (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune=table)
     k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
@@ -271,9 +288,11 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     checked = check(parse(source))
     me = host()
     engines = engine_names(engine)
+    stored = load_store(store)
     done = set() if remeasure else {
         (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine)
-        for r in load_store(store) if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
+        for r in stored if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
+    stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     plans: list[tuple[str, Plan]] = []
     for target in targets:
         for kernel in kernels:
@@ -308,19 +327,21 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             name = variant_name(p.kernel, p.quant, p.tune)
             where = "" if p.engine == WASMTIME else f" in {p.engine}"
             print(f"\r[{i}/{len(plans)}] {target} {name} {shape}{where} ...".ljust(79), end="", file=out, flush=True)
-            seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine)
+            seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine,
+                                       records=stored + new)
             rec = Record(p.kernel, p.quant, target, shape, kernel_hash(checked, p.kernel), me, p.tune, seconds, status,
                          engine=p.engine)
             append_record(store, rec)
             new.append(rec)
-        new += _retime_best(source, checked, new, store, retime, out)
+        new += _retime_best(source, checked, new, store, retime, out, stored)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(new)} result(s) kept in {store}", file=out)
     print(file=out)
     return new
 
 
-def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path, n: int, out) -> list[Record]:
+def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path, n: int, out,
+                 stored: list[Record]) -> list[Record]:
     """Time the best few of each (kernel, quant, target, shape, engine) again before the pick."""
     groups: dict[tuple, list[Record]] = {}
     for r in recs:
@@ -332,7 +353,7 @@ def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path,
             print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape} {engine}".ljust(79), end="",
                   file=out, flush=True)
             seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune,
-                                       engine=engine)
+                                       engine=engine, records=stored + recs)
             rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True,
                          engine=engine)
             append_record(store, rec)
