@@ -826,7 +826,8 @@ class Lowerer:
                                  f" {f.base.id}.codes(ptr, j) or {f.base.id}.zeros(ptr, j)")
             base = self.materialize(self._coerce(self._expr(e.args[0]), "i32"), "i32")
             j = self._const_int(e.args[1], f"the lane group of {f.name}()")
-            return Val(unpack_lanes(q, base, j, self.error, f.name, "relaxed-simd" in self.target.features), "i8x16")
+            return Val(unpack_lanes(q, base, j, self.error, f.name, "relaxed-simd" in self.target.features,
+                                    self.load_once), "i8x16")
         generic_args: tuple[A.Expr, ...] = ()
         if isinstance(f, A.Index):
             generic_args, f = f.indices, f.base

@@ -384,12 +384,33 @@ def _off(n: int) -> tuple[str, ...]:
     return (f"offset={n}",) if n else ()
 
 
+Loader = Callable[[str, int, Instr], Instr]
+
+
+def _plain_load(op: str, offset: int, addr: Instr) -> Instr:
+    return I(op, *_off(offset), addr)
+
+
+def _shr_u8(x: Instr, n: int) -> Instr:
+    """i8x16.shr_u(x, n) as i16x8.shr_u and a mask of the bits that stay in their byte: the same
+    lanes. x86 has no byte shift, so engines build i8x16.shr_u from a 16-bit shift and a mask, and V8
+    (Node 20) builds that mask anew at every use (mov, movd, pshufd: 3 instructions per 16 values of
+    a nibble type's high half); a v128.const is built once per function."""
+    return I("v128.and", I("i16x8.shr_u", x, I("i32.const", n)), _splat8(0xFF >> n))
+
+
+def _shl8(x: Instr, n: int) -> Instr:
+    """i8x16.shl(x, n) as i16x8.shl and a mask: the same lanes (see _shr_u8)."""
+    return I("v128.and", I("i16x8.shl", x, I("i32.const", n)), _splat8((0xFF << n) & 0xFF))
+
+
 class _LowerUnpack:
     """i8x16 of elements 16j..16j+15 of the block whose packed values (plane q) start at `base`;
-    `relaxed`: the target has relaxed SIMD."""
+    `relaxed`: the target has relaxed SIMD; `load(op, offset, addr)` emits the plane's vector loads
+    (the compiler's load_once: V8 does not merge the equal loads of a block's two nibble halves)."""
 
-    def __init__(self, qf: QuantFormat, base: Instr, j: int, relaxed: bool) -> None:
-        self.qf, self.base, self.j, self.relaxed = qf, base, j, relaxed
+    def __init__(self, qf: QuantFormat, base: Instr, j: int, relaxed: bool, load: Loader = _plain_load) -> None:
+        self.qf, self.base, self.j, self.relaxed, self.load = qf, base, j, relaxed, load
 
     def on_int(self, n: Int) -> Instr:
         return _splat8(n.value)
@@ -403,17 +424,17 @@ class _LowerUnpack:
         return None  # f[i] is the only use (on_index)
 
     def on_index(self, n: Index, _: None) -> Instr:
-        return I("v128.load", *_off(self.qf.value_offset(n.field) + LANES * self.j), self.base)
+        return self.load("v128.load", self.qf.value_offset(n.field) + LANES * self.j, self.base)
 
     def on_call(self, n: Call) -> Instr:
         f = self.qf.field(n.field)
         if n.func in ("nib", "nibi"):  # plane q holds both in split order
             count = f.count or 0
             first = LANES * self.j
-            load = I("v128.load", *_off(self.qf.value_offset(f.name) + first % count), self.base)
+            load = self.load("v128.load", self.qf.value_offset(f.name) + first % count, self.base)
             if first // count == 0:
                 return I("v128.and", load, _splat8(0x0F))
-            return I("i8x16.shr_u", load, I("i32.const", 4))
+            return _shr_u8(load, 4)
         # bit: lanes 16j..16j+15 read bits of the two mask bytes 2j and 2j+1: put byte 2j in lanes
         # 0-7 and byte 2j+1 in lanes 8-15, keep each lane's own bit, then turn "bit set" into 1.
         both = I("v128.load16_splat", *_off(self.qf.value_offset(f.name) + 2 * self.j), self.base)
@@ -431,12 +452,12 @@ class _LowerUnpack:
     def on_op(self, n: Op, left: Instr, right: Instr) -> Instr:
         if n.op == "<<":
             assert isinstance(n.right, Int)
-            return I("i8x16.shl", left, I("i32.const", n.right.value))
+            return _shl8(left, n.right.value)
         return I({"+": "i8x16.add", "-": "i8x16.sub", "|": "v128.or", "&": "v128.and"}[n.op], left, right)
 
 
 def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Exception],
-                 what: str, relaxed: bool) -> Instr:
+                 what: str, relaxed: bool, load: Loader = _plain_load) -> Instr:
     """i8x16 of elements 16j..16j+15 of the block whose packed values start at `base`: the unpacked
     values, or (`what` "codes") the unsigned codes of QuantFormat.codes; `relaxed`: for a target
     with relaxed SIMD."""
@@ -444,7 +465,7 @@ def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Ex
     if not 0 <= j < kb.block // LANES:
         raise error(f"{qf.name}.{what}: lane group {j} is out of range 0..{kb.block // LANES - 1}")
     if what == "unpack":
-        return fold(kb.unpack, _LowerUnpack(kb, base, j, relaxed))
+        return fold(kb.unpack, _LowerUnpack(kb, base, j, relaxed, load))
     if qf.codes is None:
         raise error(f"{qf.name} has no codes in [0, 127] (Q.codes7 is 0): use {qf.name}.unpack")
-    return fold(qf.codes[0 if what == "codes" else 1], _LowerUnpack(kb, base, j, relaxed))
+    return fold(qf.codes[0 if what == "codes" else 1], _LowerUnpack(kb, base, j, relaxed, load))

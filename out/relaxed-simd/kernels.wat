@@ -6711,11 +6711,12 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $wrow_1 i32) (local $arow_0 i32) (local $nbs i32)
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
-    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $t v128) (local $t_1 v128) (local $ret v128)
-    (local $ret_1 v128) (local $loaded_1 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
-    (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_2 v128)
-    (local $loaded_3 v128) (local $acc v128) (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $t v128)
+    (local $t_1 v128) (local $ret v128) (local $ret_1 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
+    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32)
+    (local $da f32) (local $wq i32) (local $loaded_6 v128) (local $wv v128) (local $loaded_7 v128) (local $loaded_8 v128)
+    (local $acc v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -6785,9 +6786,9 @@
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $ret
             (i32x4.extadd_pairwise_i16x8_s
@@ -6796,7 +6797,7 @@
                   (local.get $wv_0)
                   (local.tee $t_1
                     (i8x16.max_s
-                      (local.tee $t (local.tee $loaded (v128.load (local.get $ab_0))))
+                      (local.tee $t (local.tee $loaded_2 (v128.load (local.get $ab_0))))
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_0)
@@ -6811,20 +6812,20 @@
                   (local.get $wv_1)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_2)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_1)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_2))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_1 (local.get $ret_1))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_3 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_4 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $ret
             (i32x4.add
@@ -6835,7 +6836,7 @@
                     (local.get $wv_0)
                     (local.tee $t_1
                       (i8x16.max_s
-                        (local.tee $t (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))
+                        (local.tee $t (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_0)
@@ -6852,11 +6853,11 @@
                     (local.get $wv_1)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_5)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_1)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_5)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_1 (local.get $ret_1))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -7005,28 +7006,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_6 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.extend_low_i8x16_s (local.get $wv))
-              (local.tee $loaded_2 (v128.load8x8_s (local.get $ab))))
+              (local.tee $loaded_7 (v128.load8x8_s (local.get $ab))))
             (i32x4.dot_i16x8_s
               (i16x8.extend_high_i8x16_s (local.get $wv))
-              (local.tee $loaded_3 (v128.load8x8_s offset=8 (local.get $ab))))))
+              (local.tee $loaded_8 (v128.load8x8_s offset=8 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_9 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.extend_low_i8x16_s (local.get $wv))
-                (local.tee $loaded_4 (v128.load8x8_s offset=16 (local.get $ab))))
+                (local.tee $loaded_10 (v128.load8x8_s offset=16 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.tee $loaded_5 (v128.load8x8_s offset=24 (local.get $ab)))))))
+                (local.tee $loaded_11 (v128.load8x8_s offset=24 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -7051,22 +7052,22 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_7))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_8))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_13 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_10))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_11)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -7139,11 +7140,11 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $wrow_1 i32) (local $arow_0 i32) (local $nbs i32)
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
-    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $acc v128) (local $loaded_4 v128)
-    (local $loaded_5 v128)
+    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_4 v128) (local $wv v128) (local $loaded_5 v128)
+    (local $loaded_6 v128) (local $acc v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -7215,42 +7216,48 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded (v128.load (local.get $ab_0)))
+              (local.tee $loaded_2 (v128.load (local.get $ab_0)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_2)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0)))
+              (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0)))
               (local.get $wv_0)
               (local.get $raw_0)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_3)
               (local.get $wv_1)
               (local.get $raw_1)))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -7408,30 +7415,33 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_4 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_2 (v128.load (local.get $ab)))
+                (local.tee $loaded_5 (v128.load (local.get $ab)))
                 (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_3 (v128.load (local.get $ab)))
+                (local.tee $loaded_6 (v128.load (local.get $ab)))
                 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_4) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_4 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_7 (v128.load offset=16 (local.get $ab)))
                   (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_5 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_8 (v128.load offset=16 (local.get $ab)))
                   (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -7459,26 +7469,29 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_9 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_6) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_3)
+                (local.get $loaded_6)
                 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_9) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_8) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_5)
+                  (local.get $loaded_8)
                   (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -7555,10 +7568,11 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
-    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128)
-    (local $loaded_2 v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128) (local $wv v128) (local $loaded_7 v128)
+    (local $acc v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -7666,45 +7680,45 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (v128.and
-              (v128.load (local.get $wb_2))
+              (local.tee $loaded_2 (v128.load (local.get $wb_2)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (v128.and
-              (v128.load (local.get $wb_3))
+              (local.tee $loaded_3 (v128.load (local.get $wb_3)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded (v128.load (local.get $ab_0)))
+              (local.tee $loaded_4 (v128.load (local.get $ab_0)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_4)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_4)
               (local.get $wv_2)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_4)
               (local.get $wv_3)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
@@ -7713,35 +7727,47 @@
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4)))
+          (local.set $wv_2
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4)))
+          (local.set $wv_3
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0)))
+              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0)))
               (local.get $wv_0)
               (local.get $raw_0)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_1)
               (local.get $raw_1)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_2)
               (local.get $raw_2)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_3)
               (local.get $raw_3)))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -8008,19 +8034,22 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_6 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.tee $loaded_2 (v128.load (local.get $ab)))
+            (local.tee $loaded_7 (v128.load (local.get $ab)))
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.tee $loaded_3 (v128.load offset=16 (local.get $ab)))
+            (local.tee $loaded_8 (v128.load offset=16 (local.get $ab)))
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -8040,13 +8069,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -8074,19 +8103,22 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_9 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_9) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -8106,13 +8138,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -8140,19 +8172,22 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_10 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -8172,13 +8207,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -8206,19 +8241,22 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_11 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -8238,13 +8276,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_8)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -8350,10 +8388,12 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $wrow_1 i32) (local $arow_0 i32) (local $nbs i32)
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
-    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_2 v128) (local $acc v128) (local $loaded_3 v128)
+    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128)
+    (local $wv v128) (local $loaded_7 v128) (local $acc v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -8423,38 +8463,38 @@
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded (v128.load (local.get $ab_0)))
+              (local.tee $loaded_2 (v128.load (local.get $ab_0)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_2)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_3 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_4 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0)))
+              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0)))
               (local.get $wv_0)
               (local.get $raw_0)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_1)
               (local.get $raw_1)))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -8616,18 +8656,18 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_6 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.tee $loaded_2 (v128.load (local.get $ab)))
+            (local.tee $loaded_7 (v128.load (local.get $ab)))
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_8 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.tee $loaded_3 (v128.load offset=16 (local.get $ab)))
+            (local.tee $loaded_9 (v128.load offset=16 (local.get $ab)))
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -8647,13 +8687,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_9)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -8679,18 +8719,18 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_10 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_11 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_9)
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -8710,13 +8750,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_9)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -8792,12 +8832,13 @@
     (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128) (local $x_4 v128) (local $x_5 v128)
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
-    (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $t v128)
-    (local $t_1 v128) (local $ret v128) (local $ret_1 v128) (local $loaded_1 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
-    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32)
-    (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $acc v128)
-    (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $t v128) (local $t_1 v128) (local $ret v128)
+    (local $ret_1 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128)
+    (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32)
+    (local $loaded_6 v128) (local $wv v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $acc v128) (local $loaded_9 v128)
+    (local $loaded_10 v128) (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -8907,28 +8948,28 @@
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_0))
+                (local.tee $loaded (v128.load (local.get $wb_0)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_1))
+                (local.tee $loaded_1 (v128.load (local.get $wb_1)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_2))
+                (local.tee $loaded_2 (v128.load (local.get $wb_2)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_3))
+                (local.tee $loaded_3 (v128.load (local.get $wb_3)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $ret
@@ -8938,7 +8979,7 @@
                   (local.get $wv_0)
                   (local.tee $t_1
                     (i8x16.max_s
-                      (local.tee $t (local.tee $loaded (v128.load (local.get $ab_0))))
+                      (local.tee $t (local.tee $loaded_4 (v128.load (local.get $ab_0))))
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_0)
@@ -8953,11 +8994,11 @@
                   (local.get $wv_1)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_4)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_1)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_4))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_1 (local.get $ret_1))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -8968,11 +9009,11 @@
                   (local.get $wv_2)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_4)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_2)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_4))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_2 (local.get $ret_1))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -8983,11 +9024,11 @@
                   (local.get $wv_3)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_4)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_3)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_4))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_3 (local.get $ret_1))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
@@ -8999,22 +9040,30 @@
           (local.set $wv_0
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.relaxed_swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $ret
             (i32x4.add
@@ -9025,7 +9074,7 @@
                     (local.get $wv_0)
                     (local.tee $t_1
                       (i8x16.max_s
-                        (local.tee $t (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))
+                        (local.tee $t (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_0)
@@ -9042,11 +9091,11 @@
                     (local.get $wv_1)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_5)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_1)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_5)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_1 (local.get $ret_1))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
@@ -9059,11 +9108,11 @@
                     (local.get $wv_2)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_5)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_2)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_5)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_2 (local.get $ret_1))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
@@ -9076,11 +9125,11 @@
                     (local.get $wv_3)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_5)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_3)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_5)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_3 (local.get $ret_1))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -9324,32 +9373,34 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_6 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.extend_low_i8x16_s (local.get $wv))
-              (local.tee $loaded_2 (v128.load8x8_s (local.get $ab))))
+              (local.tee $loaded_7 (v128.load8x8_s (local.get $ab))))
             (i32x4.dot_i16x8_s
               (i16x8.extend_high_i8x16_s (local.get $wv))
-              (local.tee $loaded_3 (v128.load8x8_s offset=8 (local.get $ab))))))
+              (local.tee $loaded_8 (v128.load8x8_s offset=8 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.extend_low_i8x16_s (local.get $wv))
-                (local.tee $loaded_4 (v128.load8x8_s offset=16 (local.get $ab))))
+                (local.tee $loaded_9 (v128.load8x8_s offset=16 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.tee $loaded_5 (v128.load8x8_s offset=24 (local.get $ab)))))))
+                (local.tee $loaded_10 (v128.load8x8_s offset=24 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9378,26 +9429,28 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_11 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_7))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_8))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9426,26 +9479,28 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_12 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_7))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_8))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_12) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9474,26 +9529,28 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_13 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_7))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_8))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9601,10 +9658,12 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
-    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $acc v128) (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128) (local $wv v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $acc v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $loaded_12 v128)
+    (local $loaded_13 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -9714,51 +9773,51 @@
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
               (v128.and
-                (v128.load (local.get $wb_0))
+                (local.tee $loaded (v128.load (local.get $wb_0)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
               (v128.and
-                (v128.load (local.get $wb_1))
+                (local.tee $loaded_1 (v128.load (local.get $wb_1)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
               (v128.and
-                (v128.load (local.get $wb_2))
+                (local.tee $loaded_2 (v128.load (local.get $wb_2)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
               (v128.and
-                (v128.load (local.get $wb_3))
+                (local.tee $loaded_3 (v128.load (local.get $wb_3)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded (v128.load (local.get $ab_0)))
+              (local.tee $loaded_4 (v128.load (local.get $ab_0)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_4)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_4)
               (local.get $wv_2)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_4)
               (local.get $wv_3)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
@@ -9770,44 +9829,52 @@
           (local.set $wv_0
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-              (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-              (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-              (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.relaxed_swizzle
               (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-              (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0)))
+              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0)))
               (local.get $wv_0)
               (local.get $raw_0)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_1)
               (local.get $raw_1)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_2)
               (local.get $raw_2)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_3)
               (local.get $raw_3)))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -10072,33 +10139,35 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_6 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_2 (v128.load (local.get $ab)))
+                (local.tee $loaded_7 (v128.load (local.get $ab)))
                 (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_3 (v128.load (local.get $ab)))
+                (local.tee $loaded_8 (v128.load (local.get $ab)))
                 (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_4 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_9 (v128.load offset=16 (local.get $ab)))
                   (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_5 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_10 (v128.load offset=16 (local.get $ab)))
                   (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -10128,29 +10197,31 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_11 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_8) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_3)
+                (local.get $loaded_8)
                 (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_10) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_5)
+                  (local.get $loaded_10)
                   (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -10180,29 +10251,31 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_12 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_8) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_3)
+                (local.get $loaded_8)
                 (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_12) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_10) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_5)
+                  (local.get $loaded_10)
                   (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -10232,29 +10305,31 @@
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_13 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_8) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_3)
+                (local.get $loaded_8)
                 (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.relaxed_swizzle
             (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_10) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_5)
+                  (local.get $loaded_10)
                   (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -10346,11 +10421,11 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $ret v128) (local $acc v128) (local $loaded_1 v128) (local $wq_1 i32) (local $a i32)
-    (local $loaded_2 v128) (local $ret_1 v128) (local $loaded_3 v128) (local $x v128) (local $raw v128) (local $s4 v128)
-    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_4 v128)
-    (local $loaded_5 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $wq_1 i32)
+    (local $a i32) (local $loaded_3 v128) (local $loaded_4 v128) (local $ret_1 v128) (local $loaded_5 v128) (local $x v128)
+    (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128)
+    (local $da f32) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -10408,19 +10483,22 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded (v128.load (local.get $ap)))
+                      (local.tee $loaded_1 (v128.load (local.get $ap)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_1 (v128.load offset=16 (local.get $ap)))
+                      (local.tee $loaded_2 (v128.load offset=16 (local.get $ap)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret))
@@ -10431,19 +10509,22 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq_1))
+                      (local.tee $loaded_3 (v128.load (local.get $wq_1)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_2 (v128.load (local.get $a)))
+                      (local.tee $loaded_4 (v128.load (local.get $a)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_3 (v128.load offset=16 (local.get $a)))
+                      (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret_1))
@@ -10522,19 +10603,22 @@
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                 (local.set $wv
                   (v128.and
-                    (v128.load (local.get $wq))
+                    (local.tee $loaded_6 (v128.load (local.get $wq)))
                     (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_4 (v128.load (local.get $a)))
+                    (local.tee $loaded_7 (v128.load (local.get $a)))
                     (local.get $wv)
                     (v128.const i32x4 0 0 0 0)))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                (local.set $wv
+                  (v128.and
+                    (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+                    (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
+                    (local.tee $loaded_8 (v128.load offset=16 (local.get $a)))
                     (local.get $wv)
                     (local.get $acc)))
                 (local.set $acc (local.get $ret))
@@ -10555,13 +10639,13 @@
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_4)
+                    (local.get $loaded_7)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_5)
+                    (local.get $loaded_8)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 (local.set $ret (local.get $acc))
@@ -10624,10 +10708,12 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wrow_0 i32) (local $wrow_1 i32) (local $arow_0 i32) (local $nbs i32)
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
-    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_2 v128) (local $acc v128) (local $loaded_3 v128)
+    (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128)
+    (local $wv v128) (local $loaded_7 v128) (local $acc v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -10697,38 +10783,38 @@
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded (v128.load (local.get $ab_0)))
+              (local.tee $loaded_2 (v128.load (local.get $ab_0)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_2)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_3 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_4 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0)))
+              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0)))
               (local.get $wv_0)
               (local.get $raw_0)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_5)
               (local.get $wv_1)
               (local.get $raw_1)))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -10890,18 +10976,18 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_6 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.tee $loaded_2 (v128.load (local.get $ab)))
+            (local.tee $loaded_7 (v128.load (local.get $ab)))
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_8 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.tee $loaded_3 (v128.load offset=16 (local.get $ab)))
+            (local.tee $loaded_9 (v128.load offset=16 (local.get $ab)))
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -10921,13 +11007,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_9)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -10953,18 +11039,18 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_10 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (local.get $wv)
             (v128.const i32x4 0 0 0 0)))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_11 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_9)
             (local.get $wv)
             (local.get $acc)))
         (local.set $acc (local.get $ret))
@@ -10984,13 +11070,13 @@
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_2)
+            (local.get $loaded_7)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.relaxed_dot_i8x16_i7x16_add_s
-            (local.get $loaded_3)
+            (local.get $loaded_9)
             (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
             (local.get $acc)))
         (local.set $ret (local.get $acc))
@@ -11065,10 +11151,11 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
+    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
+    (local $wq i32) (local $loaded_8 v128) (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -11138,19 +11225,19 @@
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.mul
               (i32x4.extadd_pairwise_i16x8_s
                 (i16x8.sub
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.tee $loaded (v128.load (local.get $ab_0)))
+                    (local.tee $loaded_2 (v128.load (local.get $ab_0)))
                     (local.get $wv_0))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.tee $loaded_1 (v128.load (local.get $ab_0)))
+                    (local.tee $loaded_3 (v128.load (local.get $ab_0)))
                     (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
               (i32x4.splat (i32.load (i32.add (local.get $wb_0) (i32.const 32))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -11158,18 +11245,18 @@
             (i32x4.mul
               (i32x4.extadd_pairwise_i16x8_s
                 (i16x8.sub
-                  (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_1) (local.get $wv_1))
+                  (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv_1))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.get $loaded_1)
+                    (local.get $loaded_3)
                     (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
               (i32x4.splat (i32.load (i32.add (local.get $wb_1) (i32.const 32))))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_4 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_5 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -11178,10 +11265,10 @@
                 (i32x4.extadd_pairwise_i16x8_s
                   (i16x8.sub
                     (i16x8.relaxed_dot_i8x16_i7x16_s
-                      (local.tee $loaded_2 (v128.load offset=16 (local.get $ab_0)))
+                      (local.tee $loaded_6 (v128.load offset=16 (local.get $ab_0)))
                       (local.get $wv_0))
                     (i16x8.relaxed_dot_i8x16_i7x16_s
-                      (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0)))
+                      (local.tee $loaded_7 (v128.load offset=16 (local.get $ab_0)))
                       (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                 (i32x4.splat
                   (i32.load (i32.add (i32.add (local.get $wb_0) (i32.const 32)) (i32.const 4)))))))
@@ -11192,9 +11279,9 @@
               (i32x4.mul
                 (i32x4.extadd_pairwise_i16x8_s
                   (i16x8.sub
-                    (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv_1))
+                    (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_7) (local.get $wv_1))
                     (i16x8.relaxed_dot_i8x16_i7x16_s
-                      (local.get $loaded_3)
+                      (local.get $loaded_7)
                       (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                 (i32x4.splat
                   (i32.load (i32.add (i32.add (local.get $wb_1) (i32.const 32)) (i32.const 4)))))))
@@ -11344,21 +11431,21 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 40))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_8 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.mul
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_4 (v128.load (local.get $ab)))
+                  (local.tee $loaded_9 (v128.load (local.get $ab)))
                   (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_5 (v128.load (local.get $ab)))
+                  (local.tee $loaded_10 (v128.load (local.get $ab)))
                   (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
             (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_11 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
@@ -11366,10 +11453,10 @@
               (i32x4.extadd_pairwise_i16x8_s
                 (i16x8.sub
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.tee $loaded_6 (v128.load offset=16 (local.get $ab)))
+                    (local.tee $loaded_12 (v128.load offset=16 (local.get $ab)))
                     (local.get $wv))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.tee $loaded_7 (v128.load offset=16 (local.get $ab)))
+                    (local.tee $loaded_13 (v128.load offset=16 (local.get $ab)))
                     (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
               (i32x4.splat
                 (i32.load (i32.add (i32.add (local.get $wq) (i32.const 32)) (i32.const 4)))))))
@@ -11397,28 +11484,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 40))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_14 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.mul
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_10) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_5)
+                  (local.get $loaded_10)
                   (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
             (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.mul
               (i32x4.extadd_pairwise_i16x8_s
                 (i16x8.sub
-                  (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_7) (local.get $wv))
+                  (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_13) (local.get $wv))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.get $loaded_7)
+                    (local.get $loaded_13)
                     (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
               (i32x4.splat
                 (i32.load (i32.add (i32.add (local.get $wq) (i32.const 32)) (i32.const 4)))))))
@@ -11495,10 +11582,11 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128)
+    (local $wv v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $acc v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -11570,38 +11658,44 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load offset=1 (local.get $wb_0))
+              (local.tee $loaded (v128.load offset=1 (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load offset=1 (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load offset=1 (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded (v128.load (local.get $ab_0)))
+                  (local.tee $loaded_2 (v128.load (local.get $ab_0)))
                   (local.get $wv_0))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_1 (v128.load (local.get $ab_0)))
+                  (local.tee $loaded_3 (v128.load (local.get $ab_0)))
                   (i8x16.splat (i32.load8_u (local.get $wb_0)))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_1) (local.get $wv_1))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv_1))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_1)
+                  (local.get $loaded_3)
                   (i8x16.splat (i32.load8_u (local.get $wb_1)))))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load offset=1 (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load offset=1 (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -11609,10 +11703,10 @@
               (i32x4.extadd_pairwise_i16x8_s
                 (i16x8.sub
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.tee $loaded_2 (v128.load offset=16 (local.get $ab_0)))
+                    (local.tee $loaded_4 (v128.load offset=16 (local.get $ab_0)))
                     (local.get $wv_0))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0)))
+                    (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0)))
                     (i8x16.splat (i32.load8_u (local.get $wb_0))))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
@@ -11620,9 +11714,9 @@
               (local.get $raw_1)
               (i32x4.extadd_pairwise_i16x8_s
                 (i16x8.sub
-                  (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_3) (local.get $wv_1))
+                  (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv_1))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
-                    (local.get $loaded_3)
+                    (local.get $loaded_5)
                     (i8x16.splat (i32.load8_u (local.get $wb_1))))))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
@@ -11772,30 +11866,33 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load offset=1 (local.get $wq))
+            (local.tee $loaded_6 (v128.load offset=1 (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_4 (v128.load (local.get $ab)))
+                (local.tee $loaded_7 (v128.load (local.get $ab)))
                 (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_5 (v128.load (local.get $ab)))
+                (local.tee $loaded_8 (v128.load (local.get $ab)))
                 (i8x16.splat (i32.load8_u (local.get $wq)))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_6 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_9 (v128.load offset=16 (local.get $ab)))
                   (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_7 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_10 (v128.load offset=16 (local.get $ab)))
                   (i8x16.splat (i32.load8_u (local.get $wq))))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -11823,26 +11920,29 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load offset=1 (local.get $wq))
+            (local.tee $loaded_11 (v128.load offset=1 (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_8) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_5)
+                (local.get $loaded_8)
                 (i8x16.splat (i32.load8_u (local.get $wq)))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_7) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_10) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_7)
+                  (local.get $loaded_10)
                   (i8x16.splat (i32.load8_u (local.get $wq))))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -11918,12 +12018,14 @@
     (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128) (local $x_4 v128) (local $x_5 v128)
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
-    (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $t v128)
-    (local $t_1 v128) (local $ret v128) (local $ret_1 v128) (local $loaded_1 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
-    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32)
-    (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $acc v128)
-    (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $t v128) (local $t_1 v128) (local $ret v128)
+    (local $ret_1 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
+    (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_10 v128) (local $wv v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $acc v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
+    (local $loaded_16 v128) (local $loaded_17 v128) (local $loaded_18 v128) (local $loaded_19 v128) (local $loaded_20 v128) (local $loaded_21 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -12029,13 +12131,13 @@
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_2 (v128.load (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_3 (v128.load (local.get $wb_3))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $ret
             (i32x4.extadd_pairwise_i16x8_s
@@ -12044,7 +12146,7 @@
                   (local.get $wv_0)
                   (local.tee $t_1
                     (i8x16.max_s
-                      (local.tee $t (local.tee $loaded (v128.load (local.get $ab_0))))
+                      (local.tee $t (local.tee $loaded_4 (v128.load (local.get $ab_0))))
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_0)
@@ -12059,11 +12161,11 @@
                   (local.get $wv_1)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_4)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_1)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_4))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_1 (local.get $ret_1))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -12074,11 +12176,11 @@
                   (local.get $wv_2)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_4)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_2)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_4))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_2 (local.get $ret_1))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -12089,11 +12191,11 @@
                   (local.get $wv_3)
                   (local.tee $t
                     (i8x16.max_s
-                      (local.get $loaded)
+                      (local.get $loaded_4)
                       (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
                   (local.get $wv_3)
-                  (i8x16.sub (local.get $t) (local.get $loaded))))))
+                  (i8x16.sub (local.get $t) (local.get $loaded_4))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_3 (local.get $ret_1))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
@@ -12102,13 +12204,13 @@
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_5 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_6 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load offset=16 (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_7 (v128.load offset=16 (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load offset=16 (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_8 (v128.load offset=16 (local.get $wb_3))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $ret
             (i32x4.add
@@ -12119,7 +12221,7 @@
                     (local.get $wv_0)
                     (local.tee $t_1
                       (i8x16.max_s
-                        (local.tee $t (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))
+                        (local.tee $t (local.tee $loaded_9 (v128.load offset=16 (local.get $ab_0))))
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_0)
@@ -12136,11 +12238,11 @@
                     (local.get $wv_1)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_9)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_1)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_9)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_1 (local.get $ret_1))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
@@ -12153,11 +12255,11 @@
                     (local.get $wv_2)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_9)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_2)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_9)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_2 (local.get $ret_1))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
@@ -12170,11 +12272,11 @@
                     (local.get $wv_3)
                     (local.tee $t
                       (i8x16.max_s
-                        (local.get $loaded_1)
+                        (local.get $loaded_9)
                         (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                   (i16x8.relaxed_dot_i8x16_i7x16_s
                     (local.get $wv_3)
-                    (i8x16.sub (local.get $t) (local.get $loaded_1)))))))
+                    (i8x16.sub (local.get $t) (local.get $loaded_9)))))))
           (local.set $ret_1 (local.get $ret))
           (local.set $raw_3 (local.get $ret_1))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -12414,28 +12516,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_10 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.extend_low_i8x16_s (local.get $wv))
-              (local.tee $loaded_2 (v128.load8x8_s (local.get $ab))))
+              (local.tee $loaded_11 (v128.load8x8_s (local.get $ab))))
             (i32x4.dot_i16x8_s
               (i16x8.extend_high_i8x16_s (local.get $wv))
-              (local.tee $loaded_3 (v128.load8x8_s offset=8 (local.get $ab))))))
+              (local.tee $loaded_12 (v128.load8x8_s offset=8 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_13 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.extend_low_i8x16_s (local.get $wv))
-                (local.tee $loaded_4 (v128.load8x8_s offset=16 (local.get $ab))))
+                (local.tee $loaded_14 (v128.load8x8_s offset=16 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.tee $loaded_5 (v128.load8x8_s offset=24 (local.get $ab)))))))
+                (local.tee $loaded_15 (v128.load8x8_s offset=24 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12460,22 +12562,22 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_16 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_11))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_12))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_17 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_14))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_15)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12500,22 +12602,22 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_18 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_11))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_12))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_19 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_14))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_15)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12540,22 +12642,22 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_20 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_2))
-            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_3))))
+            (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_11))
+            (i32x4.dot_i16x8_s (i16x8.extend_high_i8x16_s (local.get $wv)) (local.get $loaded_12))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_21 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s (i16x8.extend_low_i8x16_s (local.get $wv)) (local.get $loaded_14))
               (i32x4.dot_i16x8_s
                 (i16x8.extend_high_i8x16_s (local.get $wv))
-                (local.get $loaded_5)))))
+                (local.get $loaded_15)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12662,12 +12764,13 @@
     (local $x_1 v128) (local $x_2 v128) (local $x_3 v128) (local $x_4 v128) (local $x_5 v128) (local $x_6 v128)
     (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $ab_1 i32) (local $j i32)
     (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128) (local $wv_0 v128) (local $wv_1 v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
-    (local $loaded_11 v128)
+    (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128)
+    (local $wv v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $acc v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $loaded_16 v128)
+    (local $loaded_17 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -12761,66 +12864,72 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded (v128.load (local.get $ab_0)))
+              (local.tee $loaded_2 (v128.load (local.get $ab_0)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded)
+              (local.get $loaded_2)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_1 (v128.load (local.get $ab_1)))
+              (local.tee $loaded_3 (v128.load (local.get $ab_1)))
               (local.get $wv_0)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_1)
+              (local.get $loaded_3)
               (local.get $wv_1)
               (v128.const i32x4 0 0 0 0)))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_2 (v128.load offset=16 (local.get $ab_0)))
+              (local.tee $loaded_4 (v128.load offset=16 (local.get $ab_0)))
               (local.get $wv_0)
               (local.get $raw_0)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_2)
+              (local.get $loaded_4)
               (local.get $wv_1)
               (local.get $raw_1)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_1)))
+              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_1)))
               (local.get $wv_0)
               (local.get $raw_2)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.relaxed_dot_i8x16_i7x16_add_s
-              (local.get $loaded_3)
+              (local.get $loaded_5)
               (local.get $wv_1)
               (local.get $raw_3)))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
@@ -13094,30 +13203,33 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_6 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_4 (v128.load (local.get $ab)))
+                (local.tee $loaded_7 (v128.load (local.get $ab)))
                 (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_5 (v128.load (local.get $ab)))
+                (local.tee $loaded_8 (v128.load (local.get $ab)))
                 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_6 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_9 (v128.load offset=16 (local.get $ab)))
                   (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_7 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_10 (v128.load offset=16 (local.get $ab)))
                   (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -13145,26 +13257,29 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_11 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_5) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_8) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_5)
+                (local.get $loaded_8)
                 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_7) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_10) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_7)
+                  (local.get $loaded_10)
                   (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -13213,30 +13328,33 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_12 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_8 (v128.load (local.get $ab)))
+                (local.tee $loaded_13 (v128.load (local.get $ab)))
                 (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.tee $loaded_9 (v128.load (local.get $ab)))
+                (local.tee $loaded_14 (v128.load (local.get $ab)))
                 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_12) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_10 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_15 (v128.load offset=16 (local.get $ab)))
                   (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.tee $loaded_11 (v128.load offset=16 (local.get $ab)))
+                  (local.tee $loaded_16 (v128.load offset=16 (local.get $ab)))
                   (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -13264,26 +13382,29 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_17 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.extadd_pairwise_i16x8_s
             (i16x8.sub
-              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_9) (local.get $wv))
+              (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_14) (local.get $wv))
               (i16x8.relaxed_dot_i8x16_i7x16_s
-                (local.get $loaded_9)
+                (local.get $loaded_14)
                 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_17) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.extadd_pairwise_i16x8_s
               (i16x8.sub
-                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_11) (local.get $wv))
+                (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $loaded_16) (local.get $wv))
                 (i16x8.relaxed_dot_i8x16_i7x16_s
-                  (local.get $loaded_11)
+                  (local.get $loaded_16)
                   (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
@@ -13379,11 +13500,11 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $ret v128) (local $acc v128) (local $loaded_1 v128) (local $wq_1 i32) (local $a i32)
-    (local $loaded_2 v128) (local $ret_1 v128) (local $loaded_3 v128) (local $x v128) (local $raw v128) (local $s4 v128)
-    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_4 v128)
-    (local $loaded_5 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $wq_1 i32)
+    (local $a i32) (local $loaded_3 v128) (local $loaded_4 v128) (local $ret_1 v128) (local $loaded_5 v128) (local $x v128)
+    (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128)
+    (local $da f32) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -13441,19 +13562,22 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded (v128.load (local.get $ap)))
+                      (local.tee $loaded_1 (v128.load (local.get $ap)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_1 (v128.load offset=16 (local.get $ap)))
+                      (local.tee $loaded_2 (v128.load offset=16 (local.get $ap)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret))
@@ -13464,19 +13588,22 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq_1))
+                      (local.tee $loaded_3 (v128.load (local.get $wq_1)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_2 (v128.load (local.get $a)))
+                      (local.tee $loaded_4 (v128.load (local.get $a)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_3 (v128.load offset=16 (local.get $a)))
+                      (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret_1))
@@ -13555,19 +13682,22 @@
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                 (local.set $wv
                   (v128.and
-                    (v128.load (local.get $wq))
+                    (local.tee $loaded_6 (v128.load (local.get $wq)))
                     (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_4 (v128.load (local.get $a)))
+                    (local.tee $loaded_7 (v128.load (local.get $a)))
                     (local.get $wv)
                     (v128.const i32x4 0 0 0 0)))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                (local.set $wv
+                  (v128.and
+                    (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+                    (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
+                    (local.tee $loaded_8 (v128.load offset=16 (local.get $a)))
                     (local.get $wv)
                     (local.get $acc)))
                 (local.set $acc (local.get $ret))
@@ -13588,13 +13718,13 @@
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_4)
+                    (local.get $loaded_7)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_5)
+                    (local.get $loaded_8)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 (local.set $ret (local.get $acc))
@@ -13643,11 +13773,12 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $ret v128) (local $acc v128) (local $loaded_1 v128) (local $wq_1 i32) (local $a i32)
-    (local $loaded_2 v128) (local $ret_1 v128) (local $loaded_3 v128) (local $x v128) (local $raw v128) (local $s4 v128)
-    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_4 v128)
-    (local $loaded_5 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
+    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
+    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128)
+    (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -13703,18 +13834,18 @@
                 (local.set $i (i32.const 0))
                 (loop $i_loop
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq)))
+                  (local.set $wv (local.tee $loaded (v128.load (local.get $wq))))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded (v128.load (local.get $ap)))
+                      (local.tee $loaded_1 (v128.load (local.get $ap)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq)))
+                  (local.set $wv (local.tee $loaded_2 (v128.load offset=16 (local.get $wq))))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_1 (v128.load offset=16 (local.get $ap)))
+                      (local.tee $loaded_3 (v128.load offset=16 (local.get $ap)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret))
@@ -13723,18 +13854,18 @@
                   (local.set $wq_1 (i32.add (local.get $wq) (i32.const 32)))
                   (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_4 (v128.load (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_2 (v128.load (local.get $a)))
+                      (local.tee $loaded_5 (v128.load (local.get $a)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_6 (v128.load offset=16 (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_3 (v128.load offset=16 (local.get $a)))
+                      (local.tee $loaded_7 (v128.load offset=16 (local.get $a)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret_1))
@@ -13811,18 +13942,18 @@
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                (local.set $wv (v128.load (local.get $wq)))
+                (local.set $wv (local.tee $loaded_8 (v128.load (local.get $wq))))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_4 (v128.load (local.get $a)))
+                    (local.tee $loaded_9 (v128.load (local.get $a)))
                     (local.get $wv)
                     (v128.const i32x4 0 0 0 0)))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (v128.load offset=16 (local.get $wq)))
+                (local.set $wv (local.tee $loaded_10 (v128.load offset=16 (local.get $wq))))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
+                    (local.tee $loaded_11 (v128.load offset=16 (local.get $a)))
                     (local.get $wv)
                     (local.get $acc)))
                 (local.set $acc (local.get $ret))
@@ -13843,13 +13974,13 @@
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_4)
+                    (local.get $loaded_9)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_5)
+                    (local.get $loaded_11)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 (local.set $ret (local.get $acc))
@@ -13897,11 +14028,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $t_1 v128) (local $t_2 v128) (local $ret v128) (local $ret_1 v128) (local $acc v128)
-    (local $loaded_1 v128) (local $wq_1 i32) (local $a i32) (local $loaded_2 v128) (local $ret_2 v128) (local $loaded_3 v128)
-    (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_3 v128) (local $da f32)
-    (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $t_1 v128) (local $t_2 v128) (local $ret v128) (local $ret_1 v128)
+    (local $acc v128) (local $loaded_2 v128) (local $wq_1 i32) (local $a i32) (local $loaded_3 v128) (local $loaded_4 v128)
+    (local $ret_2 v128) (local $loaded_5 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128)
+    (local $ret_3 v128) (local $da f32) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
+    (local $loaded_10 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -13961,7 +14093,7 @@
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                       (v128.and
-                        (v128.load (local.get $wq))
+                        (local.tee $loaded (v128.load (local.get $wq)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.extadd_pairwise_i16x8_s
@@ -13970,7 +14102,7 @@
                           (local.get $wv)
                           (local.tee $t_2
                             (i8x16.max_s
-                              (local.tee $t_1 (local.tee $loaded (v128.load (local.get $ap))))
+                              (local.tee $t_1 (local.tee $loaded_1 (v128.load (local.get $ap))))
                               (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
                           (local.get $wv)
@@ -13981,7 +14113,9 @@
                   (local.set $wv
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-                      (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
@@ -13992,7 +14126,7 @@
                             (local.tee $t_2
                               (i8x16.max_s
                                 (local.tee $t_1
-                                  (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))
+                                  (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))
                                 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
                             (local.get $wv)
@@ -14008,7 +14142,7 @@
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                       (v128.and
-                        (v128.load (local.get $wq_1))
+                        (local.tee $loaded_3 (v128.load (local.get $wq_1)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.extadd_pairwise_i16x8_s
@@ -14017,7 +14151,7 @@
                           (local.get $wv)
                           (local.tee $t_2
                             (i8x16.max_s
-                              (local.tee $t_1 (local.tee $loaded_2 (v128.load (local.get $a))))
+                              (local.tee $t_1 (local.tee $loaded_4 (v128.load (local.get $a))))
                               (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
                           (local.get $wv)
@@ -14028,7 +14162,9 @@
                   (local.set $wv
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-                      (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
@@ -14039,7 +14175,7 @@
                             (local.tee $t_2
                               (i8x16.max_s
                                 (local.tee $t_1
-                                  (local.tee $loaded_3 (v128.load offset=16 (local.get $a))))
+                                  (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))
                                 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
                             (local.get $wv)
@@ -14115,32 +14251,34 @@
                   (i8x16.relaxed_swizzle
                     (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded_6 (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.extend_low_i8x16_s (local.get $wv))
-                      (local.tee $loaded_4 (v128.load8x8_s (local.get $a))))
+                      (local.tee $loaded_7 (v128.load8x8_s (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (i16x8.extend_high_i8x16_s (local.get $wv))
-                      (local.tee $loaded_5 (v128.load8x8_s offset=8 (local.get $a))))))
+                      (local.tee $loaded_8 (v128.load8x8_s offset=8 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                 (local.set $wv
                   (i8x16.relaxed_swizzle
                     (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-                    (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.extend_low_i8x16_s (local.get $wv))
-                        (local.tee $loaded_6 (v128.load8x8_s offset=16 (local.get $a))))
+                        (local.tee $loaded_9 (v128.load8x8_s offset=16 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (i16x8.extend_high_i8x16_s (local.get $wv))
-                        (local.tee $loaded_7 (v128.load8x8_s offset=24 (local.get $a)))))))
+                        (local.tee $loaded_10 (v128.load8x8_s offset=24 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -14187,11 +14325,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $ret v128) (local $acc v128) (local $loaded_1 v128) (local $wq_1 i32) (local $a i32)
-    (local $loaded_2 v128) (local $ret_1 v128) (local $loaded_3 v128) (local $x v128) (local $raw v128) (local $s4 v128)
-    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_4 v128)
-    (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $wq_1 i32)
+    (local $a i32) (local $loaded_3 v128) (local $loaded_4 v128) (local $ret_1 v128) (local $loaded_5 v128) (local $x v128)
+    (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128)
+    (local $da f32) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -14251,11 +14390,11 @@
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                       (v128.and
-                        (v128.load (local.get $wq))
+                        (local.tee $loaded (v128.load (local.get $wq)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded (v128.load (local.get $ap)))
+                      (local.tee $loaded_1 (v128.load (local.get $ap)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret))
@@ -14263,10 +14402,12 @@
                   (local.set $wv
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-                      (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_1 (v128.load offset=16 (local.get $ap)))
+                      (local.tee $loaded_2 (v128.load offset=16 (local.get $ap)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret))
@@ -14279,11 +14420,11 @@
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                       (v128.and
-                        (v128.load (local.get $wq_1))
+                        (local.tee $loaded_3 (v128.load (local.get $wq_1)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_2 (v128.load (local.get $a)))
+                      (local.tee $loaded_4 (v128.load (local.get $a)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret_1))
@@ -14291,10 +14432,12 @@
                   (local.set $wv
                     (i8x16.relaxed_swizzle
                       (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-                      (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_3 (v128.load offset=16 (local.get $a)))
+                      (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret_1))
@@ -14373,33 +14516,35 @@
                   (i8x16.relaxed_swizzle
                     (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded_6 (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.extadd_pairwise_i16x8_s
                     (i16x8.sub
                       (i16x8.relaxed_dot_i8x16_i7x16_s
-                        (local.tee $loaded_4 (v128.load (local.get $a)))
+                        (local.tee $loaded_7 (v128.load (local.get $a)))
                         (local.get $wv))
                       (i16x8.relaxed_dot_i8x16_i7x16_s
-                        (local.tee $loaded_5 (v128.load (local.get $a)))
+                        (local.tee $loaded_8 (v128.load (local.get $a)))
                         (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12)))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                 (local.set $wv
                   (i8x16.relaxed_swizzle
                     (v128.const i8x16 12 13 14 15 16 18 20 24 12 11 10 9 8 6 4 0)
-                    (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.extadd_pairwise_i16x8_s
                       (i16x8.sub
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_6 (v128.load offset=16 (local.get $a)))
+                          (local.tee $loaded_9 (v128.load offset=16 (local.get $a)))
                           (local.get $wv))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_7 (v128.load offset=16 (local.get $a)))
+                          (local.tee $loaded_10 (v128.load offset=16 (local.get $a)))
                           (v128.const i8x16 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12 12))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
@@ -14448,11 +14593,12 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $ret v128) (local $acc v128) (local $loaded_1 v128) (local $wq_1 i32) (local $a i32)
-    (local $loaded_2 v128) (local $ret_1 v128) (local $loaded_3 v128) (local $x v128) (local $raw v128) (local $s4 v128)
-    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_4 v128)
-    (local $loaded_5 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
+    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
+    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128)
+    (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -14508,18 +14654,18 @@
                 (local.set $i (i32.const 0))
                 (loop $i_loop
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq)))
+                  (local.set $wv (local.tee $loaded (v128.load (local.get $wq))))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded (v128.load (local.get $ap)))
+                      (local.tee $loaded_1 (v128.load (local.get $ap)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq)))
+                  (local.set $wv (local.tee $loaded_2 (v128.load offset=16 (local.get $wq))))
                   (local.set $ret
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_1 (v128.load offset=16 (local.get $ap)))
+                      (local.tee $loaded_3 (v128.load offset=16 (local.get $ap)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret))
@@ -14528,18 +14674,18 @@
                   (local.set $wq_1 (i32.add (local.get $wq) (i32.const 32)))
                   (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_4 (v128.load (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_2 (v128.load (local.get $a)))
+                      (local.tee $loaded_5 (v128.load (local.get $a)))
                       (local.get $wv)
                       (v128.const i32x4 0 0 0 0)))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_6 (v128.load offset=16 (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                      (local.tee $loaded_3 (v128.load offset=16 (local.get $a)))
+                      (local.tee $loaded_7 (v128.load offset=16 (local.get $a)))
                       (local.get $wv)
                       (local.get $acc)))
                   (local.set $acc (local.get $ret_1))
@@ -14616,18 +14762,18 @@
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                (local.set $wv (v128.load (local.get $wq)))
+                (local.set $wv (local.tee $loaded_8 (v128.load (local.get $wq))))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_4 (v128.load (local.get $a)))
+                    (local.tee $loaded_9 (v128.load (local.get $a)))
                     (local.get $wv)
                     (v128.const i32x4 0 0 0 0)))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (v128.load offset=16 (local.get $wq)))
+                (local.set $wv (local.tee $loaded_10 (v128.load offset=16 (local.get $wq))))
                 (local.set $ret
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))
+                    (local.tee $loaded_11 (v128.load offset=16 (local.get $a)))
                     (local.get $wv)
                     (local.get $acc)))
                 (local.set $acc (local.get $ret))
@@ -14648,13 +14794,13 @@
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_4)
+                    (local.get $loaded_9)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.relaxed_dot_i8x16_i7x16_add_s
-                    (local.get $loaded_5)
+                    (local.get $loaded_11)
                     (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                     (local.get $acc)))
                 (local.set $ret (local.get $acc))
@@ -14702,11 +14848,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $wq_1 i32) (local $a i32) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $ret_1 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $x v128)
+    (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32)
+    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $loaded_16 v128) (local $loaded_17 v128)
     (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
@@ -14763,21 +14910,21 @@
                 (local.set $i (i32.const 0))
                 (loop $i_loop
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq)))
+                  (local.set $wv (local.tee $loaded (v128.load (local.get $wq))))
                   (local.set $ret
                     (i32x4.mul
                       (i32x4.extadd_pairwise_i16x8_s
                         (i16x8.sub
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded (v128.load (local.get $ap)))
+                            (local.tee $loaded_1 (v128.load (local.get $ap)))
                             (local.get $wv))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_1 (v128.load (local.get $ap)))
+                            (local.tee $loaded_2 (v128.load (local.get $ap)))
                             (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                       (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq)))
+                  (local.set $wv (local.tee $loaded_3 (v128.load offset=16 (local.get $wq))))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
@@ -14785,10 +14932,10 @@
                         (i32x4.extadd_pairwise_i16x8_s
                           (i16x8.sub
                             (i16x8.relaxed_dot_i8x16_i7x16_s
-                              (local.tee $loaded_2 (v128.load offset=16 (local.get $ap)))
+                              (local.tee $loaded_4 (v128.load offset=16 (local.get $ap)))
                               (local.get $wv))
                             (i16x8.relaxed_dot_i8x16_i7x16_s
-                              (local.tee $loaded_3 (v128.load offset=16 (local.get $ap)))
+                              (local.tee $loaded_5 (v128.load offset=16 (local.get $ap)))
                               (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                         (i32x4.splat
                           (i32.load
@@ -14799,21 +14946,21 @@
                   (local.set $wq_1 (i32.add (local.get $wq) (i32.const 40)))
                   (local.set $a (i32.add (local.get $ap) (i32.const 32)))
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_6 (v128.load (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.mul
                       (i32x4.extadd_pairwise_i16x8_s
                         (i16x8.sub
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_4 (v128.load (local.get $a)))
+                            (local.tee $loaded_7 (v128.load (local.get $a)))
                             (local.get $wv))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_5 (v128.load (local.get $a)))
+                            (local.tee $loaded_8 (v128.load (local.get $a)))
                             (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                       (i32x4.splat (i32.load (i32.add (local.get $wq_1) (i32.const 32))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_9 (v128.load offset=16 (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
@@ -14821,10 +14968,10 @@
                         (i32x4.extadd_pairwise_i16x8_s
                           (i16x8.sub
                             (i16x8.relaxed_dot_i8x16_i7x16_s
-                              (local.tee $loaded_6 (v128.load offset=16 (local.get $a)))
+                              (local.tee $loaded_10 (v128.load offset=16 (local.get $a)))
                               (local.get $wv))
                             (i16x8.relaxed_dot_i8x16_i7x16_s
-                              (local.tee $loaded_7 (v128.load offset=16 (local.get $a)))
+                              (local.tee $loaded_11 (v128.load offset=16 (local.get $a)))
                               (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                         (i32x4.splat
                           (i32.load
@@ -14895,21 +15042,21 @@
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 40))))
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                (local.set $wv (v128.load (local.get $wq)))
+                (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
                 (local.set $ret
                   (i32x4.mul
                     (i32x4.extadd_pairwise_i16x8_s
                       (i16x8.sub
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_8 (v128.load (local.get $a)))
+                          (local.tee $loaded_13 (v128.load (local.get $a)))
                           (local.get $wv))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_9 (v128.load (local.get $a)))
+                          (local.tee $loaded_14 (v128.load (local.get $a)))
                           (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                     (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (v128.load offset=16 (local.get $wq)))
+                (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
@@ -14917,10 +15064,10 @@
                       (i32x4.extadd_pairwise_i16x8_s
                         (i16x8.sub
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_10 (v128.load offset=16 (local.get $a)))
+                            (local.tee $loaded_16 (v128.load offset=16 (local.get $a)))
                             (local.get $wv))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_11 (v128.load offset=16 (local.get $a)))
+                            (local.tee $loaded_17 (v128.load offset=16 (local.get $a)))
                             (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))))
                       (i32x4.splat
                         (i32.load
@@ -14971,12 +15118,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
-    (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $exact v128)
+    (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -15034,30 +15181,33 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load offset=1 (local.get $wq))
+                      (local.tee $loaded (v128.load offset=1 (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.extadd_pairwise_i16x8_s
                       (i16x8.sub
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded (v128.load (local.get $ap)))
+                          (local.tee $loaded_1 (v128.load (local.get $ap)))
                           (local.get $wv))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_1 (v128.load (local.get $ap)))
+                          (local.tee $loaded_2 (v128.load (local.get $ap)))
                           (i8x16.splat (i32.load8_u (local.get $wq)))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.extadd_pairwise_i16x8_s
                         (i16x8.sub
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_2 (v128.load offset=16 (local.get $ap)))
+                            (local.tee $loaded_3 (v128.load offset=16 (local.get $ap)))
                             (local.get $wv))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_3 (v128.load offset=16 (local.get $ap)))
+                            (local.tee $loaded_4 (v128.load offset=16 (local.get $ap)))
                             (i8x16.splat (i32.load8_u (local.get $wq))))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
@@ -15067,30 +15217,33 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load offset=1 (local.get $wq_1))
+                      (local.tee $loaded_5 (v128.load offset=1 (local.get $wq_1)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.extadd_pairwise_i16x8_s
                       (i16x8.sub
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_4 (v128.load (local.get $a)))
+                          (local.tee $loaded_6 (v128.load (local.get $a)))
                           (local.get $wv))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_5 (v128.load (local.get $a)))
+                          (local.tee $loaded_7 (v128.load (local.get $a)))
                           (i8x16.splat (i32.load8_u (local.get $wq_1)))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load offset=1 (local.get $wq_1)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_5) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.extadd_pairwise_i16x8_s
                         (i16x8.sub
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_6 (v128.load offset=16 (local.get $a)))
+                            (local.tee $loaded_8 (v128.load offset=16 (local.get $a)))
                             (local.get $wv))
                           (i16x8.relaxed_dot_i8x16_i7x16_s
-                            (local.tee $loaded_7 (v128.load offset=16 (local.get $a)))
+                            (local.tee $loaded_9 (v128.load offset=16 (local.get $a)))
                             (i8x16.splat (i32.load8_u (local.get $wq_1))))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
@@ -15160,30 +15313,33 @@
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                 (local.set $wv
                   (v128.and
-                    (v128.load offset=1 (local.get $wq))
+                    (local.tee $loaded_10 (v128.load offset=1 (local.get $wq)))
                     (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.extadd_pairwise_i16x8_s
                     (i16x8.sub
                       (i16x8.relaxed_dot_i8x16_i7x16_s
-                        (local.tee $loaded_8 (v128.load (local.get $a)))
+                        (local.tee $loaded_11 (v128.load (local.get $a)))
                         (local.get $wv))
                       (i16x8.relaxed_dot_i8x16_i7x16_s
-                        (local.tee $loaded_9 (v128.load (local.get $a)))
+                        (local.tee $loaded_12 (v128.load (local.get $a)))
                         (i8x16.splat (i32.load8_u (local.get $wq)))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4)))
+                (local.set $wv
+                  (v128.and
+                    (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+                    (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.extadd_pairwise_i16x8_s
                       (i16x8.sub
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_10 (v128.load offset=16 (local.get $a)))
+                          (local.tee $loaded_13 (v128.load offset=16 (local.get $a)))
                           (local.get $wv))
                         (i16x8.relaxed_dot_i8x16_i7x16_s
-                          (local.tee $loaded_11 (v128.load offset=16 (local.get $a)))
+                          (local.tee $loaded_14 (v128.load offset=16 (local.get $a)))
                           (i8x16.splat (i32.load8_u (local.get $wq))))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))

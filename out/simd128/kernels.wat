@@ -6846,11 +6846,13 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_12 v128) (local $wv v128) (local $loaded_13 v128)
+    (local $loaded_14 v128) (local $acc v128) (local $loaded_15 v128) (local $loaded_16 v128) (local $loaded_17 v128) (local $loaded_18 v128)
+    (local $loaded_19 v128) (local $loaded_20 v128) (local $loaded_21 v128) (local $loaded_22 v128) (local $loaded_23 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -6956,64 +6958,64 @@
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_2 (v128.load (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_3 (v128.load (local.get $wb_3))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_6 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_7 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load offset=16 (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_8 (v128.load offset=16 (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load offset=16 (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_9 (v128.load offset=16 (local.get $wb_3))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -7021,12 +7023,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_10 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_11 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -7034,12 +7036,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -7047,12 +7049,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -7060,12 +7062,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -7311,32 +7313,32 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_13 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_14 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_16 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_17 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -7362,28 +7364,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_18 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_19 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -7409,28 +7411,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_20 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_21 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -7456,28 +7458,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_22 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_23 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -7586,11 +7588,12 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_8 v128)
+    (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128) (local $loaded_11 v128) (local $loaded_12 v128)
+    (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -7698,74 +7701,86 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (v128.and
-              (v128.load (local.get $wb_2))
+              (local.tee $loaded_2 (v128.load (local.get $wb_2)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (v128.and
-              (v128.load (local.get $wb_3))
+              (local.tee $loaded_3 (v128.load (local.get $wb_3)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4)))
+          (local.set $wv_2
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4)))
+          (local.set $wv_3
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -7773,12 +7788,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -7786,12 +7801,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -7799,12 +7814,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -7812,12 +7827,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -8079,24 +8094,26 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_8 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_9 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_10 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_8) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
@@ -8104,12 +8121,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_11 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_12 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -8138,33 +8155,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_13 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -8193,33 +8212,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_14 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_14) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -8248,33 +8269,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_15 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_15) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -8383,11 +8406,12 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_8 v128)
+    (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128) (local $loaded_11 v128) (local $loaded_12 v128)
+    (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -8495,74 +8519,86 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (v128.and
-              (v128.load (local.get $wb_2))
+              (local.tee $loaded_2 (v128.load (local.get $wb_2)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (v128.and
-              (v128.load (local.get $wb_3))
+              (local.tee $loaded_3 (v128.load (local.get $wb_3)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4)))
+          (local.set $wv_2
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4)))
+          (local.set $wv_3
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -8570,12 +8606,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -8583,12 +8619,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -8596,12 +8632,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -8609,12 +8645,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -8895,33 +8931,36 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_8 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_9 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_10 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_8) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_11 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_12 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -8944,12 +8983,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -8957,12 +8996,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -8990,29 +9029,32 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_13 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9035,12 +9077,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -9048,12 +9090,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -9081,29 +9123,32 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_14 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_14) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9126,12 +9171,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -9139,12 +9184,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -9172,29 +9217,32 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_15 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_15) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9217,12 +9265,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -9230,12 +9278,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -9344,11 +9392,13 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_12 v128) (local $wv v128) (local $loaded_13 v128)
+    (local $loaded_14 v128) (local $acc v128) (local $loaded_15 v128) (local $loaded_16 v128) (local $loaded_17 v128) (local $loaded_18 v128)
+    (local $loaded_19 v128) (local $loaded_20 v128) (local $loaded_21 v128) (local $loaded_22 v128) (local $loaded_23 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -9454,64 +9504,64 @@
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_2 (v128.load (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_3 (v128.load (local.get $wb_3))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_6 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_7 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load offset=16 (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_8 (v128.load offset=16 (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load offset=16 (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_9 (v128.load offset=16 (local.get $wb_3))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -9519,12 +9569,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_10 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_11 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -9532,12 +9582,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -9545,12 +9595,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -9558,12 +9608,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -9842,32 +9892,32 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_13 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_14 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_16 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_17 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9890,12 +9940,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -9903,12 +9953,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -9934,28 +9984,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_18 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_19 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -9978,12 +10028,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -9991,12 +10041,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -10022,28 +10072,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_20 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_21 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -10066,12 +10116,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -10079,12 +10129,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -10110,28 +10160,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_22 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_23 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -10154,12 +10204,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -10167,12 +10217,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -10281,11 +10331,12 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_8 v128)
+    (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128) (local $loaded_11 v128) (local $loaded_12 v128)
+    (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -10395,67 +10446,67 @@
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_0))
+                (local.tee $loaded (v128.load (local.get $wb_0)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_1))
+                (local.tee $loaded_1 (v128.load (local.get $wb_1)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_2))
+                (local.tee $loaded_2 (v128.load (local.get $wb_2)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
               (v128.and
-                (v128.load (local.get $wb_3))
+                (local.tee $loaded_3 (v128.load (local.get $wb_3)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
@@ -10465,22 +10516,30 @@
           (local.set $wv_0
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.swizzle
               (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-              (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -10488,12 +10547,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -10501,12 +10560,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -10514,12 +10573,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -10527,12 +10586,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -10782,36 +10841,38 @@
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_8 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_9 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_10 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_8) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_11 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_12 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -10841,32 +10902,34 @@
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_13 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -10896,32 +10959,34 @@
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_14 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_14) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -10951,32 +11016,34 @@
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_15 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.swizzle
             (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_15) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -11083,10 +11150,11 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128)
+    (local $wv v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $acc v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -11160,35 +11228,35 @@
             (i8x16.swizzle
               (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
               (v128.and
-                (v128.load (local.get $wb_0))
+                (local.tee $loaded (v128.load (local.get $wb_0)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.swizzle
               (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
               (v128.and
-                (v128.load (local.get $wb_1))
+                (local.tee $loaded_1 (v128.load (local.get $wb_1)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_2 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_2))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_3))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
@@ -11196,12 +11264,16 @@
           (local.set $wv_0
             (i8x16.swizzle
               (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-              (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.swizzle
               (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-              (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4))))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -11209,12 +11281,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_4 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_5 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -11222,12 +11294,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_4))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_5)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -11382,36 +11454,38 @@
           (i8x16.swizzle
             (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_6 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_7 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_8 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.swizzle
             (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_9 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_10 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -11441,32 +11515,34 @@
           (i8x16.swizzle
             (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_11 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_7))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_8))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.swizzle
             (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_10)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -11543,11 +11619,12 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_8 v128)
+    (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128) (local $loaded_11 v128) (local $loaded_12 v128)
+    (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -11655,74 +11732,86 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (v128.and
-              (v128.load (local.get $wb_2))
+              (local.tee $loaded_2 (v128.load (local.get $wb_2)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (v128.and
-              (v128.load (local.get $wb_3))
+              (local.tee $loaded_3 (v128.load (local.get $wb_3)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (i8x16.shr_u (v128.load (local.get $wb_2)) (i32.const 4)))
+          (local.set $wv_2
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (i8x16.shr_u (v128.load (local.get $wb_3)) (i32.const 4)))
+          (local.set $wv_3
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -11730,12 +11819,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -11743,12 +11832,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -11756,12 +11845,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -11769,12 +11858,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -12055,33 +12144,36 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_8 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_9 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_10 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_8) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_11 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_12 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12104,12 +12196,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -12117,12 +12209,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -12150,29 +12242,32 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_13 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12195,12 +12290,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -12208,12 +12303,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -12241,29 +12336,32 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_14 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_14) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12286,12 +12384,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -12299,12 +12397,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -12332,29 +12430,32 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (v128.and
-            (v128.load (local.get $wq))
+            (local.tee $loaded_15 (v128.load (local.get $wq)))
             (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+        (local.set $wv
+          (v128.and
+            (i16x8.shr_u (local.get $loaded_15) (i32.const 4))
+            (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -12377,12 +12478,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_10)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -12390,12 +12491,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -12504,11 +12605,13 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_12 v128) (local $wv v128) (local $loaded_13 v128)
+    (local $loaded_14 v128) (local $acc v128) (local $loaded_15 v128) (local $loaded_16 v128) (local $loaded_17 v128) (local $loaded_18 v128)
+    (local $loaded_19 v128) (local $loaded_20 v128) (local $loaded_21 v128) (local $loaded_22 v128) (local $loaded_23 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -12614,64 +12717,64 @@
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_2 (v128.load (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_3 (v128.load (local.get $wb_3))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_2 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_3 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_6 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_7 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_2 (v128.load offset=16 (local.get $wb_2)))
+          (local.set $wv_2 (local.tee $loaded_8 (v128.load offset=16 (local.get $wb_2))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_3 (v128.load offset=16 (local.get $wb_3)))
+          (local.set $wv_3 (local.tee $loaded_9 (v128.load offset=16 (local.get $wb_3))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -12679,12 +12782,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_10 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_11 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -12692,12 +12795,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -12705,12 +12808,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -12718,12 +12821,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -13002,32 +13105,32 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_13 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_14 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_16 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_17 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -13050,12 +13153,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -13063,12 +13166,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -13094,28 +13197,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_18 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_19 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -13138,12 +13241,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -13151,12 +13254,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -13182,28 +13285,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_20 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_21 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -13226,12 +13329,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -13239,12 +13342,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -13270,28 +13373,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_22 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_23 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -13314,12 +13417,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_4))
+                (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_5)))))
+                (local.get $loaded_14)))))
         ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
         (local.set $acc
           (i32x4.add
@@ -13327,12 +13430,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                (local.get $loaded_6))
+                (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_17)))))
         (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
         ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
         (local.set $r
@@ -13439,10 +13542,11 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
+    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
+    (local $wq i32) (local $loaded_8 v128) (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -13514,12 +13618,12 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (i8x16.add
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.add
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
@@ -13528,12 +13632,12 @@
                 (i32x4.add
                   (i32x4.dot_i16x8_s
                     (i16x8.shl (local.get $wv_0) (i32.const 8))
-                    (local.tee $loaded (v128.load (local.get $ab_0))))
+                    (local.tee $loaded_2 (v128.load (local.get $ab_0))))
                   (i32x4.dot_i16x8_s
                     (v128.and
                       (local.get $wv_0)
                       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                    (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0)))))
+                    (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0)))))
                 (i32.const 8))
               (i32x4.splat (i32.load (i32.add (local.get $wb_0) (i32.const 32))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -13543,12 +13647,12 @@
                 (i32x4.add
                   (i32x4.dot_i16x8_s
                     (i16x8.shl (local.get $wv_1) (i32.const 8))
-                    (local.get $loaded))
+                    (local.get $loaded_2))
                   (i32x4.dot_i16x8_s
                     (v128.and
                       (local.get $wv_1)
                       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                    (local.get $loaded_1)))
+                    (local.get $loaded_3)))
                 (i32.const 8))
               (i32x4.splat (i32.load (i32.add (local.get $wb_1) (i32.const 32))))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
@@ -13557,12 +13661,12 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (i8x16.add
-              (v128.load offset=16 (local.get $wb_0))
+              (local.tee $loaded_4 (v128.load offset=16 (local.get $wb_0)))
               (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.add
-              (v128.load offset=16 (local.get $wb_1))
+              (local.tee $loaded_5 (v128.load offset=16 (local.get $wb_1)))
               (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
@@ -13573,12 +13677,12 @@
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv_0) (i32.const 8))
-                      (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                      (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv_0)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))
+                      (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))
                   (i32.const 8))
                 (i32x4.splat
                   (i32.load (i32.add (i32.add (local.get $wb_0) (i32.const 32)) (i32.const 4)))))))
@@ -13591,12 +13695,12 @@
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv_1) (i32.const 8))
-                      (local.get $loaded_2))
+                      (local.get $loaded_6))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv_1)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.get $loaded_3)))
+                      (local.get $loaded_7)))
                   (i32.const 8))
                 (i32x4.splat
                   (i32.load (i32.add (i32.add (local.get $wb_1) (i32.const 32)) (i32.const 4)))))))
@@ -13752,7 +13856,7 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (i8x16.add
-            (v128.load (local.get $wq))
+            (local.tee $loaded_8 (v128.load (local.get $wq)))
             (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
         (local.set $ret
           (i32x4.mul
@@ -13760,19 +13864,19 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv) (i32.const 8))
-                  (local.tee $loaded_4 (v128.load (local.get $ab))))
+                  (local.tee $loaded_9 (v128.load (local.get $ab))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_5 (v128.load offset=16 (local.get $ab)))))
+                  (local.tee $loaded_10 (v128.load offset=16 (local.get $ab)))))
               (i32.const 8))
             (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.add
-            (v128.load offset=16 (local.get $wq))
+            (local.tee $loaded_11 (v128.load offset=16 (local.get $wq)))
             (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
         (local.set $ret
           (i32x4.add
@@ -13782,12 +13886,12 @@
                 (i32x4.add
                   (i32x4.dot_i16x8_s
                     (i16x8.shl (local.get $wv) (i32.const 8))
-                    (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                    (local.tee $loaded_12 (v128.load offset=32 (local.get $ab))))
                   (i32x4.dot_i16x8_s
                     (v128.and
                       (local.get $wv)
                       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                    (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))
+                    (local.tee $loaded_13 (v128.load offset=48 (local.get $ab)))))
                 (i32.const 8))
               (i32x4.splat
                 (i32.load (i32.add (i32.add (local.get $wq) (i32.const 32)) (i32.const 4)))))))
@@ -13818,25 +13922,25 @@
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
           (i8x16.add
-            (v128.load (local.get $wq))
+            (local.tee $loaded_14 (v128.load (local.get $wq)))
             (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
         (local.set $ret
           (i32x4.mul
             (i32x4.shr_s
               (i32x4.add
-                (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+                (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_5)))
+                  (local.get $loaded_10)))
               (i32.const 8))
             (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.add
-            (v128.load offset=16 (local.get $wq))
+            (local.tee $loaded_15 (v128.load offset=16 (local.get $wq)))
             (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
         (local.set $ret
           (i32x4.add
@@ -13846,12 +13950,12 @@
                 (i32x4.add
                   (i32x4.dot_i16x8_s
                     (i16x8.shl (local.get $wv) (i32.const 8))
-                    (local.get $loaded_6))
+                    (local.get $loaded_12))
                   (i32x4.dot_i16x8_s
                     (v128.and
                       (local.get $wv)
                       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                    (local.get $loaded_7)))
+                    (local.get $loaded_13)))
                 (i32.const 8))
               (i32x4.splat
                 (i32.load (i32.add (i32.add (local.get $wq) (i32.const 32)) (i32.const 4)))))))
@@ -13931,11 +14035,12 @@
     (local $x_6 v128) (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $wb_2 i32) (local $wb_3 i32)
     (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $acc v128) (local $loaded_6 v128)
-    (local $loaded_7 v128)
+    (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_8 v128)
+    (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128) (local $loaded_11 v128) (local $loaded_12 v128)
+    (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -14044,28 +14149,28 @@
           (local.set $wv_0
             (i8x16.sub
               (v128.and
-                (v128.load offset=1 (local.get $wb_0))
+                (local.tee $loaded (v128.load offset=1 (local.get $wb_0)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_0)))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.sub
               (v128.and
-                (v128.load offset=1 (local.get $wb_1))
+                (local.tee $loaded_1 (v128.load offset=1 (local.get $wb_1)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_1)))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.sub
               (v128.and
-                (v128.load offset=1 (local.get $wb_2))
+                (local.tee $loaded_2 (v128.load offset=1 (local.get $wb_2)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_2)))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.sub
               (v128.and
-                (v128.load offset=1 (local.get $wb_3))
+                (local.tee $loaded_3 (v128.load offset=1 (local.get $wb_3)))
                 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_3)))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
@@ -14073,39 +14178,39 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_4 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_2) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_2)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_3) (i32.const 8)) (local.get $loaded_4))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_3)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
@@ -14114,22 +14219,30 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (i8x16.sub
-              (i8x16.shr_u (v128.load offset=1 (local.get $wb_0)) (i32.const 4))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_0)))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (i8x16.sub
-              (i8x16.shr_u (v128.load offset=1 (local.get $wb_1)) (i32.const 4))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_1)))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_2
             (i8x16.sub
-              (i8x16.shr_u (v128.load offset=1 (local.get $wb_2)) (i32.const 4))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_2) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_2)))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_3
             (i8x16.sub
-              (i8x16.shr_u (v128.load offset=1 (local.get $wb_3)) (i32.const 4))
+              (v128.and
+                (i16x8.shr_u (local.get $loaded_3) (i32.const 4))
+                (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
               (i8x16.splat (i32.load8_u (local.get $wb_3)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
@@ -14138,12 +14251,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -14151,12 +14264,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -14164,12 +14277,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_2) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_2)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -14177,12 +14290,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_3) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_3)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -14431,24 +14544,26 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load offset=1 (local.get $wq))
+              (local.tee $loaded_8 (v128.load offset=1 (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_9 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_10 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_8) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
@@ -14456,12 +14571,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_11 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_12 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -14490,33 +14605,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load offset=1 (local.get $wq))
+              (local.tee $loaded_13 (v128.load offset=1 (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_13) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -14545,33 +14662,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load offset=1 (local.get $wq))
+              (local.tee $loaded_14 (v128.load offset=1 (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_14) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -14600,33 +14719,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load offset=1 (local.get $wq))
+              (local.tee $loaded_15 (v128.load offset=1 (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_15) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (i8x16.splat (i32.load8_u (local.get $wq)))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_12)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -14735,11 +14856,13 @@
     (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $ab_1 i32) (local $j i32)
     (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128) (local $wv_0 v128) (local $wv_1 v128)
     (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $acc v128) (local $loaded_10 v128)
-    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
+    (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_12 v128)
+    (local $wv v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $acc v128) (local $loaded_15 v128) (local $loaded_16 v128)
+    (local $loaded_17 v128) (local $loaded_18 v128) (local $loaded_19 v128) (local $loaded_20 v128) (local $loaded_21 v128) (local $loaded_22 v128)
+    (local $loaded_23 v128) (local $loaded_24 v128) (local $loaded_25 v128) (local $loaded_26 v128) (local $loaded_27 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -14831,42 +14954,22 @@
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_2 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
-            (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
-              (i32x4.dot_i16x8_s
-                (v128.and
-                  (local.get $wv_1)
-                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
-          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
-          (local.set $raw_2
-            (i32x4.add
-              (i32x4.dot_i16x8_s
-                (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded_2 (v128.load (local.get $ab_1))))
-              (i32x4.dot_i16x8_s
-                (v128.and
-                  (local.get $wv_0)
-                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_1))))))
-          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
-          (local.set $raw_3
             (i32x4.add
               (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_2))
               (i32x4.dot_i16x8_s
@@ -14874,13 +14977,33 @@
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
                 (local.get $loaded_3))))
+          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
+          (local.set $raw_2
+            (i32x4.add
+              (i32x4.dot_i16x8_s
+                (i16x8.shl (local.get $wv_0) (i32.const 8))
+                (local.tee $loaded_4 (v128.load (local.get $ab_1))))
+              (i32x4.dot_i16x8_s
+                (v128.and
+                  (local.get $wv_0)
+                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_1))))))
+          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
+          (local.set $raw_3
+            (i32x4.add
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s
+                (v128.and
+                  (local.get $wv_1)
+                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_6 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_7 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -14888,12 +15011,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_4 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_8 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_5 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_9 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -14901,12 +15024,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_4))
+                  (local.get $loaded_8))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_5)))))
+                  (local.get $loaded_9)))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_2
             (i32x4.add
@@ -14914,12 +15037,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_1))))
+                  (local.tee $loaded_10 (v128.load offset=32 (local.get $ab_1))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_1)))))))
+                  (local.tee $loaded_11 (v128.load offset=48 (local.get $ab_1)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_3
             (i32x4.add
@@ -14927,12 +15050,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_6))
+                  (local.get $loaded_10))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_7)))))
+                  (local.get $loaded_11)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -15196,32 +15319,32 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_8 (v128.load (local.get $ab))))
+              (local.tee $loaded_13 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_9 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_14 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_10 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_16 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_11 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_17 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -15247,28 +15370,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_18 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_8))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_9))))
+              (local.get $loaded_14))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_19 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_10))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_16))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_11)))))
+                (local.get $loaded_17)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -15315,32 +15438,32 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_20 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_12 (v128.load (local.get $ab))))
+              (local.tee $loaded_21 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_13 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_22 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_23 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_14 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_24 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_15 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_25 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -15366,28 +15489,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_26 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_12))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_21))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_13))))
+              (local.get $loaded_22))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_27 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_14))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_24))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_15)))))
+                (local.get $loaded_25)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -15498,10 +15621,11 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
+    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
+    (local $wq i32) (local $loaded_8 v128) (local $wv v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $acc v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -15571,36 +15695,36 @@
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded (v128.load (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_1 (v128.load (local.get $wb_1))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_2 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_2))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_3))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (v128.load offset=16 (local.get $wb_0)))
+          (local.set $wv_0 (local.tee $loaded_4 (v128.load offset=16 (local.get $wb_0))))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (v128.load offset=16 (local.get $wb_1)))
+          (local.set $wv_1 (local.tee $loaded_5 (v128.load offset=16 (local.get $wb_1))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -15608,12 +15732,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -15621,12 +15745,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_6))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_7)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -15777,32 +15901,32 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_8 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_9 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_10 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_11 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_12 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_13 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -15828,28 +15952,28 @@
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
         ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-        (local.set $wv (v128.load (local.get $wq)))
+        (local.set $wv (local.tee $loaded_14 (v128.load (local.get $wq))))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_10))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-        (local.set $wv (v128.load offset=16 (local.get $wq)))
+        (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_12))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_13)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -15926,11 +16050,12 @@
     (local $x_7 v128) (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $ab_1 i32) (local $j i32)
     (local $raw_0 v128) (local $raw_1 v128) (local $raw_2 v128) (local $raw_3 v128) (local $wv_0 v128) (local $wv_1 v128)
     (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $da f32)
-    (local $wq i32) (local $wv v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $acc v128) (local $loaded_10 v128)
-    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128)
+    (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
+    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
+    (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_10 v128) (local $wv v128) (local $loaded_11 v128)
+    (local $loaded_12 v128) (local $acc v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $loaded_16 v128)
+    (local $loaded_17 v128) (local $loaded_18 v128) (local $loaded_19 v128) (local $loaded_20 v128) (local $loaded_21 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -16024,46 +16149,26 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_2 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
-            (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
-              (i32x4.dot_i16x8_s
-                (v128.and
-                  (local.get $wv_1)
-                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
-          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
-          (local.set $raw_2
-            (i32x4.add
-              (i32x4.dot_i16x8_s
-                (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded_2 (v128.load (local.get $ab_1))))
-              (i32x4.dot_i16x8_s
-                (v128.and
-                  (local.get $wv_0)
-                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_1))))))
-          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
-          (local.set $raw_3
             (i32x4.add
               (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_2))
               (i32x4.dot_i16x8_s
@@ -16071,13 +16176,39 @@
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
                 (local.get $loaded_3))))
+          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
+          (local.set $raw_2
+            (i32x4.add
+              (i32x4.dot_i16x8_s
+                (i16x8.shl (local.get $wv_0) (i32.const 8))
+                (local.tee $loaded_4 (v128.load (local.get $ab_1))))
+              (i32x4.dot_i16x8_s
+                (v128.and
+                  (local.get $wv_0)
+                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
+                (local.tee $loaded_5 (v128.load offset=16 (local.get $ab_1))))))
+          ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
+          (local.set $raw_3
+            (i32x4.add
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_4))
+              (i32x4.dot_i16x8_s
+                (v128.and
+                  (local.get $wv_1)
+                  (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
+                (local.get $loaded_5))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -16085,42 +16216,16 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_4 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_5 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
               (local.get $raw_1)
-              (i32x4.add
-                (i32x4.dot_i16x8_s
-                  (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_4))
-                (i32x4.dot_i16x8_s
-                  (v128.and
-                    (local.get $wv_1)
-                    (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_5)))))
-          ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
-          (local.set $raw_2
-            (i32x4.add
-              (local.get $raw_2)
-              (i32x4.add
-                (i32x4.dot_i16x8_s
-                  (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_6 (v128.load offset=32 (local.get $ab_1))))
-                (i32x4.dot_i16x8_s
-                  (v128.and
-                    (local.get $wv_0)
-                    (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_7 (v128.load offset=48 (local.get $ab_1)))))))
-          ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
-          (local.set $raw_3
-            (i32x4.add
-              (local.get $raw_3)
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
@@ -16130,6 +16235,32 @@
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
                   (local.get $loaded_7)))))
+          ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
+          (local.set $raw_2
+            (i32x4.add
+              (local.get $raw_2)
+              (i32x4.add
+                (i32x4.dot_i16x8_s
+                  (i16x8.shl (local.get $wv_0) (i32.const 8))
+                  (local.tee $loaded_8 (v128.load offset=32 (local.get $ab_1))))
+                (i32x4.dot_i16x8_s
+                  (v128.and
+                    (local.get $wv_0)
+                    (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
+                  (local.tee $loaded_9 (v128.load offset=48 (local.get $ab_1)))))))
+          ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
+          (local.set $raw_3
+            (i32x4.add
+              (local.get $raw_3)
+              (i32x4.add
+                (i32x4.dot_i16x8_s
+                  (i16x8.shl (local.get $wv_1) (i32.const 8))
+                  (local.get $loaded_8))
+                (i32x4.dot_i16x8_s
+                  (v128.and
+                    (local.get $wv_1)
+                    (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
+                  (local.get $loaded_9)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -16410,24 +16541,26 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_10 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_8 (v128.load (local.get $ab))))
+              (local.tee $loaded_11 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_9 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_12 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
@@ -16435,12 +16568,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_10 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_13 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_11 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_14 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -16469,33 +16602,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_15 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_8))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_11))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_9))))
+              (local.get $loaded_12))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_15) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_10))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_13))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_11)))))
+                (local.get $loaded_14)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -16545,24 +16680,26 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_16 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_12 (v128.load (local.get $ab))))
+              (local.tee $loaded_17 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_13 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_18 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_16) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
@@ -16570,12 +16707,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_14 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_19 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_15 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_20 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -16604,33 +16741,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_21 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_12))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_17))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_13))))
+              (local.get $loaded_18))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_21) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_14))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_19))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_15)))))
+                (local.get $loaded_20)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -16741,10 +16880,11 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $da f32) (local $wq i32) (local $wv v128) (local $loaded_4 v128) (local $loaded_5 v128)
-    (local $acc v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
+    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $r v128) (local $ab i32) (local $da f32) (local $wq i32) (local $loaded_6 v128)
+    (local $wv v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $acc v128) (local $loaded_9 v128) (local $loaded_10 v128)
+    (local $loaded_11 v128)
     ;; kernels.dsl:623: var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     (local.set $acc_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $acc_1 (v128.const f32x4 0.0 0.0 0.0 0.0))
@@ -16816,40 +16956,46 @@
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_0
             (v128.and
-              (v128.load (local.get $wb_0))
+              (local.tee $loaded (v128.load (local.get $wb_0)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
           (local.set $wv_1
             (v128.and
-              (v128.load (local.get $wb_1))
+              (local.tee $loaded_1 (v128.load (local.get $wb_1)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv_0) (i32.const 8))
-                (local.tee $loaded (v128.load (local.get $ab_0))))
+                (local.tee $loaded_2 (v128.load (local.get $ab_0))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_0)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_1 (v128.load offset=16 (local.get $ab_0))))))
+                (local.tee $loaded_3 (v128.load offset=16 (local.get $ab_0))))))
           ;; kernels.dsl:656: raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv_1) (i32.const 8)) (local.get $loaded_2))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv_1)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_1))))
+                (local.get $loaded_3))))
           ;; kernels.dsl:648: var wv[N]: i8x16 = i8x16.splat(0);
           (local.set $wv_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           (local.set $wv_1 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_0 (i8x16.shr_u (v128.load (local.get $wb_0)) (i32.const 4)))
+          (local.set $wv_0
+            (v128.and
+              (i16x8.shr_u (local.get $loaded) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:650: wv[r] = qlanes[Q, 1](wb[r], h);
-          (local.set $wv_1 (i8x16.shr_u (v128.load (local.get $wb_1)) (i32.const 4)))
+          (local.set $wv_1
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_1) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_0
             (i32x4.add
@@ -16857,12 +17003,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_0) (i32.const 8))
-                  (local.tee $loaded_2 (v128.load offset=32 (local.get $ab_0))))
+                  (local.tee $loaded_4 (v128.load offset=32 (local.get $ab_0))))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_0)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.tee $loaded_3 (v128.load offset=48 (local.get $ab_0)))))))
+                  (local.tee $loaded_5 (v128.load offset=48 (local.get $ab_0)))))))
           ;; kernels.dsl:658: raw[i] = qhalf[Q, 1](raw[i], wv[r], wb[r], ab[t], h);
           (local.set $raw_1
             (i32x4.add
@@ -16870,12 +17016,12 @@
               (i32x4.add
                 (i32x4.dot_i16x8_s
                   (i16x8.shl (local.get $wv_1) (i32.const 8))
-                  (local.get $loaded_2))
+                  (local.get $loaded_4))
                 (i32x4.dot_i16x8_s
                   (v128.and
                     (local.get $wv_1)
                     (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                  (local.get $loaded_3)))))
+                  (local.get $loaded_5)))))
           ;; kernels.dsl:664: x[4 * q] = x[4 * q + 1];
           (local.set $x_0 (local.get $x_1))
           ;; kernels.dsl:665: x[4 * q + 1] = x[4 * q + 2];
@@ -17036,24 +17182,26 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_6 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (i32x4.dot_i16x8_s
               (i16x8.shl (local.get $wv) (i32.const 8))
-              (local.tee $loaded_4 (v128.load (local.get $ab))))
+              (local.tee $loaded_7 (v128.load (local.get $ab))))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.tee $loaded_5 (v128.load offset=16 (local.get $ab))))))
+              (local.tee $loaded_8 (v128.load offset=16 (local.get $ab))))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_6) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
@@ -17061,12 +17209,12 @@
             (i32x4.add
               (i32x4.dot_i16x8_s
                 (i16x8.shl (local.get $wv) (i32.const 8))
-                (local.tee $loaded_6 (v128.load offset=32 (local.get $ab))))
+                (local.tee $loaded_9 (v128.load offset=32 (local.get $ab))))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.tee $loaded_7 (v128.load offset=48 (local.get $ab)))))))
+                (local.tee $loaded_10 (v128.load offset=48 (local.get $ab)))))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -17095,33 +17243,35 @@
         (local.set $wv
           (i8x16.sub
             (v128.and
-              (v128.load (local.get $wq))
+              (local.tee $loaded_11 (v128.load (local.get $wq)))
               (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
-            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_4))
+            (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_7))
             (i32x4.dot_i16x8_s
               (v128.and
                 (local.get $wv)
                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-              (local.get $loaded_5))))
+              (local.get $loaded_8))))
         (local.set $acc (local.get $ret))
         ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
           (i8x16.sub
-            (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))
+            (v128.and
+              (i16x8.shr_u (local.get $loaded_11) (i32.const 4))
+              (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
             (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8)))
         (local.set $ret
           (i32x4.add
             (local.get $acc)
             (i32x4.add
-              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_6))
+              (i32x4.dot_i16x8_s (i16x8.shl (local.get $wv) (i32.const 8)) (local.get $loaded_9))
               (i32x4.dot_i16x8_s
                 (v128.and
                   (local.get $wv)
                   (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                (local.get $loaded_7)))))
+                (local.get $loaded_10)))))
         (local.set $acc (local.get $ret))
         (local.set $ret (local.get $acc))
         ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -17181,12 +17331,12 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128)
-    (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
-    (local $loaded_11 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $s4 v128)
+    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_10 v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -17244,33 +17394,36 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_3 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_4 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -17279,33 +17432,36 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq_1))
+                      (local.tee $loaded_5 (v128.load (local.get $wq_1)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_6 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_7 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_5) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_8 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_9 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -17384,33 +17540,36 @@
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                 (local.set $wv
                   (v128.and
-                    (v128.load (local.get $wq))
+                    (local.tee $loaded_10 (v128.load (local.get $wq)))
                     (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_11 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_12 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                (local.set $wv
+                  (v128.and
+                    (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+                    (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_13 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_14 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -17434,12 +17593,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_8))
+                        (local.get $loaded_11))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_9)))))
+                        (local.get $loaded_12)))))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.add
@@ -17447,12 +17606,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_10))
+                        (local.get $loaded_13))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_11)))))
+                        (local.get $loaded_14)))))
                 (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
                 ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
                 (local.set $r_1
@@ -17502,12 +17661,13 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128)
-    (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
-    (local $loaded_11 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $wq_1 i32) (local $a i32) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $ret_1 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $x v128)
+    (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128)
+    (local $da f32) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $loaded_16 v128)
+    (local $loaded_17 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -17563,64 +17723,64 @@
                 (local.set $i (i32.const 0))
                 (loop $i_loop
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq)))
+                  (local.set $wv (local.tee $loaded (v128.load (local.get $wq))))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq)))
+                  (local.set $wv (local.tee $loaded_3 (v128.load offset=16 (local.get $wq))))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_4 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_5 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
                   (local.set $wq_1 (i32.add (local.get $wq) (i32.const 32)))
                   (local.set $a (i32.add (local.get $ap) (i32.const 64)))
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_6 (v128.load (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_7 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_8 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_9 (v128.load offset=16 (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -17697,32 +17857,32 @@
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                (local.set $wv (v128.load (local.get $wq)))
+                (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_13 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_14 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (v128.load offset=16 (local.get $wq)))
+                (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_16 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_17 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -17746,12 +17906,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_8))
+                        (local.get $loaded_13))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_9)))))
+                        (local.get $loaded_14)))))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.add
@@ -17759,12 +17919,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_10))
+                        (local.get $loaded_16))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_11)))))
+                        (local.get $loaded_17)))))
                 (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
                 ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
                 (local.set $r_1
@@ -17813,12 +17973,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
-    (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $exact v128)
+    (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -17878,36 +18038,38 @@
                     (i8x16.swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                       (v128.and
-                        (v128.load (local.get $wq))
+                        (local.tee $loaded (v128.load (local.get $wq)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-                      (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_3 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_4 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -17918,36 +18080,38 @@
                     (i8x16.swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                       (v128.and
-                        (v128.load (local.get $wq_1))
+                        (local.tee $loaded_5 (v128.load (local.get $wq_1)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_6 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_7 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.swizzle
                       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-                      (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded_5) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_8 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_9 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -18019,36 +18183,38 @@
                   (i8x16.swizzle
                     (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded_10 (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_11 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_12 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                 (local.set $wv
                   (i8x16.swizzle
                     (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113)
-                    (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_13 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_14 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -18096,12 +18262,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
-    (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $exact v128)
+    (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -18161,36 +18327,38 @@
                     (i8x16.swizzle
                       (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
                       (v128.and
-                        (v128.load (local.get $wq))
+                        (local.tee $loaded (v128.load (local.get $wq)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.swizzle
                       (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-                      (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_3 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_4 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -18201,36 +18369,38 @@
                     (i8x16.swizzle
                       (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
                       (v128.and
-                        (v128.load (local.get $wq_1))
+                        (local.tee $loaded_5 (v128.load (local.get $wq_1)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_6 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_7 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.swizzle
                       (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-                      (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4))))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded_5) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_8 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_9 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -18302,36 +18472,38 @@
                   (i8x16.swizzle
                     (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded_10 (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_11 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_12 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                 (local.set $wv
                   (i8x16.swizzle
                     (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12)
-                    (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4))))
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_13 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_14 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -18380,12 +18552,12 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128)
-    (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
-    (local $loaded_11 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $s4 v128)
+    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_10 v128)
+    (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -18443,33 +18615,36 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded (v128.load (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_3 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_4 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -18478,33 +18653,36 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (v128.and
-                      (v128.load (local.get $wq_1))
+                      (local.tee $loaded_5 (v128.load (local.get $wq_1)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_6 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_7 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (i8x16.shr_u (v128.load (local.get $wq_1)) (i32.const 4)))
+                  (local.set $wv
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_5) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_8 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_9 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -18583,33 +18761,36 @@
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                 (local.set $wv
                   (v128.and
-                    (v128.load (local.get $wq))
+                    (local.tee $loaded_10 (v128.load (local.get $wq)))
                     (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_11 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_12 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (i8x16.shr_u (v128.load (local.get $wq)) (i32.const 4)))
+                (local.set $wv
+                  (v128.and
+                    (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+                    (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15)))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_13 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_14 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -18633,12 +18814,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_8))
+                        (local.get $loaded_11))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_9)))))
+                        (local.get $loaded_12)))))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.add
@@ -18646,12 +18827,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_10))
+                        (local.get $loaded_13))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_11)))))
+                        (local.get $loaded_14)))))
                 (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
                 ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
                 (local.set $r_1
@@ -18701,12 +18882,13 @@
     (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128)
-    (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128)
-    (local $loaded_11 v128) (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $wq_1 i32) (local $a i32) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $ret_1 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $x v128)
+    (local $raw v128) (local $s4 v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128)
+    (local $da f32) (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $loaded_16 v128)
+    (local $loaded_17 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -18762,64 +18944,64 @@
                 (local.set $i (i32.const 0))
                 (loop $i_loop
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq)))
+                  (local.set $wv (local.tee $loaded (v128.load (local.get $wq))))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq)))
+                  (local.set $wv (local.tee $loaded_3 (v128.load offset=16 (local.get $wq))))
                   (local.set $ret
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_4 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_5 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
                   (local.set $wq_1 (i32.add (local.get $wq) (i32.const 32)))
                   (local.set $a (i32.add (local.get $ap) (i32.const 64)))
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                  (local.set $wv (v128.load (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_6 (v128.load (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_7 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_8 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                  (local.set $wv (v128.load offset=16 (local.get $wq_1)))
+                  (local.set $wv (local.tee $loaded_9 (v128.load offset=16 (local.get $wq_1))))
                   (local.set $ret_1
                     (i32x4.add
                       (local.get $acc)
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -18896,32 +19078,32 @@
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
                 (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 32))))
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
-                (local.set $wv (v128.load (local.get $wq)))
+                (local.set $wv (local.tee $loaded_12 (v128.load (local.get $wq))))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_13 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_14 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
-                (local.set $wv (v128.load offset=16 (local.get $wq)))
+                (local.set $wv (local.tee $loaded_15 (v128.load offset=16 (local.get $wq))))
                 (local.set $ret
                   (i32x4.add
                     (local.get $acc)
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_16 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_17 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
@@ -18945,12 +19127,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_8))
+                        (local.get $loaded_13))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_9)))))
+                        (local.get $loaded_14)))))
                 ;; kernels.dsl:536: acc = idot7(acc, i8x16.splat(1), a, j * 16);
                 (local.set $acc
                   (i32x4.add
@@ -18958,12 +19140,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1) (i32.const 8))
-                        (local.get $loaded_10))
+                        (local.get $loaded_16))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.get $loaded_11)))))
+                        (local.get $loaded_17)))))
                 (local.set $ret (i32x4.shr_s (local.get $acc) (i32.const 8)))
                 ;; kernels.dsl:577: r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
                 (local.set $r_1
@@ -19012,11 +19194,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $loaded_5 v128) (local $wq_1 i32) (local $a i32) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $loaded_8 v128) (local $ret_1 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $x v128)
+    (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32)
+    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $loaded_16 v128) (local $loaded_17 v128)
     (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
@@ -19075,7 +19258,7 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (i8x16.add
-                      (v128.load (local.get $wq))
+                      (local.tee $loaded (v128.load (local.get $wq)))
                       (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
                   (local.set $ret
                     (i32x4.mul
@@ -19083,19 +19266,19 @@
                         (i32x4.add
                           (i32x4.dot_i16x8_s
                             (i16x8.shl (local.get $wv) (i32.const 8))
-                            (local.tee $loaded (v128.load (local.get $ap))))
+                            (local.tee $loaded_1 (v128.load (local.get $ap))))
                           (i32x4.dot_i16x8_s
                             (v128.and
                               (local.get $wv)
                               (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                            (local.tee $loaded_1 (v128.load offset=16 (local.get $ap)))))
+                            (local.tee $loaded_2 (v128.load offset=16 (local.get $ap)))))
                         (i32.const 8))
                       (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.add
-                      (v128.load offset=16 (local.get $wq))
+                      (local.tee $loaded_3 (v128.load offset=16 (local.get $wq)))
                       (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
                   (local.set $ret
                     (i32x4.add
@@ -19105,12 +19288,12 @@
                           (i32x4.add
                             (i32x4.dot_i16x8_s
                               (i16x8.shl (local.get $wv) (i32.const 8))
-                              (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                              (local.tee $loaded_4 (v128.load offset=32 (local.get $ap))))
                             (i32x4.dot_i16x8_s
                               (v128.and
                                 (local.get $wv)
                                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                              (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))
+                              (local.tee $loaded_5 (v128.load offset=48 (local.get $ap)))))
                           (i32.const 8))
                         (i32x4.splat
                           (i32.load
@@ -19123,7 +19306,7 @@
                   ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                   (local.set $wv
                     (i8x16.add
-                      (v128.load (local.get $wq_1))
+                      (local.tee $loaded_6 (v128.load (local.get $wq_1)))
                       (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
                   (local.set $ret_1
                     (i32x4.mul
@@ -19131,19 +19314,19 @@
                         (i32x4.add
                           (i32x4.dot_i16x8_s
                             (i16x8.shl (local.get $wv) (i32.const 8))
-                            (local.tee $loaded_4 (v128.load (local.get $a))))
+                            (local.tee $loaded_7 (v128.load (local.get $a))))
                           (i32x4.dot_i16x8_s
                             (v128.and
                               (local.get $wv)
                               (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                            (local.tee $loaded_5 (v128.load offset=16 (local.get $a)))))
+                            (local.tee $loaded_8 (v128.load offset=16 (local.get $a)))))
                         (i32.const 8))
                       (i32x4.splat (i32.load (i32.add (local.get $wq_1) (i32.const 32))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.add
-                      (v128.load offset=16 (local.get $wq_1))
+                      (local.tee $loaded_9 (v128.load offset=16 (local.get $wq_1)))
                       (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
                   (local.set $ret_1
                     (i32x4.add
@@ -19153,12 +19336,12 @@
                           (i32x4.add
                             (i32x4.dot_i16x8_s
                               (i16x8.shl (local.get $wv) (i32.const 8))
-                              (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                              (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
                             (i32x4.dot_i16x8_s
                               (v128.and
                                 (local.get $wv)
                                 (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                              (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))
+                              (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))
                           (i32.const 8))
                         (i32x4.splat
                           (i32.load
@@ -19232,7 +19415,7 @@
                 ;; kernels.dsl:467: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
                 (local.set $wv
                   (i8x16.add
-                    (v128.load (local.get $wq))
+                    (local.tee $loaded_12 (v128.load (local.get $wq)))
                     (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
                 (local.set $ret
                   (i32x4.mul
@@ -19240,19 +19423,19 @@
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_8 (v128.load (local.get $a))))
+                          (local.tee $loaded_13 (v128.load (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_9 (v128.load offset=16 (local.get $a)))))
+                          (local.tee $loaded_14 (v128.load offset=16 (local.get $a)))))
                       (i32.const 8))
                     (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 32))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                 (local.set $wv
                   (i8x16.add
-                    (v128.load offset=16 (local.get $wq))
+                    (local.tee $loaded_15 (v128.load offset=16 (local.get $wq)))
                     (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32)))
                 (local.set $ret
                   (i32x4.add
@@ -19262,12 +19445,12 @@
                         (i32x4.add
                           (i32x4.dot_i16x8_s
                             (i16x8.shl (local.get $wv) (i32.const 8))
-                            (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                            (local.tee $loaded_16 (v128.load offset=32 (local.get $a))))
                           (i32x4.dot_i16x8_s
                             (v128.and
                               (local.get $wv)
                               (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                            (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))
+                            (local.tee $loaded_17 (v128.load offset=48 (local.get $a)))))
                         (i32.const 8))
                       (i32x4.splat
                         (i32.load
@@ -19319,12 +19502,12 @@
     (param $t0 i32) (param $t1 i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
     (local $r i32) (local $t i32) (local $aq_1 i32) (local $ad_1 i32) (local $as_1 i32) (local $acc_0 v128)
     (local $nbs i32) (local $b i32) (local $ab i32) (local $blk i32) (local $da4 v128) (local $s i32)
-    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $wv v128)
-    (local $loaded v128) (local $loaded_1 v128) (local $ret v128) (local $acc v128) (local $loaded_2 v128) (local $loaded_3 v128)
-    (local $wq_1 i32) (local $a i32) (local $loaded_4 v128) (local $loaded_5 v128) (local $ret_1 v128) (local $loaded_6 v128)
-    (local $loaded_7 v128) (local $x v128) (local $raw v128) (local $exact v128) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $da f32) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
-    (local $ret_4 f32)
+    (local $p_0 v128) (local $p_1 v128) (local $wq i32) (local $ap i32) (local $i i32) (local $loaded v128)
+    (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
+    (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
+    (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $exact v128)
+    (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $da f32) (local $loaded_10 v128) (local $loaded_11 v128)
+    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $ret_4 f32)
     ;; kernels.dsl:714: for r in r0..r1 {
     (local.set $r (local.get $r0))
     (block $r_done
@@ -19383,24 +19566,26 @@
                   (local.set $wv
                     (i8x16.sub
                       (v128.and
-                        (v128.load offset=1 (local.get $wq))
+                        (local.tee $loaded (v128.load offset=1 (local.get $wq)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
                       (i8x16.splat (i32.load8_u (local.get $wq)))))
                   (local.set $ret
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded (v128.load (local.get $ap))))
+                        (local.tee $loaded_1 (v128.load (local.get $ap))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_1 (v128.load offset=16 (local.get $ap))))))
+                        (local.tee $loaded_2 (v128.load offset=16 (local.get $ap))))))
                   (local.set $acc (local.get $ret))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.sub
-                      (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
                       (i8x16.splat (i32.load8_u (local.get $wq)))))
                   (local.set $ret
                     (i32x4.add
@@ -19408,12 +19593,12 @@
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_2 (v128.load offset=32 (local.get $ap))))
+                          (local.tee $loaded_3 (v128.load offset=32 (local.get $ap))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_3 (v128.load offset=48 (local.get $ap)))))))
+                          (local.tee $loaded_4 (v128.load offset=48 (local.get $ap)))))))
                   (local.set $acc (local.get $ret))
                   (local.set $ret (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -19423,24 +19608,26 @@
                   (local.set $wv
                     (i8x16.sub
                       (v128.and
-                        (v128.load offset=1 (local.get $wq_1))
+                        (local.tee $loaded_5 (v128.load offset=1 (local.get $wq_1)))
                         (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
                       (i8x16.splat (i32.load8_u (local.get $wq_1)))))
                   (local.set $ret_1
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_4 (v128.load (local.get $a))))
+                        (local.tee $loaded_6 (v128.load (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_5 (v128.load offset=16 (local.get $a))))))
+                        (local.tee $loaded_7 (v128.load offset=16 (local.get $a))))))
                   (local.set $acc (local.get $ret_1))
                   ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                   (local.set $wv
                     (i8x16.sub
-                      (i8x16.shr_u (v128.load offset=1 (local.get $wq_1)) (i32.const 4))
+                      (v128.and
+                        (i16x8.shr_u (local.get $loaded_5) (i32.const 4))
+                        (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
                       (i8x16.splat (i32.load8_u (local.get $wq_1)))))
                   (local.set $ret_1
                     (i32x4.add
@@ -19448,12 +19635,12 @@
                       (i32x4.add
                         (i32x4.dot_i16x8_s
                           (i16x8.shl (local.get $wv) (i32.const 8))
-                          (local.tee $loaded_6 (v128.load offset=32 (local.get $a))))
+                          (local.tee $loaded_8 (v128.load offset=32 (local.get $a))))
                         (i32x4.dot_i16x8_s
                           (v128.and
                             (local.get $wv)
                             (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                          (local.tee $loaded_7 (v128.load offset=48 (local.get $a)))))))
+                          (local.tee $loaded_9 (v128.load offset=48 (local.get $a)))))))
                   (local.set $acc (local.get $ret_1))
                   (local.set $ret_1 (local.get $acc))
                   ;; kernels.dsl:521: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
@@ -19524,24 +19711,26 @@
                 (local.set $wv
                   (i8x16.sub
                     (v128.and
-                      (v128.load offset=1 (local.get $wq))
+                      (local.tee $loaded_10 (v128.load offset=1 (local.get $wq)))
                       (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
                     (i8x16.splat (i32.load8_u (local.get $wq)))))
                 (local.set $ret
                   (i32x4.add
                     (i32x4.dot_i16x8_s
                       (i16x8.shl (local.get $wv) (i32.const 8))
-                      (local.tee $loaded_8 (v128.load (local.get $a))))
+                      (local.tee $loaded_11 (v128.load (local.get $a))))
                     (i32x4.dot_i16x8_s
                       (v128.and
                         (local.get $wv)
                         (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                      (local.tee $loaded_9 (v128.load offset=16 (local.get $a))))))
+                      (local.tee $loaded_12 (v128.load offset=16 (local.get $a))))))
                 (local.set $acc (local.get $ret))
                 ;; kernels.dsl:469: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
                 (local.set $wv
                   (i8x16.sub
-                    (i8x16.shr_u (v128.load offset=1 (local.get $wq)) (i32.const 4))
+                    (v128.and
+                      (i16x8.shr_u (local.get $loaded_10) (i32.const 4))
+                      (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
                     (i8x16.splat (i32.load8_u (local.get $wq)))))
                 (local.set $ret
                   (i32x4.add
@@ -19549,12 +19738,12 @@
                     (i32x4.add
                       (i32x4.dot_i16x8_s
                         (i16x8.shl (local.get $wv) (i32.const 8))
-                        (local.tee $loaded_10 (v128.load offset=32 (local.get $a))))
+                        (local.tee $loaded_13 (v128.load offset=32 (local.get $a))))
                       (i32x4.dot_i16x8_s
                         (v128.and
                           (local.get $wv)
                           (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
-                        (local.tee $loaded_11 (v128.load offset=48 (local.get $a)))))))
+                        (local.tee $loaded_14 (v128.load offset=48 (local.get $a)))))))
                 (local.set $acc (local.get $ret))
                 (local.set $ret (local.get $acc))
                 ;; kernels.dsl:575: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
