@@ -21,6 +21,7 @@ Packing turns a matrix of stored blocks into planes the kernels read (each conti
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -430,8 +431,8 @@ class QuantFormat:
     interleaved: tuple[str, ...]  # nibble fields read with nibi(): repacked to split order in plane q
     sub: int | None = None  # a super-block's sub-block size: scale and offset are formulas of s
 
-    # ---- the blocks kernels see
-    @property
+    # ---- the blocks kernels see (cached: each folds the formulas, and lowering reads them at every Q.<attr>)
+    @functools.cached_property
     def reencoded(self) -> bool:
         """Whether plane q holds the unpacked integers re-encoded (ENCODINGS) rather than the stored
         value fields: every super-block, and a flat block of KERNEL_BLOCK values whose unpack reads
@@ -440,7 +441,7 @@ class QuantFormat:
         return self.sub is not None or (self.block == KERNEL_BLOCK and any(
             isinstance(n, Call) and n.func == "bit" for n in nodes(self.unpack)))
 
-    @property
+    @functools.cached_property
     def kernel(self) -> QuantFormat:
         """The block kernels read. A flat type's stored value fields are that, unless `reencoded`
         (plane q holds them as stored). A re-encoded type is packed per block of KERNEL_BLOCK values
@@ -458,7 +459,7 @@ class QuantFormat:
         return dataclasses.replace(self, block=KERNEL_BLOCK, fields=fields, unpack=unpack,
                                    value_fields=tuple(f.name for f in fields), interleaved=(), sub=None)
 
-    @property
+    @functools.cached_property
     def sub_scales(self) -> tuple[Node, Node] | None:
         """Sub-blocks smaller than the kernels' block (Q6_K's 16) scale as F * I: F a formula of the
         super-block's fields, the kernel block's f32 scale; I an integer formula of s, each
@@ -473,7 +474,7 @@ class QuantFormat:
                              " and integer factors of s (d * scales[s])")
         return _product(rest), _product(per_sub)
 
-    @property
+    @functools.cached_property
     def encoding(self) -> tuple[str, int]:
         """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
         lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
@@ -481,7 +482,7 @@ class QuantFormat:
         # (5-bit values take bytes: a bit plane's unpack costs 4-6x the nibbles' time, measured)
         return ("nib" if width <= 4 else "byte"), lo
 
-    @property
+    @functools.cached_property
     def codes(self) -> tuple[Node, Node] | None:
         """(codes, zero): the kernel block's unpack as codes - zero, both integers in [0, 127] and
         zero the same for every element (a constant, or a scalar byte field that pack checks

@@ -242,6 +242,7 @@ class Lowerer:
         self._quant: str | None = None  # the quant type of the function being lowered, if any
         self._frame = Frame()
         self._scopes: list[dict[str, Binding]] = []
+        self._source_lines = checked.source.splitlines()  # for the comments (split once, not per comment)
 
     # ---- module ----------------------------------------------------------------------------------
     def run(self) -> list[Func]:
@@ -455,7 +456,7 @@ class Lowerer:
 
     def _comment_at(self, span: A.Span) -> None:
         """`;; kernels.dsl:LINE: source text` before the code of the statement at `span`."""
-        line = self.c.source.splitlines()[span.line - 1].strip()
+        line = self._source_lines[span.line - 1].strip()
         if len(line) > 90:
             line = line[:87] + "..."
         self.emit(Comment(f"{Path(span.file).name}:{span.line}: {line}", span))

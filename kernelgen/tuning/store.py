@@ -8,6 +8,7 @@ it names could not take (`usable`), since a build would otherwise fail on it or 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -164,11 +165,11 @@ def usable(records: list[Record], checked: Checked) -> list[Record]:
     range. Each other record for a kernel as `checked` declares it (same kernel_hash: the records a
     build would use) is skipped with a StoreWarning naming its line."""
     out = []
-    hashes: dict[str, str] = {}
+    hash_of = functools.cache(lambda kernel: kernel_hash(checked, kernel))  # 1-2 ms each, once per kernel
     for r in records:
         job = r.kernel in checked.jobs
         k = checked.jobs.get(r.kernel) or checked.kernels.get(r.kernel)
-        if k is not None and r.dsl_hash != hashes.setdefault(r.kernel, kernel_hash(checked, r.kernel)):
+        if k is not None and r.dsl_hash != hash_of(r.kernel):
             k = None  # another version of the kernel: best_tune ignores it anyway
         problem = None
         if k is not None and job:

@@ -7,6 +7,7 @@ by skipping what is recorded; the best few of each shape are timed again before 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -289,9 +290,10 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     me = host()
     engines = engine_names(engine)
     stored = load_store(store)
+    hash_of = functools.cache(lambda kernel: kernel_hash(checked, kernel))  # 1-2 ms each: once per kernel
     done = set() if remeasure else {
         (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine)
-        for r in stored if r.host == me and r.dsl_hash == kernel_hash(checked, r.kernel)}
+        for r in stored if r.host == me and r.dsl_hash == hash_of(r.kernel)}
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     plans: list[tuple[str, Plan]] = []
     for target in targets:
@@ -329,7 +331,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             print(f"\r[{i}/{len(plans)}] {target} {name} {shape}{where} ...".ljust(79), end="", file=out, flush=True)
             seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine,
                                        records=stored + new)
-            rec = Record(p.kernel, p.quant, target, shape, kernel_hash(checked, p.kernel), me, p.tune, seconds, status,
+            rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel), me, p.tune, seconds, status,
                          engine=p.engine)
             append_record(store, rec)
             new.append(rec)
