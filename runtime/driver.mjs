@@ -113,6 +113,7 @@ export class Driver {
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
   #exportNames = new Map(); // "kernel/quant" -> export name
+  #views = new Map(); // typed-array class -> a view of the whole memory (#view)
 
   constructor(manifest, memory, exports, pool, info, stopFlag) {
     this.manifest = manifest;
@@ -166,7 +167,7 @@ export class Driver {
     const start = this.#top;
     const addr = Math.ceil(start / align) * align;
     const end = addr + n;
-    const size = this.#memory.buffer.byteLength;
+    const size = this.#view(Uint8Array).length;
     if (end > size) {
       const need = Math.ceil((end - size) / PAGE_BYTES);
       if (size / PAGE_BYTES + need > maxPages) {
@@ -177,6 +178,7 @@ export class Driver {
           + `weights, or rebuild with a larger maximum (kernelgen build --max-memory; this build allows ${maxPages} pages of 64 KiB)`);
       }
       this.#memory.grow(need);
+      this.#views.clear(); // the views end at the old size (or are detached, for unshared memory)
     }
     this.#top = end;
     return this.#keep(addr, start, end);
@@ -208,20 +210,36 @@ export class Driver {
     return this.#holes.reduce((top, [s, e]) => top - (e - s), this.#top);
   }
 
+  /** A view of the whole memory as `ArrayType`, made once per size of the memory (#alloc grows
+   * it): V8 takes a microsecond or more per call to make the views a kernel call copies through
+   * (and to collect them), 5% of qmatvec at 256x4096 when each copy made its own. */
+  #view(ArrayType) {
+    let view = this.#views.get(ArrayType);
+    if (view === undefined) {
+      view = new ArrayType(this.#memory.buffer);
+      this.#views.set(ArrayType, view);
+    }
+    return view;
+  }
+
+  /** Copy typed array `array` to `addr` (a multiple of its element size: #alloc's alignment). */
+  #copyIn(array, addr) {
+    this.#view(array.constructor).set(array, addr / array.BYTES_PER_ELEMENT);
+  }
+
   /** Copy a typed array into fresh memory followed by `pad` zero bytes. */
   #put(array, pad = 0) {
     const addr = this.#alloc(array.byteLength + pad);
-    const bytes = new Uint8Array(this.#memory.buffer);
-    bytes.set(new Uint8Array(array.buffer, array.byteOffset, array.byteLength), addr);
-    bytes.fill(0, addr + array.byteLength, addr + array.byteLength + pad);
+    this.#copyIn(array, addr);
+    if (pad) this.#view(Uint8Array).fill(0, addr + array.byteLength, addr + array.byteLength + pad);
     return addr;
   }
 
-  /** A copy (on an ordinary ArrayBuffer, transferable) of `count` elements at `addr`. */
+  /** A copy (on an ordinary ArrayBuffer, transferable) of `count` elements at `addr` (a multiple
+   * of their size). */
   #get(addr, ArrayType, count) {
-    const out = new ArrayType(count);
-    new Uint8Array(out.buffer).set(new Uint8Array(this.#memory.buffer, addr, out.byteLength));
-    return out;
+    const at = addr / ArrayType.BYTES_PER_ELEMENT;
+    return this.#view(ArrayType).slice(at, at + count);
   }
 
   /** Run fn with a fresh allocation scope: what it allocates is freed when it returns. */
@@ -448,9 +466,8 @@ export class Driver {
         + `${tokens} token(s) of the weights' rows need ${tokens * k}`);
     }
     const pd = this.#alloc(act.d.byteLength + act.s.byteLength);
-    const bytes = new Uint8Array(this.#memory.buffer);
-    bytes.set(new Uint8Array(act.d.buffer, act.d.byteOffset, act.d.byteLength), pd);
-    bytes.set(new Uint8Array(act.s.buffer, act.s.byteOffset, act.s.byteLength), pd + act.d.byteLength);
+    this.#copyIn(act.d, pd);
+    this.#copyIn(act.s, pd + act.d.byteLength);
     return [this.#put(act.q), pd];
   }
 

@@ -221,6 +221,30 @@ for (const [target, unusable] of TARGETS) {
       await k.free(w);
     });
 
+    test('copies in and out stay right when the memory grows between calls (the driver keeps its views of it)', async () => {
+      const other = await loadKernels({ target, threads: 1 });
+      try {
+        const rand = random(17);
+        const spec = other.manifest.quants.q8_0;
+        const x = normals(rand, 256);
+        const h = await other.hold(x);
+        const act = await other.quantizeAct(x);
+        const w = await other.pack('q8_0', randomBlocks(spec, 5 * 8, rand), 5, 256);
+        const y = await other.qmatvec(w, act);
+        const big = 8 << 20; // more than the memory holds so far: pack grows it
+        const wBig = await other.pack('q8_0', randomBlocks(spec, big / 32, rand), big / 256, 256);
+        assert.equal(firstDifference(await other.read(h), x), null);
+        const again = await other.quantizeAct(x);
+        for (const part of ['q', 'd', 's']) assert.equal(firstDifference(again[part], act[part]), null, part);
+        assert.equal(firstDifference(await other.qmatvec(w, act), y), null);
+        const yBig = await other.qmatvec(wBig, act);
+        assert.equal(yBig.length, big / 256);
+        assert.ok(yBig.every(Number.isFinite) && yBig.some((v) => v !== 0));
+      } finally {
+        await other.terminate();
+      }
+    });
+
     test('another thread setting the stop flag ends a bench loop', async () => {
       const setter = new Worker('const { workerData } = require("node:worker_threads");'
         + 'setTimeout(() => Atomics.store(workerData, 0, 1), 100);', { eval: true, workerData: k.stopFlag });
