@@ -18,6 +18,8 @@ from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
+from .names import variant_name
+from .tuning.budget import CODE_BUDGET
 from .tuning.store import STORE, StoreWarning, load_store
 from .tuning.timing import ENGINE_CHOICES
 
@@ -122,9 +124,13 @@ def cmd_build(args: argparse.Namespace) -> int:
     store, tune_host = _store(args), _tune_host(args)
     if args.tune_host_from is not None and tune_host is None:
         store = None  # that build used no tunings: neither does this one
-    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory)
+    budget = None if args.no_code_budget else args.code_budget
+    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory, budget)
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
+        if dropped := b.manifest["tune"].get("budget", {}).get("dropped"):
+            print(f"  within the {budget}-byte budget of quant-type code, the smallest variant instead of: "
+                  + ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}x faster)" for key, d in dropped.items()))
         if args.sizes:
             from .tuning.size import format_sizes, sizes
             print(format_sizes(sizes(b)))
@@ -274,6 +280,10 @@ def parser() -> argparse.ArgumentParser:
                         " recorded in the manifest (memory.max_pages), honoured by both hosts")
     b.add_argument("--tune-host-from", type=Path, metavar="MANIFEST",
                    help="use the tunings recorded for the host a manifest was built for (reproduces a committed out/)")
+    b.add_argument("--code-budget", type=_positive, default=CODE_BUDGET, metavar="BYTES",
+                   help=f"bytes of quant-type code per target the store's picks may take (default {CODE_BUDGET}: issue 13's"
+                        " goal); over it, the picks with the least speed per byte take the smallest variant")
+    b.add_argument("--no-code-budget", action="store_true", help="build the store's picks whatever their size")
     b.add_argument("--sizes", action="store_true",
                    help="print where each module's bytes go: raw, gzip and brotli sizes, code per quant type and per kernel")
     b.set_defaults(func=cmd_build)

@@ -20,6 +20,7 @@ import pytest
 
 import kernelgen.tuning.timing
 import kernelgen.tuning.tune
+from kernelgen.tuning import budget as B
 from kernelgen.tuning import store as S
 from kernelgen.tuning import bench, size
 from kernelgen.tuning.bench import NUMPY, Case, Limit, Ratio, Report, as_json, format_table
@@ -1250,3 +1251,111 @@ def test_size_table_matches_wasm_objdump_and_splits_by_quant_type_and_kernel(tmp
     assert brotli.decompress(brotli.compress(b.wasm, quality=11)) == b.wasm and fig[size.BROTLI] < fig[size.GZIP]
     text = size.format_sizes(s)
     assert f"{len(b.wasm)} bytes of wasm" in text and "qtile__m2_n2_a1" in text and f"q8_0 {by_quant['q8_0']}" in text
+
+
+# ---- the byte budget of quant-type code ----------------------------------------------------------
+
+
+def _upgrade(key: str, quant: str, speedup: float) -> B.Upgrade:
+    return B.Upgrade(key, quant, {"rows": 1}, {"rows": 4}, speedup)
+
+
+def test_spend_takes_the_most_speed_within_the_budget() -> None:
+    """Additive costs: the choice with the largest product of speedups that fits, not the best per
+    byte first (that would take 1.2x and 1.1x, 1.32x, where 1.5x alone fits); a budget below the
+    smallest variants takes no upgrade that adds bytes, an unlimited one takes them all."""
+    small = {"a": 1000, "b": 1000, "c": 1000}
+    extra = {"mv_a": 3000, "mv_b": 1000, "mv_c": 1000}
+    ups = [_upgrade("mv_a", "a", 1.5), _upgrade("mv_b", "b", 1.2), _upgrade("mv_c", "c", 1.1)]
+
+    def cost(quant: str, keys: frozenset[str]) -> int:
+        return small[quant] + sum(extra[k] for k in keys)
+
+    assert B.spend(ups, cost, 3000 + 3000) == {"mv_a"}
+    assert B.spend(ups, cost, 3000 + 2999) == {"mv_b", "mv_c"}
+    assert B.spend(ups, cost, 3000 + 4000) == {"mv_a", "mv_b"}
+    assert B.spend(ups, cost, 3000 + 1999) == {"mv_b"}
+    assert B.spend(ups, cost, 2999) == set()
+    assert B.spend(ups, cost, 10 ** 9) == {"mv_a", "mv_b", "mv_c"}
+    assert B.spend([], cost, 0) == set()
+
+
+def test_spend_costs_one_types_upgrades_together() -> None:
+    """Two kernels of one type sharing a tile: the second adds no bytes once the first is built; an
+    upgrade that saves bytes is taken even when nothing fits."""
+    ups = [_upgrade("mv_q", "q", 1.3), _upgrade("mm_q", "q", 1.1), _upgrade("mv_r", "r", 1.05)]
+
+    def cost(quant: str, keys: frozenset[str]) -> int:
+        if quant == "r":
+            return 2000 - 500 * ("mv_r" in keys)  # smaller than the smallest variant (it happens: rows 2 < rows 1)
+        return 1000 + 2000 * bool(keys)  # either upgrade builds the shared tile
+
+    assert B.spend(ups, cost, 1000 + 1500 + 2000) == {"mv_q", "mm_q", "mv_r"}
+    assert B.spend(ups, cost, 1000 + 1500 + 1999) == {"mv_r"}
+    assert B.spend(ups, cost, 0) == {"mv_r"}
+
+
+def test_speedup_is_the_ratio_of_the_stores_scores(checked) -> None:
+    small, rows4 = {"rows": 1, "accs": 1}, {"rows": 4, "accs": 1}
+
+    def r(tune: dict, seconds: float, shape: str) -> Record:
+        return rec(checked, tune, seconds, shape, kernel="qmatvec", quant="q4_0")
+
+    records = [r(small, 2.0, "a"), r(rows4, 1.0, "a"), r(small, 1.0, "b"), r(rows4, 0.5, "b")]
+    assert S.speedup(records, checked, "qmatvec", "simd128", HOST_A, rows4, small, "q4_0") == pytest.approx(2.0)
+    assert S.speedup(records[1::2], checked, "qmatvec", "simd128", HOST_A, rows4, small, "q4_0") == S.SIZE_MARGIN
+
+
+def _qmatvec_records(checked, speedups: dict[str, float]) -> list[Record]:
+    """qmatvec timings of the types in `speedups`: rows 4 that many times faster than rows 1."""
+    return [rec(checked, tune, seconds, "256x4096", kernel="qmatvec", quant=q)
+            for q, x in speedups.items() for tune, seconds in (({"rows": 1, "accs": 1}, 1.0), ({"rows": 4, "accs": 1}, 1 / x))]
+
+
+def test_build_keeps_the_quant_code_within_the_budget(checked) -> None:
+    """With every pick the code is over the budget: the pick with the least speed (q4_1's 1.06x
+    against 2x, at about the same bytes) takes the smallest variant, the build says so, and the code
+    fits; without a budget (or a large one) every pick is built."""
+    records = _qmatvec_records(checked, {"q8_0": 2.0, "q4_0": 2.0, "q4_1": 1.06})
+
+    def build(budget: int | None) -> tuple[dict, int]:
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A,
+                              code_budget=budget)
+        return b.manifest, size.sizes(b).figures()[size.QUANT_CODE]
+
+    free, used = build(None)
+    assert {free["tune"]["values"][f"qmatvec_{q}"]["rows"] for q in ("q8_0", "q4_0", "q4_1")} == {4}
+    assert "budget" not in free["tune"] and build(used)[0] == free
+    tight, fitted = build(used - 1)
+    assert fitted <= used - 1
+    t = tight["tune"]
+    assert t["budget"] == {"bytes": used - 1, "dropped": {"qmatvec_q4_1": {"fast": {"rows": 4, "accs": 1}, "speedup": 1.06}}}
+    assert t["source"]["qmatvec_q4_1"] == "budget" and "qmatvec_q4_1" not in t["values"]
+    assert "qmatvec_q4_1__rows1_accs1" in tight["exports"] and "qmatvec_q8_0__rows4_accs1" in tight["exports"]
+    least, smallest_code = build(1)  # below the smallest variants: the smallest everywhere
+    assert set(least["tune"]["budget"]["dropped"]) == {"qmatvec_q8_0", "qmatvec_q4_0", "qmatvec_q4_1"}
+    assert fitted > smallest_code
+
+
+def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
+    store = tmp_path / "store.jsonl"
+    for r in _qmatvec_records(checked, {"q8_0": 1.5}):
+        r.host = dict(S.host())
+        append_record(store, r)
+    base = ("build", "--dsl", str(DSL_PATH), "--target", "simd128", "--store", str(store))
+    code, out, err = run_cli(*base, "--code-budget", "1", "--out", str(tmp_path / "o1"))
+    assert code == 0, err
+    assert "within the 1-byte budget of quant-type code, the smallest variant instead of: qmatvec_q8_0__rows4_accs1 (1.5x faster)" in out
+    m = json.loads((tmp_path / "o1" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert m["tune"]["source"]["qmatvec_q8_0"] == "budget"
+    for extra in (("--no-code-budget",), ("--code-budget", "1000000")):
+        code, out, err = run_cli(*base, *extra, "--out", str(tmp_path / "o2"))
+        assert code == 0 and "instead of" not in out, err
+        m = json.loads((tmp_path / "o2" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+        assert m["tune"]["values"]["qmatvec_q8_0"] == {"rows": 4, "accs": 1}
+    for bad in ("0", "-5", "32KB"):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            main([*base, "--code-budget", bad, "--out", str(tmp_path / "o3")])
+        assert e.value.code == 2 and "--code-budget" in err.getvalue() and "positive integer" in err.getvalue(), bad
+        assert not (tmp_path / "o3").exists()

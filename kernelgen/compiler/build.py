@@ -31,7 +31,9 @@ from ..errors import KernelgenError
 from . import layout
 from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, tune_key
-from ..tuning.store import Record, best_tune, host, load_store, smallest, usable
+from ..tuning.budget import CODE_BUDGET, Upgrade, spend
+from ..tuning.size import calls, code_sizes, quant_of, reached
+from ..tuning.store import Record, best_tune, host, load_store, smallest, speedup, usable
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -94,7 +96,8 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                        "dtype": _act_dtype(t.constants), "split": bool(t.constants["ACT_SPLIT"]), "sums": "int32"},
         # each type's integer-dot scheme on this target (Target.dot_scheme): "i7" or "i16"
         "quants": {name: {**q.to_json(), "dot": t.dot_scheme(q.codes is not None)} for name, q in checked.quants.items()},
-        "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"]},
+        "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"],
+                 **({"budget": tune_info["budget"]} if "budget" in tune_info else {})},
         "exports": {e.name: _export_entry(e) for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel.job, "quant": j.quant.name if j.quant else None,
                           "args": _params(j), "tuned": tune_info["pool"].get(j.kernel.job),
@@ -148,10 +151,12 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     `tune_host` (this machine by default; store.best_tune: the smallest variant unless a larger one
     is SIZE_MARGIN faster); a type the store has no timing for, when others have some, takes the
     smallest variant (its code is built for every such type); a kernel without timings takes its
-    declared defaults."""
+    declared defaults. The account's "upgrades" are the store's picks of one type that are not the
+    smallest variant (what a byte budget may take back)."""
     overrides = dict(overrides or {})
     want = tune_host or host()
     sources: dict[str, str] = {}
+    upgrades: list[Upgrade] = []
     for name, k in checked.kernels.items():
         if not k.ast.exported or not k.ast.tunes:
             continue
@@ -169,6 +174,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             if q is not None and best != least and tune_key(name, q) not in overrides:
                 overrides[tune_key(name, q)] = best
                 sources[tune_key(name, q)] = "store"
+                upgrades.append(Upgrade(tune_key(name, q), q, least, best,
+                                        speedup(records, checked, name, target, want, best, least, q)))
     values = resolve_tune(checked, overrides)
     sources.update({key: "override" for key in overrides if key not in sources})
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
@@ -176,21 +183,66 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
         if records and (best := best_tune(records, checked, name, target, want)) is not None:
             pool[name] = best
     used_store = "store" in sources.values() or bool(pool)
-    return values, {"source": sources, "host": want if used_store else None, "pool": pool}
+    return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades}
+
+
+def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, int]], info: dict, budget: int,
+                  dsl_name: str, max_pages: int) -> Built:
+    """`built` when its quant-type code fits `budget` bytes; else the build whose store picks are
+    budget.spend's choice (the others at their smallest variants), each dropped pick's source
+    "budget" and the manifest's `tune.budget` naming it with its fast variant and the speedup it
+    gives up. Costs are exact: read from `built` and a build with every pick at its smallest."""
+    upgrades: list[Upgrade] = info["upgrades"]
+    quants = tuple(checked.quants)
+
+    def quant_code(b: Built) -> int:
+        return sum(n for f, n in code_sizes(b).items() if quant_of(f, quants))
+
+    used = quant_code(built)
+    if used <= budget or not upgrades:
+        return built
+    keys = {u.key for u in upgrades}
+    small_values = {k: v for k, v in values.items() if k not in keys}
+    small = compile_target(checked, built.target, small_values, dsl_name, info, max_pages)
+    functions, graph = {**code_sizes(small), **code_sizes(built)}, {**calls(small.wat), **calls(built.wat)}
+
+    def roots(b: Built, quant: str) -> dict[str, list[str]]:
+        return {e["kernel"]: [name, *([e["parallel"]["job"]] if "parallel" in e else [])]
+                for name, e in b.manifest["exports"].items() if e["quant"] == quant}
+
+    def cost(quant: str, taken: frozenset[str]) -> int:
+        fast, least = roots(built, quant), roots(small, quant)
+        return reached(functions, graph, (f for k, fs in least.items()
+                                          for f in (fast[k] if tune_key(k, quant) in taken else fs)))
+
+    fixed = quant_code(small) - sum(cost(q, frozenset()) for q in {u.quant for u in upgrades})
+    taken = spend(upgrades, cost, budget - fixed)
+    dropped = [u for u in upgrades if u.key not in taken]
+    chosen = {k: v for k, v in values.items() if k not in {u.key for u in dropped}}
+    info = {**info, "source": {**info["source"], **{u.key: "budget" for u in dropped}},
+            "budget": {"bytes": budget, "dropped": {u.key: {"fast": values[u.key], "speedup": round(u.speedup, 3)}
+                                                     for u in dropped}}}
+    return compile_target(checked, built.target, chosen, dsl_name, info, max_pages)
+
 
 
 def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,
                    tune: dict[str, dict[str, int]] | None = None, records: list[Record] | None = None,
-                   tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES) -> list[Built]:
+                   tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES,
+                   code_budget: int | None = CODE_BUDGET) -> list[Built]:
     """Parse, check and compile `source` for `targets`; raises DslError on any user mistake.
-    `records` (a tuning store) supplies tune values for kernels `tune` does not set."""
+    `records` (a tuning store) supplies tune values for kernels `tune` does not set, within
+    `code_budget` bytes of quant-type code per target (within_budget; None: no budget)."""
     checked = check(parse(source, filename))
     if records:
         records = usable(records, checked)
     built = []
     for t in targets:
         values, info = choose_tune(checked, t, tune, records, tune_host)
-        built.append(compile_target(checked, t, values, Path(filename).name, info, max_pages))
+        b = compile_target(checked, t, values, Path(filename).name, info, max_pages)
+        if code_budget is not None:
+            b = within_budget(checked, b, values, info, code_budget, Path(filename).name, max_pages)
+        built.append(b)
     return built
 
 
@@ -310,8 +362,9 @@ def _locked(parent: Path, out_dir: Path, timeout: float) -> Iterator[None]:
 
 def build(dsl: Path, out_dir: Path, targets: tuple[str, ...] = TARGET_NAMES,
           tune: dict[str, dict[str, int]] | None = None, store: Path | None = None,
-          tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES) -> tuple[list[Built], list[Path]]:
+          tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES,
+          code_budget: int | None = CODE_BUDGET) -> tuple[list[Built], list[Path]]:
     source = dsl.read_text(encoding="utf-8")
     records = load_store(store) if store is not None else None
-    built = compile_source(source, str(dsl), targets, tune, records, tune_host, max_pages)
+    built = compile_source(source, str(dsl), targets, tune, records, tune_host, max_pages, code_budget)
     return built, write_outputs(built, out_dir)

@@ -13,11 +13,14 @@ from __future__ import annotations
 import gzip
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
 
 import brotli
 
-from ..compiler.build import Built
 from ..names import parse_variant
+
+if TYPE_CHECKING:  # the build imports this module to keep its byte budget
+    from ..compiler.build import Built
 
 QUANT_CODE, OTHER_CODE = "wasm code of quant-type kernels", "wasm code of the rest"
 WASM, GZIP, BROTLI = "wasm size", "wasm size, gzip -9", "wasm size, brotli -q 11"
@@ -57,6 +60,34 @@ def code_sizes(built: Built) -> dict[str, int]:
     return dict(zip(names, sizes))
 
 
+def quant_of(function: str, quants: Iterable[str]) -> str | None:
+    """The quant type a function's code belongs to (its base name ends in one), or None."""
+    base = parse_variant(function).base
+    return next((q for q in quants if base.endswith(f"_{q}")), None)
+
+
+def calls(wat: str) -> dict[str, set[str]]:
+    """Each defined function's direct callees, by name, from the WAT (a function runs to the next
+    one; pool jobs are reached through the table, as roots of their own)."""
+    parts = re.split(r"^  \(func \$(\S+)", wat, flags=re.M)[1:]
+    return {name: set(re.findall(r"\bcall \$(\S+?)[\s)]", body)) for name, body in zip(parts[::2], parts[1::2])}
+
+
+def reached(functions: dict[str, int], graph: dict[str, set[str]], roots: Iterable[str]) -> int:
+    """Bytes of the functions `roots` reach through calls, each counted once. A function's body
+    depends only on its name (names.variant_name holds its quant type, tune values and compile-time
+    integers), so tables merged from several builds of one source and target answer for any mix of
+    their exports."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo.extend(graph[f])
+    return sum(functions[f] for f in seen)
+
+
 @dataclass(frozen=True)
 class Sizes:
     """One target's module: its bytes raw and compressed, and each function body's bytes."""
@@ -70,9 +101,9 @@ class Sizes:
 
     def split(self, name: str) -> tuple[str, str | None]:
         """(kernel, quant type or None) of a function: `qtile_q8_0__m2_n2_a2` -> (`qtile__m2_n2_a2`, `q8_0`)."""
-        v = parse_variant(name)
-        quant = next((q for q in self.quants if v.base.endswith(f"_{q}")), None)
-        kernel = v.base.removesuffix(f"_{quant}") if quant else v.base
+        base = parse_variant(name).base
+        quant = quant_of(name, self.quants)
+        kernel = base.removesuffix(f"_{quant}") if quant else base
         params = name.partition("__")[2]
         return (f"{kernel}__{params}" if params else kernel), quant
 

@@ -219,15 +219,14 @@ def smallest(checked: Checked, kernel: str) -> dict[str, int]:
     return least
 
 
-def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
-              baseline: dict | None = None, quant: str | None = ALL_QUANTS) -> dict | None:
-    """The variant to build for `kernel` (for one `quant` type, or over every type's timings) on
-    `target`: among successful timings on `want_host` for the current DSL, the one with the lowest
-    geometric mean of time / best time over the shapes measured (a shape timed in wasmtime and in V8
-    counts once per engine: the pick serves Python hosts and browsers alike), counting only variants
-    timed on every shape; `baseline` (the smallest variant) unless the winner beats it by SIZE_MARGIN. The
-    latest timing of a (variant, shape) wins (re-timings replace first timings). None when nothing
-    matches."""
+def variant_scores(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+                   quant: str | None = ALL_QUANTS) -> dict[str, float]:
+    """Each variant's score for `kernel` (for one `quant` type, or over every type's timings) on
+    `target` (keyed by its tune values as sorted JSON): among successful timings on `want_host` for the
+    current DSL, the geometric mean of time / best time over the shapes measured (a shape timed in
+    wasmtime and in V8 counts once per engine: the pick serves Python hosts and browsers alike),
+    counting only variants timed on every shape. The latest timing of a (variant, shape) wins
+    (re-timings replace first timings). 1.0 is the fastest; empty when nothing matches."""
     h = kernel_hash(checked, kernel)
     hk = json.dumps(want_host, sort_keys=True)
     latest: dict[tuple[str, str], float] = {}
@@ -239,8 +238,6 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
                 latest[key] = r.seconds
             else:
                 latest.pop(key, None)
-    if not latest:
-        return None
     shapes = {s for _, s in latest}
     best_per_shape = {s: min(t for (_, s2), t in latest.items() if s2 == s) for s in shapes}
     scores = {}
@@ -248,6 +245,15 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
         ratios = [latest.get((tune, s)) for s in shapes]
         if all(r is not None for r in ratios):
             scores[tune] = math.exp(sum(math.log(r / best_per_shape[s]) for r, s in zip(ratios, shapes)) / len(shapes))
+    return scores
+
+
+def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+              baseline: dict | None = None, quant: str | None = ALL_QUANTS) -> dict | None:
+    """The variant to build for `kernel` (for one `quant` type, or over every type's timings) on
+    `target`: the lowest variant_scores; `baseline` (the smallest variant) unless the winner beats it
+    by SIZE_MARGIN. None when nothing matches."""
+    scores = variant_scores(records, checked, kernel, target, want_host, quant)
     if not scores:
         return None
     best = min(sorted(scores), key=lambda t: scores[t])
@@ -255,3 +261,13 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
     if kept in scores and scores[kept] < scores[best] * SIZE_MARGIN:
         return baseline
     return json.loads(best)
+
+
+def speedup(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+            fast: dict, slow: dict, quant: str | None = ALL_QUANTS) -> float:
+    """How many times faster variant `fast` runs than `slow` by the records (variant_scores); a
+    `slow` variant never timed counts SIZE_MARGIN slower (the least gain a pick needs over the
+    smallest variant)."""
+    scores = variant_scores(records, checked, kernel, target, want_host, quant)
+    a, b = scores.get(json.dumps(fast, sort_keys=True)), scores.get(json.dumps(slow, sort_keys=True))
+    return b / a if a is not None and b is not None else SIZE_MARGIN

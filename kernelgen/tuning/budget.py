@@ -1,0 +1,54 @@
+"""The byte budget of a build's quant-type code: which tuned variants a target keeps when all of
+them would not fit.
+
+The store's pick (store.best_tune) chooses each quant type's variant of a tunable kernel by speed
+alone, with SIZE_MARGIN against the smallest variant; each pick is code in that type's functions
+(a four-row mat-vec tile is ~3 KB per type), and ten types of picks outgrow a page's download
+budget. When they do, the build keeps the picks that together give the most measured speed (the
+product of their speedups over the smallest variants, from the tuning records) within the budget,
+and builds the smallest variant for the others. The manifest's `tune.budget` names the picks left
+out and the speed each gives up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+# Issue 13: the ten quant types' kernels in 32 KB per target (function bodies of quant-type code,
+# size.QUANT_CODE); the bench judges the same figure against this goal.
+CODE_BUDGET = 32768
+
+
+@dataclass(frozen=True)
+class Upgrade:
+    """One quant type's tuned variant of one kernel, in place of its smallest variant."""
+
+    key: str  # the build table's key (check.tune_key): `qmatvec_q8_0`
+    quant: str
+    small: dict[str, int]
+    fast: dict[str, int]
+    speedup: float  # time of `small` / time of `fast`, by the tuning records (store.speedup)
+
+
+def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], budget: int) -> set[str]:
+    """The keys of the upgrades to build: the choice with the largest sum of log(speedup) (the
+    geometric mean of the speedups over the types' kernels) whose bytes stay within `budget`, the
+    fewest bytes among equals. `cost(quant, keys)` is the bytes of one quant type's code with the
+    upgrades `keys` of that type (the others at their smallest variants): one type's upgrades need
+    not add up (two kernels can share a tile), so each type's choices are costed as wholes. Exact,
+    a knapsack over the types: the choices kept after each type are those no other choice beats
+    on both bytes and speed."""
+    front: list[tuple[int, float, frozenset[str]]] = [(0, 0.0, frozenset())]
+    for quant in sorted({u.quant for u in upgrades}):
+        mine = [u for u in upgrades if u.quant == quant]
+        options = [(cost(quant, keys), sum(math.log(u.speedup) for u in mine if u.key in keys), keys)
+                   for keys in (frozenset(u.key for i, u in enumerate(mine) if n >> i & 1) for n in range(1 << len(mine)))]
+        states = sorted(((b + ob, v + ov, keys | ok) for b, v, keys in front for ob, ov, ok in options),
+                        key=lambda s: (s[0], -s[1], sorted(s[2])))
+        front = []
+        for state in states:
+            if not front or state[1] > front[-1][1]:
+                front.append(state)
+    fits = [s for s in front if s[0] <= budget] or front[:1]  # over the budget even at the smallest: the least bytes
+    return set(max(fits, key=lambda s: (s[1], -s[0]))[2])
