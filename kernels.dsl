@@ -579,8 +579,20 @@ inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x
     return r;
 }
 
+# acc plus blocks blk .. blk + count - 1 of a row, one at a time (qstep1): the blocks of a dot left
+# over past its four-block steps. One function per quant type that every dot of qrowsum and the
+# tiles calls, not a copy of qstep1 per dot in each tile (M * N copies: 1.2 KB of each type's
+# simd128 1 x 4 tile). Only a K of 1 .. 4 * A - 1 blocks past a multiple of 4 * A has any.
+kernel qleft[Q: quant](w: packed Q, blk: i32, a: ptr, ad: ptr, count: i32, acc: f32x4) -> f32x4 {
+    var r: f32x4 = acc;
+    for b in 0..count {
+        r = qstep1[Q](w, blk + b, a + b * Q.block * ACT_BYTES, f32.load(ad + b * 4), r);
+    }
+    return r;
+}
+
 # Row r's dot with the activations: blocks four at a time with A accumulators taking turns, then
-# the leftover blocks one at a time. One body serves every single dot of qmatvec and qmatmul; the
+# the leftover blocks one at a time (qleft). One body serves every single dot of qmatvec and qmatmul; the
 # hosts' qdot is qmatvec of one row (an export of its own was a second copy of this body in every
 # quant type's code: 16.6 KB of simd128's 54 KB). Inline: a call per row (stack-passed arguments,
 # callee-saved registers, the stack check) cost qmatvec 0.66x the seed-style kernel at k = 1024
@@ -594,8 +606,8 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, 
             acc[s] = qstep4[Q](w, r * nb + b + 4 * s, ab, f32x4.load(ad + (b + 4 * s) * 4), as + (b + 4 * s) * 4, acc[s]);
         }
     }
-    for b in nbs..nb {
-        acc[0] = qstep1[Q](w, r * nb + b, aq + b * Q.block * ACT_BYTES, f32.load(ad + b * 4), acc[0]);
+    if nbs < nb {
+        acc[0] = qleft[Q](w, r * nb + nbs, aq + nbs * Q.block * ACT_BYTES, ad + nbs * 4, nb - nbs, acc[0]);
     }
     unroll s in 1..A {
         acc[0] = acc[0] + acc[s];
@@ -614,7 +626,7 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, 
 # NR = 2 at 256x4096, simd128: 0.8x the seed-style kernel in V8, 1.2x now; wasmtime 1.22x -> 1.24x,
 # its 2x2 GEMM tile 1.28x faster; bits unchanged). M * N is even (tiles of 1, 2 or 4 with M * N > 1),
 # so the dots pair up. Integer sums are exact in any order, and the float order is qrowsum's (A
-# accumulators taking turns over the four-block steps, qstep1 for the leftover blocks), so no
+# accumulators taking turns over the four-block steps, qleft for the leftover blocks), so no
 # result depends on M or N: row t of qmatmul is qmatvec of token t, bit for bit.
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
 #   blocks' sums as + t * nb * 4
@@ -690,13 +702,13 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
             }
         }
     }
-    for b in nbs..nb {
+    if nbs < nb {
         unroll t in 0..M {
-            let ab = aq + ((t0 + t) * nb + b) * Q.block * ACT_BYTES;
-            let da = f32.load(ad + ((t0 + t) * nb + b) * 4);
+            let ab = aq + ((t0 + t) * nb + nbs) * Q.block * ACT_BYTES;
+            let dt = ad + ((t0 + t) * nb + nbs) * 4;
             unroll r in 0..N {
                 let i = (t * N + r) * A;
-                acc[i] = qstep1[Q](w, (r0 + r * rs) * nb + b, ab, da, acc[i]);
+                acc[i] = qleft[Q](w, (r0 + r * rs) * nb + nbs, ab, dt, nb - nbs, acc[i]);
             }
         }
     }

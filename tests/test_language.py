@@ -87,6 +87,16 @@ export kernel generic_calls(x: i32) -> i32 {
     return helper[2](x) + helper[3](x) + helper[2](x);
 }
 
+# A function (not inline) taking and returning a vector: its wasm type is v128.
+kernel twice4(v: f32x4) -> f32x4 {
+    return v + v;
+}
+
+export kernel vector_calls(x: f32) -> f32 {
+    let v = twice4(twice4(f32x4.splat(x)));
+    return extract(v, 0) + extract(v, 3);
+}
+
 export kernel atomics(p: ptr) -> i32 {
     atomic_store(p, 5);
     let old = atomic_add(p, 3);
@@ -147,6 +157,10 @@ def test_scalar_integer_min_max(k) -> None:
 
 def test_generic_internal_kernels_are_instantiated_once_per_argument(k) -> None:
     assert k.call("generic_calls", 5) == 10 + 15 + 10
+
+
+def test_a_function_returns_a_vector(k) -> None:
+    assert k.call("vector_calls", 1.5) == 12.0
 
 
 def test_atomics(k) -> None:

@@ -410,7 +410,8 @@ class Lowerer:
         if role == "job":
             shown = f"{shown} on the thread pool: its {par.items} {par.begin}..{par.end}"
         doc = [f"{shown} -- {where}"] + [f"  {d}" for d in k.doc]
-        self.funcs.append(Func(name, params, frame.result, frame.locals[len(params):], frame.body,
+        result = T.wasm_type(frame.result) if frame.result else None  # f32x4 -> v128
+        self.funcs.append(Func(name, params, result, frame.locals[len(params):], frame.body,
                                export=name if role == "export" else None, doc=doc, span=k.ast.span))
         return count
 
