@@ -393,6 +393,7 @@ class FieldInfo:
 
 
 KERNEL_BLOCK = 32  # values per block in the kernels (one activation block)
+SUB_SCALE_MAX = 1 << 13  # |integer sub-block scale|: 16 * 128 * 127 * 2^13 < 2^31 (sub_scales)
 SUB_SCALES = "isc"  # the kernel block's field of integer sub-block scales (sub-blocks of 16)
 
 
@@ -472,6 +473,11 @@ class QuantFormat:
         if not per_sub or not rest:
             raise ValueError(f"with sub-blocks of {self.sub}, write the scale as a product of factors of the super-block"
                              " and integer factors of s (d * scales[s])")
+        lo, hi = fold(_product(per_sub), IntRange(self.block, {f.name: f.type for f in self.fields}))
+        if max(-lo, hi) > SUB_SCALE_MAX:
+            raise ValueError(f"{self.name}: the integer sub-block scale {text(_product(per_sub))} spans {lo}..{hi};"
+                             f" the kernels take at most {SUB_SCALE_MAX} in magnitude (a 16-value dot times it stays"
+                             " within i32 and it fits relaxed SIMD's i16 lanes: idot7zs)")
         return _product(rest), _product(per_sub)
 
     @functools.cached_property

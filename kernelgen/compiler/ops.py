@@ -604,6 +604,50 @@ def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z)))
 
 
+def _idot7zs_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, Val, int]:
+    """(acc, u, z, s, a, offset) of idot7zs(acc, u, z, s, ptr, offset)."""
+    if len(args) not in (5, 6):
+        raise c.error(f"idot7zs(acc, u, z, s, ptr, offset) takes 5 or 6 arguments, got {len(args)}")
+    acc, u, z, s, a = args[:5]
+    _need(c, acc, "i32x4", "idot7zs's accumulator")
+    _need(c, u, "i8x16", "idot7zs's codes")
+    _need(c, z, "i8x16", "idot7zs's zeros")
+    _need(c, s, "i32", "idot7zs's scale address")
+    _need(c, a, "i32", "idot7zs's activation address")
+    return acc, u, z, s, a, _offset(c, args, 5, "idot7zs")
+
+
+def _idot7zs_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7zs on SIMD128: idot7z's dot made exact (>> DOT_SHIFT), times the scale, plus acc."""
+    acc, u, z, s, a, offset = _idot7zs_check(c, args)
+    dot = _idot7z_simd128(c, q, [Val(I("v128.const", "i32x4", *["0"] * 4), "i32x4"), u, z, a,
+                                 Val(None, T.INT_LIT, offset)])
+    exact = I("i32x4.shr_s", c.materialize(dot), I("i32.const", str(SIMD128_ACT["DOT_SHIFT"])))
+    return _plus_acc(c, acc, I("i32x4.mul", exact, I("i32x4.splat", I("i32.load", c.materialize(s, "i32")))))
+
+
+def _scale16(c: Ctx, sp: Val) -> Instr:
+    """The low 16 bits of the i32 at sp in every i16 lane."""
+    v = I("i32x4.splat", I("i32.load", c.materialize(sp, "i32")))
+    return I("i8x16.shuffle", *["0", "1"] * 8, v, v)
+
+
+def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7zs(acc, u, z, sp, a): acc + s * ((u - z).a) in lanes of four products, for codes u and
+    zeros z in [0, 127] and the integer scale s stored as an i32 at sp, within i16 (a sub-block's:
+    QuantFormat.sub_scales checks its range), so its low 16 bits are s: one v128.load16_splat (an
+    i16x8.splat of an i32.load ran Q6_K mat-vec at 0.6x, cranelift). The pairs u.a - z.a in i16 as in idot7z (each exact: at most 2 * 128 * 127), then s
+    rides the widening i16 dot in place of idot7z's ones: lane = s * (two pairs), at most
+    32768 * 2 * 32512 < 2^31 in magnitude, exact. An i32 multiply per 16 values (pmulld: slow on
+    x86) and the widening add go; a zero z (a constant 0) drops its relaxed dot."""
+    acc, u, z, s, a, offset = _idot7zs_check(c, args)
+    p1, p2 = c.reuse(a)
+    pairs = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u))
+    if not is_zero_vector(z):
+        pairs = I("i16x8.sub", pairs, I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset), c.materialize(z)))
+    return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", pairs, _scale16(c, s)))
+
+
 def _madd_check(c: Ctx, args: list[Val]) -> list[Val]:
     return _same(c, _arity(c, args, 3, "madd"), "madd")
 
@@ -666,6 +710,7 @@ SIMD128: dict[str, Op] = {
     "idots": _idot_simd128,
     "idot7": _idot_simd128,
     "idot7z": _idot7z_simd128,
+    "idot7zs": _idot7zs_simd128,
     "madd": _madd_simd128,
 }
 
@@ -675,6 +720,7 @@ RELAXED: dict[str, Op] = {
     "idots": _idots_relaxed,
     "idot7": _idot7_relaxed,
     "idot7z": _idot7z_relaxed,
+    "idot7zs": _idot7zs_relaxed,
     "madd": _madd_relaxed,
 }
 
