@@ -475,7 +475,7 @@ class QuantFormat:
                              " and integer factors of s (d * scales[s])")
         lo, hi = fold(_product(per_sub), IntRange(self.block, {f.name: f.type for f in self.fields}))
         if max(-lo, hi) > SUB_SCALE_MAX:
-            raise ValueError(f"{self.name}: the integer sub-block scale {text(_product(per_sub))} spans {lo}..{hi};"
+            raise ValueError(f"the integer sub-block scale {text(_product(per_sub))} spans {lo}..{hi};"
                              f" the kernels take at most {SUB_SCALE_MAX} in magnitude (a 16-value dot times it stays"
                              " within i32 and it fits relaxed SIMD's i16 lanes: idot7zs)")
         return _product(rest), _product(per_sub)
@@ -517,6 +517,18 @@ class QuantFormat:
         except ValueError:
             fits = False
         return (codes, zero) if fits else None
+
+    @property
+    def code_max(self) -> int | None:
+        """The largest of `codes` (a reencoded type's: its integers' span), None without codes: the
+        kernels' bound for sums of code products in i16 (Q.pair16)."""
+        if self.codes is None:
+            return None
+        if self.reencoded:
+            lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
+            return hi - lo
+        kb = self.kernel
+        return fold(self.codes[0], IntRange(kb.block, {f.name: f.type for f in kb.fields}))[1]
 
     # ---- layout
     @property

@@ -230,6 +230,10 @@ CASES = [
     Case("super-block with sub-blocks of 8", S(sub="8"), 1, 1, "quant k: sub-blocks of 16 or 32 values"),
     Case("sub-blocks of 16 without a per-sub-block factor", S(sub="16"), 7, 13,
          "quant k: dequant: with sub-blocks of 16, write the scale as a product"),
+    Case("sub-block scale too wide for the kernels' integer dots",
+         S(sub="16").replace("field qs: u8[128];", "field qs: u8[128];\n    field sc: i16[16];")
+         .replace("dequant d * q;", "dequant d * sc[s] * q;"), 8, 13,
+         "quant k: dequant: the integer sub-block scale sc[s] spans -32768..32767; the kernels take at most 8192"),
     Case("super-block index past its field", S(unpack="qs[i] & 15"), 6, 12, "qs[...] reads element 128 of 128 at i = 128"),
     Case("sub-block index in unpack", S(unpack="qs[s] & 15"), 6, 15, "'s' is not defined here (the index is 'i')"),
     Case("super-block values wider than int8", S(unpack="qs[i / 2] << 1"), 6, 12, "values may fall outside int8"),

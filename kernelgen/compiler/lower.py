@@ -786,6 +786,10 @@ class Lowerer:
                          "has_sub_scales": int(b.sub_scales is not None),
                          "sub_scales_at": b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
                          "dot7": dot7,
+                         # a 32-block's two halves of code products add in i16 lanes (idot7p): pairs
+                         # of both halves at most 4 * code_max * ACT_MAX in magnitude
+                         "pair16": int(bool(dot7) and b.sub_scales is None and b.kernel.block == 32
+                                       and 4 * b.code_max * self.target.constants["ACT_MAX"] <= 32767),
                          "has_zero": int(codes is not None and codes[1] != Int(0)),
                          # a constant zero that multiplies whole kernel blocks (no sub-block scales
                          # between), removed per block as zero * sum(a) where that saves work: on

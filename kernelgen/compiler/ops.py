@@ -572,6 +572,40 @@ def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(code, "i32x4")
 
 
+def _idot7p_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, int]:
+    """(acc, u0, u1, a, offset) of idot7p(acc, u0, u1, ptr, offset)."""
+    if len(args) not in (4, 5):
+        raise c.error(f"idot7p(acc, u0, u1, ptr, offset) takes 4 or 5 arguments, got {len(args)}")
+    acc, u0, u1, a = args[:4]
+    _need(c, acc, "i32x4", "idot7p's accumulator")
+    _need(c, u0, "i8x16", "idot7p's first codes")
+    _need(c, u1, "i8x16", "idot7p's second codes")
+    _need(c, a, "i32", "idot7p's activation address")
+    return acc, u0, u1, a, _offset(c, args, 4, "idot7p")
+
+
+def _idot7p_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7p on SIMD128: idot7 of each 16."""
+    acc, u0, u1, a, offset = _idot7p_check(c, args)
+    p1, p2 = c.reuse(a)
+    first = _idot_simd128(c, q, [acc, u0, Val(p1, "i32"), Val(None, T.INT_LIT, offset)])
+    return _idot_simd128(c, q, [first, u1, Val(p2, "i32"), Val(None, T.INT_LIT, offset + 16)])
+
+
+def _idot7p_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idot7p(acc, u0, u1, a): acc + u0.a[0:16] + u1.a[16:32] in lanes of four products of each, for
+    codes in [0, 64] (Q.pair16) and activations in [-127, 127] (ACT_MAX): a relaxed i16 dot of each
+    16 (its pairs at most 2 * 64 * 127 in magnitude: exact on every engine, as idot7), the two added
+    in i16 (at most 4 * 64 * 127 = 32512 < 32767: exact), then one widening add. Five operations
+    (pmaddubsw twice, paddw, pmaddwd, paddd on x86) where idot7 twice takes six. Lane i holds the
+    same products as idot7 twice, so the float order over lanes (qstep1) is unchanged."""
+    acc, u0, u1, a, offset = _idot7p_check(c, args)
+    p1, p2 = c.reuse(a)
+    d0 = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u0))
+    d1 = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset + 16), c.materialize(u1))
+    return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.add", d0, d1)))
+
+
 def _idot7z_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, int]:
     """(acc, u, z, a, offset) of idot7z(acc, u, z, ptr, offset)."""
     if len(args) not in (4, 5):
@@ -709,6 +743,7 @@ SIMD128: dict[str, Op] = {
     "idot": _idot_simd128,
     "idots": _idot_simd128,
     "idot7": _idot_simd128,
+    "idot7p": _idot7p_simd128,
     "idot7z": _idot7z_simd128,
     "idot7zs": _idot7zs_simd128,
     "madd": _madd_simd128,
@@ -719,6 +754,7 @@ RELAXED: dict[str, Op] = {
     "idot": _idot_relaxed,
     "idots": _idots_relaxed,
     "idot7": _idot7_relaxed,
+    "idot7p": _idot7p_relaxed,
     "idot7z": _idot7z_relaxed,
     "idot7zs": _idot7zs_relaxed,
     "madd": _madd_relaxed,
