@@ -191,9 +191,14 @@ export function packInto(spec, blocks, nblocks, planes) {
         continue;
       }
       planes.scale[k] = split.f(view, o, 0);
-      // the sub-blocks' integer scales follow the kernel block's codes in plane q, one i32 each
+      // the sub-blocks' integer scales follow the kernel block's codes in plane q, one i32 each holding
+      // the scale in both i16 halves (quantformat.SUB_SCALES)
       const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - 4 * halves, 4 * halves);
-      for (let h = 0; h < halves; h++) at.setInt32(4 * h, split.i(view, o, s * halves + h), true);
+      for (let h = 0; h < halves; h++) {
+        const v = split.i(view, o, s * halves + h);
+        at.setInt16(4 * h, v, true);
+        at.setInt16(4 * h + 2, v, true);
+      }
     }
   }
 }

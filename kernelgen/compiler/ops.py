@@ -657,29 +657,24 @@ def _idot7zs_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     dot = _idot7z_simd128(c, q, [Val(I("v128.const", "i32x4", *["0"] * 4), "i32x4"), u, z, a,
                                  Val(None, T.INT_LIT, offset)])
     exact = I("i32x4.shr_s", c.materialize(dot), I("i32.const", str(SIMD128_ACT["DOT_SHIFT"])))
-    return _plus_acc(c, acc, I("i32x4.mul", exact, I("i32x4.splat", I("i32.load", c.materialize(s, "i32")))))
-
-
-def _scale16(c: Ctx, sp: Val) -> Instr:
-    """The low 16 bits of the i32 at sp in every i16 lane."""
-    v = I("i32x4.splat", I("i32.load", c.materialize(sp, "i32")))
-    return I("i8x16.shuffle", *["0", "1"] * 8, v, v)
+    scale = I("i32.shr_s", I("i32.load", c.materialize(s, "i32")), I("i32.const", "16"))
+    return _plus_acc(c, acc, I("i32x4.mul", exact, I("i32x4.splat", scale)))
 
 
 def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7zs(acc, u, z, sp, a): acc + s * ((u - z).a) in lanes of four products, for codes u and
-    zeros z in [0, 127] and the integer scale s stored as an i32 at sp, within i16 (a sub-block's:
-    QuantFormat.sub_scales checks its range), so its low 16 bits are s: one v128.load16_splat (an
-    i16x8.splat of an i32.load ran Q6_K mat-vec at 0.6x, cranelift). The pairs u.a - z.a in i16 as in idot7z (each exact: at most 2 * 128 * 127), then s
-    rides the widening i16 dot in place of idot7z's ones: lane = s * (two pairs), at most
-    32768 * 2 * 32512 < 2^31 in magnitude, exact. An i32 multiply per 16 values (pmulld: slow on
-    x86) and the widening add go; a zero z (a constant 0) drops its relaxed dot."""
+    zeros z in [0, 127] and an integer scale s within i16 (a sub-block's: QuantFormat.sub_scales
+    checks its range), stored at sp as an i32 holding s in both i16 halves (SUB_SCALES), so its
+    32-bit splat is s in every i16 lane. The pairs u.a - z.a in i16 as in idot7z (each exact: at
+    most 2 * 128 * 127), then s rides the widening i16 dot in place of idot7z's ones: lane = s *
+    (two pairs), at most 32768 * 2 * 32512 < 2^31 in magnitude, exact. An i32 multiply per 16
+    values and idot7z's constant of ones go; a zero z (a constant 0) drops its relaxed dot."""
     acc, u, z, s, a, offset = _idot7zs_check(c, args)
     p1, p2 = c.reuse(a)
     pairs = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u))
     if not is_zero_vector(z):
         pairs = I("i16x8.sub", pairs, I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset), c.materialize(z)))
-    return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", pairs, _scale16(c, s)))
+    return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", pairs, I("i32x4.splat", I("i32.load", c.materialize(s, "i32")))))
 
 
 def _madd_check(c: Ctx, args: list[Val]) -> list[Val]:
