@@ -138,12 +138,15 @@ class Agreement:
     cos_min: float
     top1: float   # share of queries whose best sentence is the reference's
     top5: float   # mean share of the reference's top 5 found in the top 5
+    score_error: float  # mean |query . sentence score - the reference's| (what moves the top 5)
 
     def row(self, name: str) -> str:
-        return f"{name:<28} {self.cos_mean:9.6f} {self.cos_min:9.6f} {self.top1:6.0%} {self.top5:6.1%}"
+        return (f"{name:<34} {self.cos_mean:9.6f} {1 - self.cos_mean:9.2e} {self.cos_min:9.6f} {self.top1:6.0%}"
+                f" {self.top5:6.1%} {self.score_error:9.2e}")
 
 
-HEADER = f"{'embeddings':<28} {'cos mean':>9} {'cos min':>9} {'top-1':>6} {'top-5':>6}"
+HEADER = (f"{'embeddings':<34} {'cos mean':>9} {'1 - mean':>9} {'cos min':>9} {'top-1':>6} {'top-5':>6}"
+          f" {'score err':>9}")
 
 
 def agreement(reference: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> Agreement:
@@ -151,7 +154,9 @@ def agreement(reference: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, n
     (ref, ref_q), (got, got_q) = reference, got
     cos = np.concatenate([(ref * got).sum(1) / np.linalg.norm(got, axis=1),
                           (ref_q * got_q).sum(1) / np.linalg.norm(got_q, axis=1)])
-    top = lambda q, c: np.argsort(-(q @ c.T), axis=1, kind="stable")[:, :5]  # noqa: E731
-    r, g = top(ref_q, ref), top(got_q.astype(np.float64), got.astype(np.float64))
+    ref_scores, got_scores = ref_q @ ref.T, got_q.astype(np.float64) @ got.astype(np.float64).T
+    top = lambda scores: np.argsort(-scores, axis=1, kind="stable")[:, :5]  # noqa: E731
+    r, g = top(ref_scores), top(got_scores)
     overlap = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(r, g)])
-    return Agreement(float(cos.mean()), float(cos.min()), float(np.mean(r[:, 0] == g[:, 0])), float(overlap))
+    return Agreement(float(cos.mean()), float(cos.min()), float(np.mean(r[:, 0] == g[:, 0])), float(overlap),
+                     float(np.abs(got_scores - ref_scores).mean()))

@@ -3,6 +3,7 @@ and Q4_0 on each target and onnxruntime's int8 model, over the corpus and querie
 
     python tests/minilm_table.py            # the whole corpus (a few minutes: see minilm.py's note)
     python tests/minilm_table.py --why      # where kernelgen's top 5 differs from the reference's, and why
+    python tests/minilm_table.py --budget   # the error budget: Q8_0 at one place at a time (float64, ~2 min)
 
 --why lists each query whose top 5 differs, the sentences that swapped and the reference's scores
 around the cut (a near tie, or not), and splits Q8_0's error by source with float64 models that
@@ -16,6 +17,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -55,33 +57,42 @@ def peer_rows(ref: Embeddings, sentences: list[str], queries: list[str], quants:
 
 
 class QuantizedReference(BertReference):
-    """The float64 reference on the tensors the kernels run (minilm.prepare: the hidden channels in
-    channel_order, each linear layer's weights as their Q8_0 values, the query scale folded in) and,
-    with `act_max`, each linear layer's input rounded as quantize_act rounds it (per 32 values in the
-    prepared channel order, d = amax / act_max): the quantization errors of the kernels without their
-    float32 arithmetic. LayerNorm, attention and GELU do not see the channel order; the embedding is
-    put back in the model's order as minilm.py does."""
+    """The float64 reference on the tensors the kernels run (minilm.arrange: the hidden channels in
+    channel_order, the query scale folded in) with the weights of the linear layers named in `weights`
+    (minilm.LINEARS) replaced by their Q8_0 values (made by `quantize`, by default the model's:
+    minilm.QUANTIZERS) and, with `act_max`, the inputs of those named in `acts` rounded as
+    quantize_act rounds them (per 32 values in the prepared channel order, d = amax / act_max): the
+    quantization errors of the kernels without their float32 arithmetic, all of them or one source
+    at a time (--budget). LayerNorm, attention and GELU do not see the channel order; the embedding
+    is put back in the model's order as minilm.py does."""
 
-    def __init__(self, safetensors_file: Path, config: dict, act_max: int | None) -> None:
+    def __init__(self, safetensors_file: Path, config: dict, act_max: int | None,
+                 weights: tuple[str, ...] = minilm.LINEARS, acts: tuple[str, ...] = minilm.LINEARS,
+                 quantize: Callable[[np.ndarray], np.ndarray] = minilm.QUANTIZERS["q8_0"]) -> None:
         super().__init__(safetensors_file, config)
-        t = minilm.prepare(safetensors_file, config, "q8_0")
+        t = minilm.arrange(safetensors_file, config)
         f64 = lambda name: t[name].astype(np.float64)  # noqa: E731
-        q8 = lambda name: R.dequantize_q8_0(t[name]).astype(np.float64)  # noqa: E731
+        w = lambda i, kind: (R.dequantize_q8_0(quantize(t[f"{i}.{kind}.w"])).astype(np.float64)  # noqa: E731
+                             if kind in weights else f64(f"{i}.{kind}.w"))
         norm = lambda name: (f64(f"{name}.gamma"), f64(f"{name}.beta"))  # noqa: E731
         # attention divides the scores by sqrt(head size): undo the scale prepare folded into the queries
         unscale = math.sqrt(config["hidden_size"] // config["num_attention_heads"])
         self.order = t["order"]
         self.word, self.pos, self.type0, self.ln0 = f64("word"), f64("pos"), f64("type0"), norm("ln0")
         self.layers = []
+        self.kind: dict[int, str] = {}  # id of a weight matrix -> its linear layer's name (for `acts`)
         for i in range(config["num_hidden_layers"]):
-            (wq, wk, wv), (bq, bk, bv) = np.split(q8(f"{i}.qkv.w"), 3), np.split(f64(f"{i}.qkv.b"), 3)
-            self.layers.append(Layer(wq * unscale, bq * unscale, wk, bk, wv, bv, q8(f"{i}.out.w"), f64(f"{i}.out.b"),
-                                     norm(f"{i}.ln1"), q8(f"{i}.ffn1.w"), f64(f"{i}.ffn1.b"),
-                                     q8(f"{i}.ffn2.w"), f64(f"{i}.ffn2.b"), norm(f"{i}.ln2")))
+            (wq, wk, wv), (bq, bk, bv) = np.split(w(i, "qkv"), 3), np.split(f64(f"{i}.qkv.b"), 3)
+            L = Layer(wq * unscale, bq * unscale, wk, bk, wv, bv, w(i, "out"), f64(f"{i}.out.b"), norm(f"{i}.ln1"),
+                      w(i, "ffn1"), f64(f"{i}.ffn1.b"), w(i, "ffn2"), f64(f"{i}.ffn2.b"), norm(f"{i}.ln2"))
+            self.kind |= {id(L.wq): "qkv", id(L.wk): "qkv", id(L.wv): "qkv", id(L.wo): "out", id(L.w1): "ffn1",
+                          id(L.w2): "ffn2"}
+            self.layers.append(L)
         self.act_max = act_max
+        self.acts = acts
 
     def linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
-        if self.act_max is not None:
+        if self.act_max is not None and self.kind[id(w)] in self.acts:
             q, d = R.quantize_act(x.astype(np.float32), self.act_max, 0)
             x = (q.reshape(-1, 32).astype(np.float64) * d[:, None].astype(np.float64)).reshape(x.shape)
         return BertReference.linear(x, w, b)
@@ -126,10 +137,37 @@ def why(sentences: list[str], queries: list[str]) -> None:
         print("\n".join(top5_differences(ref, e, queries, sentences)) or "  none")
 
 
+def budget(sentences: list[str], queries: list[str]) -> None:
+    """The error budget: float64 models with Q8_0 inserted at one place at a time - the weights of
+    one kind of linear layer, or its int8 inputs - then all weights, then everything, with llama.cpp's
+    amax / 127 scales and with the model's searched ones (minilm.quantize_q8_0_searched); beside
+    them the kernels themselves and onnxruntime int8. The sources add up: the sum of the one-place
+    rows' 1 - cos is close to the all-sources row's."""
+    ref = reference_embeddings(sentences, queries)
+    # Each row's model is made when its row is computed (one float64 model at a time: ~0.2 GB each).
+    model = lambda **kw: lambda: (lambda m: lambda b: m.embed(b.ids, b.mask))(  # noqa: E731
+        QuantizedReference(inputs.safetensors_path(), inputs.config(), 127, **kw))
+    none: tuple[str, ...] = ()
+    rows = {}
+    for scales, quantize in (("amax", R.quantize_q8_0), ("searched", minilm.quantize_q8_0_searched)):
+        for kind in minilm.LINEARS:
+            rows[f"{scales}: {kind} weights"] = model(weights=(kind,), acts=none, quantize=quantize)
+    for kind in minilm.LINEARS:
+        rows[f"{kind} int8 inputs"] = model(weights=none, acts=(kind,))
+    for scales, quantize in (("amax", R.quantize_q8_0), ("searched", minilm.quantize_q8_0_searched)):
+        rows[f"{scales}: all weights"] = model(acts=none, quantize=quantize)
+        rows[f"{scales}: all weights, all inputs"] = model(quantize=quantize)
+    rows |= {f"kernelgen {t} q8_0": (lambda t=t: minilm.load_model(t).embed) for t in TARGETS}
+    rows["onnxruntime int8"] = lambda: onnx_embedder(inputs.onnx_path())
+    print(HEADER)
+    for name, make in rows.items():
+        print(agreement(ref, embed_both(make(), sentences, queries)).row(name), flush=True)
+
+
 def main() -> None:
     sentences, queries = inputs.corpus()
-    if sys.argv[1:] == ["--why"]:
-        why(sentences, queries)
+    if sys.argv[1:] in (["--why"], ["--budget"]):
+        (why if sys.argv[1] == "--why" else budget)(sentences, queries)
         return
     t0 = time.perf_counter()
     ref = reference_embeddings(sentences, queries)

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernelgen import reference
+
 from helpers import CHROMIUM, NODE, NODE_FLAGS, need
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +117,34 @@ def test_prepare_only_reorders_the_hidden_channels() -> None:
     ffn2 = np.ascontiguousarray(w["encoder.layer.3.output.dense.weight"][order])
     np.testing.assert_array_equal(t["3.ffn1.w"].view(np.uint8), minilm.QUANTIZERS["q8_0"](ffn1).view(np.uint8))
     np.testing.assert_array_equal(t["3.ffn2.w"].view(np.uint8), minilm.QUANTIZERS["q8_0"](ffn2).view(np.uint8))
+
+
+def test_searched_q8_0_is_gguf_q8_0_and_never_worse_than_amax_scales() -> None:
+    """minilm.quantize_q8_0_searched makes llama.cpp's Q8_0 blocks (the gguf package dequantizes
+    them to what the kernels read), and for every block its squared error is at most that of
+    llama.cpp's amax / 127 scale (reference.quantize_q8_0), and clearly less overall. Adversarial
+    blocks: all zeros, one outlier, a constant, values whose scale is an f16 subnormal, -amax only."""
+    import gguf  # a test dependency (pyproject.toml: test extra)
+
+    import minilm
+
+    rng = np.random.default_rng(15)
+    x = (rng.standard_normal((6, 256)) * rng.uniform(1e-3, 3, (6, 1))).astype(np.float32)
+    x[0, :32] = 0                               # d = 0
+    x[0, 32:64] = 1e-3; x[0, 40] = 0.5          # one outlier  # noqa: E702
+    x[0, 64:96] = -0.25                         # a constant
+    x[0, 96:128] *= np.float32(1e-6)            # d below f16's normal range
+    x[0, 128:160] = -np.abs(x[0, 128:160])      # the largest magnitude is negative
+    blocks = minilm.quantize_q8_0_searched(x)
+    assert blocks.dtype == reference.Q8_0 and blocks.shape == (6, 8)
+    assert np.abs(blocks["qs"].astype(np.int32)).max() <= 127
+    got = gguf.quants.dequantize(blocks.view(np.uint8).reshape(6, -1), gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(got, reference.dequantize_q8_0(blocks))
+    assert not got[0, :32].any() and np.all(np.isfinite(got))
+    error = lambda b: ((reference.dequantize_q8_0(b).astype(np.float64) - x) ** 2).reshape(6, 8, 32).sum(-1)  # noqa: E731
+    searched, amax = error(blocks), error(reference.quantize_q8_0(x))
+    assert np.all(searched <= amax * (1 + 1e-5) + 1e-30), (searched / amax).min()
+    assert searched.sum() < 0.9 * amax.sum(), searched.sum() / amax.sum()
 
 
 def test_tokenizer_pads_batches_to_the_longest() -> None:
