@@ -572,21 +572,29 @@ def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(code, "i32x4")
 
 
-def _idot7p_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, int]:
-    """(acc, u0, u1, a, offset) of idot7p(acc, u0, u1, ptr, offset)."""
-    if len(args) not in (4, 5):
-        raise c.error(f"idot7p(acc, u0, u1, ptr, offset) takes 4 or 5 arguments, got {len(args)}")
-    acc, u0, u1, a = args[:4]
-    _need(c, acc, "i32x4", "idot7p's accumulator")
-    _need(c, u0, "i8x16", "idot7p's first codes")
-    _need(c, u1, "i8x16", "idot7p's second codes")
-    _need(c, a, "i32", "idot7p's activation address")
-    return acc, u0, u1, a, _offset(c, args, 4, "idot7p")
+def _dot_args(c: Ctx, args: list[Val], op: str, params: tuple[tuple[str, str, str], ...]) -> list:
+    """The arguments of op(p1, .., pn, ptr, offset) checked against params ((name, type, role) of
+    each before the offset, which is optional: 0), then the offset: what idot7p, idot7z and idot7zs
+    take alike."""
+    n = len(params)
+    if len(args) not in (n, n + 1):
+        names = ", ".join(name for name, _, _ in params)
+        raise c.error(f"{op}({names}, offset) takes {n} or {n + 1} arguments, got {len(args)}")
+    for v, (_, want, role) in zip(args, params):
+        _need(c, v, want, f"{op}'s {role}")
+    return [*args[:n], _offset(c, args, n, op)]
+
+
+_IDOT7P = (("acc", "i32x4", "accumulator"), ("u0", "i8x16", "first codes"), ("u1", "i8x16", "second codes"),
+           ("ptr", "i32", "activation address"))
+_IDOT7Z = (("acc", "i32x4", "accumulator"), ("u", "i8x16", "codes"), ("z", "i8x16", "zeros"),
+           ("ptr", "i32", "activation address"))
+_IDOT7ZS = (*_IDOT7Z[:3], ("s", "i32", "scale address"), _IDOT7Z[3])
 
 
 def _idot7p_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7p on SIMD128: idot7 of each 16."""
-    acc, u0, u1, a, offset = _idot7p_check(c, args)
+    acc, u0, u1, a, offset = _dot_args(c, args, "idot7p", _IDOT7P)
     p1, p2 = c.reuse(a)
     first = _idot_simd128(c, q, [acc, u0, Val(p1, "i32"), Val(None, T.INT_LIT, offset)])
     return _idot_simd128(c, q, [first, u1, Val(p2, "i32"), Val(None, T.INT_LIT, offset + 16)])
@@ -599,28 +607,16 @@ def _idot7p_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     in i16 (at most 4 * 64 * 127 = 32512 < 32767: exact), then one widening add. Five operations
     (pmaddubsw twice, paddw, pmaddwd, paddd on x86) where idot7 twice takes six. Lane i holds the
     same products as idot7 twice, so the float order over lanes (qstep1) is unchanged."""
-    acc, u0, u1, a, offset = _idot7p_check(c, args)
+    acc, u0, u1, a, offset = _dot_args(c, args, "idot7p", _IDOT7P)
     p1, p2 = c.reuse(a)
     d0 = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u0))
     d1 = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset + 16), c.materialize(u1))
     return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.add", d0, d1)))
 
 
-def _idot7z_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, int]:
-    """(acc, u, z, a, offset) of idot7z(acc, u, z, ptr, offset)."""
-    if len(args) not in (4, 5):
-        raise c.error(f"idot7z(acc, u, z, ptr, offset) takes 4 or 5 arguments, got {len(args)}")
-    acc, u, z, a = args[:4]
-    _need(c, acc, "i32x4", "idot7z's accumulator")
-    _need(c, u, "i8x16", "idot7z's codes")
-    _need(c, z, "i8x16", "idot7z's zeros")
-    _need(c, a, "i32", "idot7z's activation address")
-    return acc, u, z, a, _offset(c, args, 4, "idot7z")
-
-
 def _idot7z_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7z on SIMD128: the i16 dot of the values u - z."""
-    acc, u, z, a, offset = _idot7z_check(c, args)
+    acc, u, z, a, offset = _dot_args(c, args, "idot7z", _IDOT7Z)
     w = Val(I("i8x16.sub", c.materialize(u), c.materialize(z)), "i8x16")
     return _idot_i16(c, [acc, w, a, Val(None, T.INT_LIT, offset)], SIMD128_ACT)
 
@@ -631,29 +627,16 @@ def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     pair at most 2 * 128 * 127 in magnitude), subtracted in i16 (the true pair sum of (u - z) * a is
     at most 2 * 128 * 127 too, so the wrapping subtraction is exact), then widened: five operations
     where idot7 twice and a subtraction take seven."""
-    acc, u, z, a, offset = _idot7z_check(c, args)
+    acc, u, z, a, offset = _dot_args(c, args, "idot7z", _IDOT7Z)
     p1, p2 = c.reuse(a)
     dot_u = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u))
     dot_z = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset), c.materialize(z))
     return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z)))
 
 
-def _idot7zs_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, Val, Val, int]:
-    """(acc, u, z, s, a, offset) of idot7zs(acc, u, z, s, ptr, offset)."""
-    if len(args) not in (5, 6):
-        raise c.error(f"idot7zs(acc, u, z, s, ptr, offset) takes 5 or 6 arguments, got {len(args)}")
-    acc, u, z, s, a = args[:5]
-    _need(c, acc, "i32x4", "idot7zs's accumulator")
-    _need(c, u, "i8x16", "idot7zs's codes")
-    _need(c, z, "i8x16", "idot7zs's zeros")
-    _need(c, s, "i32", "idot7zs's scale address")
-    _need(c, a, "i32", "idot7zs's activation address")
-    return acc, u, z, s, a, _offset(c, args, 5, "idot7zs")
-
-
 def _idot7zs_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7zs on SIMD128: idot7z's dot made exact (>> DOT_SHIFT), times the scale, plus acc."""
-    acc, u, z, s, a, offset = _idot7zs_check(c, args)
+    acc, u, z, s, a, offset = _dot_args(c, args, "idot7zs", _IDOT7ZS)
     dot = _idot7z_simd128(c, q, [Val(I("v128.const", "i32x4", *["0"] * 4), "i32x4"), u, z, a,
                                  Val(None, T.INT_LIT, offset)])
     exact = I("i32x4.shr_s", c.materialize(dot), I("i32.const", str(SIMD128_ACT["DOT_SHIFT"])))
@@ -669,7 +652,7 @@ def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     most 2 * 128 * 127), then s rides the widening i16 dot in place of idot7z's ones: lane = s *
     (two pairs), at most 32768 * 2 * 32512 < 2^31 in magnitude, exact. An i32 multiply per 16
     values and idot7z's constant of ones go; a zero z (a constant 0) drops its relaxed dot."""
-    acc, u, z, s, a, offset = _idot7zs_check(c, args)
+    acc, u, z, s, a, offset = _dot_args(c, args, "idot7zs", _IDOT7ZS)
     p1, p2 = c.reuse(a)
     pairs = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u))
     if not is_zero_vector(z):
