@@ -435,6 +435,20 @@ def test_build_uses_the_stores_best_for_the_tune_host(checked) -> None:
     assert b.manifest["tune"]["source"]["qmatvec"] == "default" and b.manifest["tune"]["host"] == HOST_B
 
 
+def test_host_names_the_cpu_features_and_timings_keep_to_them(checked) -> None:
+    """Two CPUs that report the same model name (this project's machines all say "AMD EPYC", one with
+    AVX2 only, one with AVX-512 VNNI) are two hosts: one's timings never pick the other's variants."""
+    me = S.host()
+    assert set(me) == {"cpu", "isa", "cores", "wasmtime", "wabt"}
+    assert me["isa"] == [f for f in S.ISA_FLAGS if f in me["isa"]]  # known flags, in one order
+    twin = {**me, "isa": [*me["isa"], "avx512_vnni"] if "avx512_vnni" not in me["isa"] else []}
+    records = _dot_records(checked, twin, best=4) + _dot_records(checked, me, best=2)
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records)
+    assert b.manifest["tune"]["values"]["dot_f32"] == {"unroll": 2} and b.manifest["tune"]["host"] == me
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records[:3])
+    assert b.manifest["tune"]["source"]["dot_f32"] == "default" and b.manifest["tune"]["host"] is None
+
+
 def test_build_falls_back_to_defaults_for_another_host_or_target(checked) -> None:
     records = _dot_records(checked, HOST_A, best=4)
     for target, host in (("simd128", HOST_B), ("relaxed-simd", HOST_A)):
@@ -827,7 +841,9 @@ def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Rep
 def test_bench_table_names_every_ratio_by_printed_rows(fake_report: Report) -> None:
     text = format_table(fake_report)
     lines = text.splitlines()
-    assert lines[0] == "rows: time per call (median of 3 runs [min .. max])"
+    assert lines[0].startswith(f"machine: {fake_report.machine['cpu']} [") and " cores, wasmtime " in lines[0]
+    assert "load average " in lines[0] and lines[1] == ""
+    assert lines[2] == "rows: time per call (median of 3 runs [min .. max])"
     slow = next(line for line in lines if line.lstrip().startswith("slow 8x8"))
     assert "3.000 ms" in slow and "[2.000 ms .. 4.000 ms]" in slow and "21.33 k weights/s" in slow
     printed = {(r.key, r.target) for r in fake_report.rows}
@@ -845,6 +861,7 @@ def test_bench_table_names_every_ratio_by_printed_rows(fake_report: Report) -> N
 def test_bench_json_has_every_sample(fake_report: Report) -> None:
     back = json.loads(json.dumps(as_json(fake_report)))
     assert back["repeat"] == 3
+    assert {**back["machine"], "load": None} == {**S.host(), "load": None} and len(back["machine"]["load"]) == 2
     slow = next(r for r in back["rows"] if r["key"] == "slow 8x8")
     assert slow["samples"] == [2e-3, 4e-3, 3e-3] and slow["median"] == 3e-3 and slow["unit"] == "weights"
     assert [q["met"] for q in back["ratios"]] == [True, None]

@@ -21,6 +21,7 @@ names its Node timing with `node`. `plot` draws the mat-vec rows as a roofline c
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -39,7 +40,7 @@ from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
-from .store import Record
+from .store import Record, host
 from .v8 import NODE_FLAGS, node_path
 from .peer import SeedPeer
 from .budget import CODE_BUDGET
@@ -535,6 +536,10 @@ class Report:
     ratios: list[RatioRow]
     limits: list[LimitRow]
     repeat: int
+    # What ran it (store.host(): CPU model and ISA features, cores, versions; "node": V8's version when
+    # Node ran) and the 1-minute load average before and after: on a shared machine whose CPU changes
+    # between sessions, a figure means nothing without them.
+    machine: dict = field(default_factory=dict)
 
 
 def _targets_of(case: Case, targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -555,6 +560,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     cases = CASES if cases is None else cases
     ratios = RATIOS if ratios is None else ratios
     limits = LIMITS if limits is None else limits
+    machine = {**host(), "load": [round(os.getloadavg()[0], 2)]}
     bench = Bench(source, targets, records)
     wasm_targets = targets if "wasmtime" in engines else ()
     node_targets = tuple(t + NODE for t in targets) if "node" in engines else ()
@@ -578,7 +584,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
                     k.reset()
         for t in node_targets:
             progress(f"run {i + 1}/{repeat}: the mat-vec and GEMM cases in {t}")
-            times = node_timings(bench.built[t.removesuffix(NODE)], [c.node for c in node_cases])[1]
+            machine["node"], times = node_timings(bench.built[t.removesuffix(NODE)], [c.node for c in node_cases])
             for c in node_cases:
                 rows[(c.key, t)].value.samples.append(times[c.node])
         progress(f"run {i + 1}/{repeat}: build")
@@ -608,7 +614,8 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
         for t in (sorted({t for key, t in rows if key == lim.of}) if lim.target == EVERY else (lim.target,)):
             if t in benched:
                 out_limits.append(LimitRow(_row(rows, lim.of, t), lim.at_most))
-    return Report(list(rows.values()), out_ratios, out_limits, repeat)
+    machine["load"].append(round(os.getloadavg()[0], 2))
+    return Report(list(rows.values()), out_ratios, out_limits, repeat, machine)
 
 
 def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tuple[str, dict[NodeKey, float]]:
@@ -686,7 +693,7 @@ def format_table(report: Report) -> str:
     n = report.repeat
     med = "median of " + str(n) + " runs [min .. max]" if n > 1 else "one run"
     w = max(len(r.key) for r in report.rows) + 2 if report.rows else 20
-    lines = [f"rows: time per call ({med})", f"  {'row':{w}}{'target':14}{'value':>12}  {'spread':28}{'rate':>18}"]
+    lines = [*_machine_lines(report.machine), f"rows: time per call ({med})", f"  {'row':{w}}{'target':14}{'value':>12}  {'spread':28}{'rate':>18}"]
     for r in report.rows:
         rate = "" if r.figure else _rate(r.work / r.value.median, r.unit)
         lines.append(f"  {r.key:{w}}{r.target:14}{_value(r, r.value.median):>12}  "
@@ -704,6 +711,16 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _machine_lines(m: dict) -> list[str]:
+    """One line naming the machine and its load, and a blank one, when the report knows them."""
+    if not m:
+        return []
+    what = f"{m['cpu']} [{' '.join(m['isa']) or 'no SIMD flags read'}], {m['cores']} cores, wasmtime {m['wasmtime']}"
+    node = f", node {m['node']}" if "node" in m else ""
+    load = " -> ".join(f"{x:.2f}" for x in m.get("load", []))
+    return [f"machine: {what}{node}; load average {load}", ""]
+
+
 def _name(row: Row) -> str:
     return f"{row.key} [{row.target}]"
 
@@ -718,6 +735,7 @@ def as_json(report: Report) -> dict:
         return {"samples": c.samples, "min": c.min, "median": c.median, "max": c.max}
     return {
         "repeat": report.repeat,
+        "machine": report.machine,
         "rows": [{**{k: v for k, v in asdict(r).items() if k != "value"}, **cell(r.value)} for r in report.rows],
         "ratios": [{"row": q.row.key, "target": q.row.target, "versus": q.versus.key,
                     "versus_target": q.versus.target, **cell(q.value), "at_least": q.at_least, "met": q.met}

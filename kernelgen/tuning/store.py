@@ -1,6 +1,6 @@
 """The tuning store: a JSON-lines file of timings, keyed by what a timing depends on (kernel, a
-hash of the DSL the kernel is built from, target, shape, host CPU and core count, wasmtime and
-wabt versions), and the rule that picks a variant from it for `kernelgen build`.
+hash of the DSL the kernel is built from, target, shape, host CPU (model and ISA features) and core
+count, wasmtime and wabt versions), and the rule that picks a variant from it for `kernelgen build`.
 
 A line that is not a record of this format (corrupt, foreign, from a future format) is skipped with
 a StoreWarning naming its file and line, never a crash; so is a record whose tune values the kernel
@@ -41,17 +41,28 @@ class StoreWarning(UserWarning):
 # ---- keys ----------------------------------------------------------------------------------------
 
 
+# The CPU features that change how wasm engines lower SIMD128 and relaxed SIMD (V8 and cranelift
+# pick pmaddubsw, vpdpbusd or vpdpbssd for the relaxed dot, AVX or SSE encodings, FMA for relaxed
+# madd; ARM's sdot and i8mm). A model name alone does not tell them apart: this project's machines
+# have all reported "AMD EPYC", once with AVX2 only and once with AVX-512 VNNI, and timings from one
+# must not pick the other's variants.
+ISA_FLAGS = ("sse4_1", "ssse3", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+             "avx_vnni_int8", "asimd", "asimddp", "i8mm")
+
+
 def host() -> dict[str, object]:
-    """The machine a timing belongs to."""
-    model = platform.processor() or platform.machine()
+    """The machine a timing belongs to: CPU model, the ISA_FLAGS it has, cores, engine versions."""
+    info: dict[str, str] = {}  # the first processor's lines of /proc/cpuinfo (Linux)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            name, _, value = line.partition(":")
+            info.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count() or 1, "wasmtime": wasmtime_version(), "wabt": wabt_version()}
+    model = info.get("model name") or platform.processor() or platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count() or 1,
+            "wasmtime": wasmtime_version(), "wabt": wabt_version()}
 
 
 def wasmtime_version() -> str:
