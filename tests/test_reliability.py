@@ -360,8 +360,9 @@ def test_store_records_outside_the_domain_are_skipped_with_one_line_warnings(tmp
     me = S.host()
 
     def rec(kernel: str, tune: dict, when: float) -> str:
-        r = S.Record(kernel, "q8_0" if kernel == "qmatvec" else None, "simd128", "64x64", S.kernel_hash(checked, kernel),
-                     me, tune, 1e-6, "ok", when=when)
+        quant = "q8_0" if kernel == "qmatvec" else None
+        r = S.Record(kernel, quant, "simd128", "64x64", S.kernel_hash(checked, kernel, quant), me, tune, 1e-6, "ok",
+                     when=when)
         return json.dumps(r.stored())
     store = tmp_path / "store.jsonl"
     store.write_text("\n".join([

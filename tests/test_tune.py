@@ -81,7 +81,7 @@ def rec(checked, tune: dict, seconds: float | None, shape: str = "256", *, when:
     """A hand-made record for the current DSL (unless dsl_hash says otherwise)."""
     if status is None:
         status = "ok" if seconds is not None else "failed: trapped (test)"
-    return Record(kernel, quant, target, shape, dsl_hash or kernel_hash(checked, kernel), dict(host), dict(tune),
+    return Record(kernel, quant, target, shape, dsl_hash or kernel_hash(checked, kernel, quant), dict(host), dict(tune),
                   seconds, status, retimed, when)
 
 
@@ -386,6 +386,9 @@ def test_kernel_hash_changes_with_what_the_kernel_calls() -> None:
     quant = edit(SOURCE, "    unpack nib(qs, i);", "    unpack nib(qs, i) + 0;")  # q4_1
     for k in ("qmatvec", "qmatmul"):  # generic kernels are built for every quant type
         assert _hash(quant, k) != _hash(SOURCE, k), k
+        # ... and their code for one type reads that type's declaration only
+        assert kernel_hash(checked_of(quant), k, "q4_1") != kernel_hash(checked_of(SOURCE), k, "q4_1"), k
+        assert kernel_hash(checked_of(quant), k, "q8_0") == kernel_hash(checked_of(SOURCE), k, "q8_0"), k
     internal = edit(SOURCE, "    let slab = (r1 - r0) / NR;", "    let slab = (r1 - r0) / NR;  # rows per slab")
     assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qtiles (internal)
     assert _hash(internal, "dot_f32") == _hash(SOURCE, "dot_f32")
@@ -399,6 +402,23 @@ def test_kernel_hash_follows_a_const_defined_from_another_const() -> None:
                  "const BASE: f32 = 1.44269504088896341;\nconst LOG2E: f32 = BASE;")
     changed = edit(split, "const BASE: f32 = 1.44269504088896341;", "const BASE: f32 = 1.5;")
     assert _hash(changed, "exp_f32") != _hash(split, "exp_f32")
+
+
+def test_declaring_a_quant_type_keeps_every_other_types_tunings(checked) -> None:
+    """A new type changes no record's key: each type's timings of a generic kernel (and of its pool
+    job) are keyed by that type's declaration, and the build still picks them."""
+    added = SOURCE + "\nquant q4_0b {\n    block 32;\n    field d: f16;\n    field qs: u8[16];\n" \
+                     "    unpack nib(qs, i) - 8;\n    dequant d * q;\n}\n"
+    new = checked_of(added)
+    for k in ("qmatvec", "qmatmul", "qmatvec_job"):
+        assert kernel_hash(new, k, "q8_0") == kernel_hash(checked, k, "q8_0"), k
+        assert kernel_hash(new, k) != kernel_hash(checked, k), k  # (all types: what no record is keyed by)
+    records = [rec(checked, {"rows": r, "accs": 1}, t, "256x4096", kernel="qmatvec", quant="q8_0")
+               for r, t in ((1, 2e-3), (4, 1e-3))]
+    (b,) = compile_source(added, targets=("simd128",), records=records, tune_host=HOST_A, code_budget=None)
+    assert b.manifest["tune"]["values"]["qmatvec_q8_0"] == {"rows": 4, "accs": 1}
+    values = b.manifest["tune"]["values"]  # the new type, not timed, takes the kernel's: the smallest variant
+    assert "qmatvec_q4_0b" not in values and values["qmatvec"] == {"rows": 1, "accs": 1}
 
 
 def test_kernel_hash_of_a_non_quant_kernel_ignores_quant_types() -> None:

@@ -70,10 +70,12 @@ def wasmtime_version() -> str:
     return version("wasmtime")
 
 
-def kernel_hash(checked: Checked, kernel: str) -> str:
+def kernel_hash(checked: Checked, kernel: str, quant: str | None = None) -> str:
     """sha256 of the source a kernel is built from: its declaration, every kernel it calls, the
     consts and quant types it can reach. Editing an unrelated kernel keeps its tunings valid. A pool
-    job is built from its exported kernel, so it has that kernel's hash."""
+    job is built from its exported kernel, so it has that kernel's hash. A generic kernel's code for
+    one quant type reads that type's declaration only: with `quant`, the hash leaves the other types
+    out, so declaring a new type (or editing one) keeps every other type's tunings."""
     lines = checked.source.splitlines()
     seen: set[str] = set()
     todo = [checked.jobs[kernel].name if kernel in checked.jobs else kernel]
@@ -91,7 +93,7 @@ def kernel_hash(checked: Checked, kernel: str) -> str:
         texts.append("\n".join(lines[decl.span.line - 1:decl.span.end_line]))
         todo.extend(A.names_in(decl))  # a kernel's callees and consts, a const's own consts
         if node is not None and any(g.kind == "quant" for g in node.generics):
-            todo.extend(q.name for q in checked.program.quants)
+            todo.extend(q.name for q in checked.program.quants if quant in (None, q.name))
     return hashlib.sha256("\n\0".join(sorted(texts)).encode()).hexdigest()
 
 
@@ -176,11 +178,11 @@ def usable(records: list[Record], checked: Checked) -> list[Record]:
     range. Each other record for a kernel as `checked` declares it (same kernel_hash: the records a
     build would use) is skipped with a StoreWarning naming its line."""
     out = []
-    hash_of = functools.cache(lambda kernel: kernel_hash(checked, kernel))  # 1-2 ms each, once per kernel
+    hash_of = functools.cache(functools.partial(kernel_hash, checked))  # 1-2 ms each, once per kernel and type
     for r in records:
         job = r.kernel in checked.jobs
         k = checked.jobs.get(r.kernel) or checked.kernels.get(r.kernel)
-        if k is not None and r.dsl_hash != hash_of(r.kernel):
+        if k is not None and r.dsl_hash != hash_of(r.kernel, r.quant):
             k = None  # another version of the kernel: best_tune ignores it anyway
         problem = None
         if k is not None and job:
@@ -238,12 +240,12 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     wasmtime and in V8 counts once per engine: the pick serves Python hosts and browsers alike),
     counting only variants timed on every shape. The latest timing of a (variant, shape) wins
     (re-timings replace first timings). 1.0 is the fastest; empty when nothing matches."""
-    h = kernel_hash(checked, kernel)
+    hash_of = functools.cache(functools.partial(kernel_hash, checked, kernel))
     hk = json.dumps(want_host, sort_keys=True)
     latest: dict[tuple[str, str], float] = {}
     for r in sorted(records, key=lambda r: r.when):
-        if (r.kernel, r.target, r.dsl_hash) == (kernel, target, h) and json.dumps(r.host, sort_keys=True) == hk \
-                and quant in (ALL_QUANTS, r.quant):
+        if (r.kernel, r.target) == (kernel, target) and quant in (ALL_QUANTS, r.quant) \
+                and json.dumps(r.host, sort_keys=True) == hk and r.dsl_hash == hash_of(r.quant):
             key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}:{r.engine}")
             if r.seconds is not None and r.status == "ok":
                 latest[key] = r.seconds

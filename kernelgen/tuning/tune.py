@@ -290,10 +290,10 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     me = host()
     engines = engine_names(engine)
     stored = load_store(store)
-    hash_of = functools.cache(lambda kernel: kernel_hash(checked, kernel))  # 1-2 ms each: once per kernel
+    hash_of = functools.cache(functools.partial(kernel_hash, checked))  # 1-2 ms each: once per kernel and type
     done = set() if remeasure else {
         (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine)
-        for r in stored if r.host == me and r.dsl_hash == hash_of(r.kernel)}
+        for r in stored if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant)}
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     plans: list[tuple[str, Plan]] = []
     for target in targets:
@@ -331,7 +331,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             print(f"\r[{i}/{len(plans)}] {target} {name} {shape}{where} ...".ljust(79), end="", file=out, flush=True)
             seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine,
                                        records=stored + new)
-            rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel), me, p.tune, seconds, status,
+            rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel, p.quant), me, p.tune, seconds, status,
                          engine=p.engine)
             append_record(store, rec)
             new.append(rec)
