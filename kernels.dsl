@@ -42,6 +42,18 @@ quant q4_1 {
     dequant d * q + m;
 }
 
+# Q5_0: Q4_0 with a fifth bit per value in a 32-bit mask: value d * (q - 16), q in 0..31. llama.cpp
+# quantizes a Q4_K tensor whose rows are not a multiple of 256 values to Q5_0 instead (most tensors
+# of the small models run in browsers: 576-, 896-, 960-wide rows), so a Q4_K_M file holds it.
+quant q5_0 {
+    block 32;
+    field d: f16;
+    field qh: u8[4];
+    field qs: u8[16];
+    unpack (nib(qs, i) | (bit(qh, i) << 4)) - 16;
+    dequant d * q;
+}
+
 # Q5_1: Q4_1 with a fifth bit per value in a 32-bit mask: value d * q + m, q in 0..31 (packed for
 # the kernels as bytes: QuantFormat.reencoded).
 quant q5_1 {

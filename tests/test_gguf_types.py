@@ -1,4 +1,4 @@
-"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_1, IQ4_NL, MXFP4) as declared in
+"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) as declared in
 kernels.dsl, against llama.cpp's own definitions in the `gguf` package: the dequantization derived
 from each declaration equals gguf.quants.dequantize bit for bit, and every dot and mat-vec (both
 targets, relaxed determinism on and off, threaded and not) equals float64 dequantize(W) @ act up to
@@ -18,9 +18,9 @@ from kernelgen.host.api import Act, Kernels
 from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, same_as_deterministic,
                      unit_scale_qmatvec_and_qdots)
 
-GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
+GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
         "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}
-NEW = ("q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k")
+NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
     return quantize(x, GGUF[quant]).view(q.dtype)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
 def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     q = quants[quant]
     rng = rng_for("gguf-quantized", quant)
@@ -257,8 +257,9 @@ def unit_blocks(quant: str, q, k: int) -> np.ndarray:
             b["d"] = 1.0
         if quant == "mxfp4":
             b["e"] = 128  # 2^0
-        if quant == "q5_1":
+        if quant in ("q5_0", "q5_1"):
             b["qh"] = rng.integers(0, 256, (nb, 4)) if pattern == "random" else (0xFF if pattern == "hi" else 0)
+        if quant == "q5_1":
             b["m"] = -16.0
         rows.append(b)
     codes = np.arange(16, dtype=np.uint8)  # and one row with every code at both nibbles
@@ -300,7 +301,7 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     same_as_deterministic(mode, kgen, None, run, outs)
 
 
-@pytest.mark.parametrize("quant", ["q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k"])
 def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
     """A NaN or infinite f16 scale (d; the K-quants' super-block d) makes gguf's dequantized block
     non-finite; the kernels' row is then NaN (NaN scale) or not finite (infinite scale), and the
@@ -400,6 +401,40 @@ def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
         assert_q_close(km.qmatvec(w, act), ref, mag, f"{name} qmatvec")
 
 
+def test_load_gguf_of_a_q4_k_m_file_of_a_576_wide_model(kernels, tmp_path):
+    """A Q4_K_M file as llama.cpp writes one for a small model (SmolLM2-135M's widths: hidden 576,
+    FFN 1536): Q4_K and Q6_K where a row is a multiple of 256 values (the FFN's down projection), and
+    their fallbacks elsewhere, Q5_0 for Q4_K and Q8_0 for Q6_K; F32 norms. Every tensor loads and
+    its mat-vec matches gguf's dequantization."""
+    rng = rng_for("gguf-q4_k_m")
+
+    def x(rows: int, k: int) -> np.ndarray:
+        return (rng.standard_normal((rows, k)) * rng.uniform(0.02, 0.2, (rows, 1))).astype(np.float32)
+
+    def raw(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(np.uint8).reshape(b.shape[0], -1)
+
+    tensors = {"token_embd.weight": (quantize(x(16, 576), G.Q8_0), G.Q8_0),
+               "blk.0.attn_norm.weight": (x(1, 576)[0], None),
+               "blk.0.attn_q.weight": (quantize(x(9, 576), G.Q5_0), G.Q5_0),
+               "blk.0.attn_v.weight": (quantize(x(3, 576), G.Q8_0), G.Q8_0),
+               "blk.0.ffn_up.weight": (quantize(x(24, 576), G.Q5_0), G.Q5_0),
+               "blk.0.ffn_down.weight": (raw(reference.quantize_q6_k(x(9, 1536))), G.Q6_K),
+               "blk.1.ffn_down.weight": (raw(reference.quantize_k(x(9, 1536), 4)), G.Q4_K)}
+    write_gguf(tmp_path / "smol-q4_k_m.gguf", tensors)
+    loaded = formats.load_gguf(kernels, tmp_path / "smol-q4_k_m.gguf")
+    assert list(loaded) == list(tensors)
+    assert_bitwise_equal(loaded["blk.0.attn_norm.weight"], tensors["blk.0.attn_norm.weight"][0], "F32 norm")
+    acts = {k: kernels.quantize_act(rng.standard_normal(k).astype(np.float32)) for k in (576, 1536)}
+    for name, (data, qtype) in tensors.items():
+        if qtype is None:
+            continue
+        quant, w = qtype.name.lower(), loaded[name]
+        assert (w.quant, w.rows, w.k) == (quant, data.shape[0], 1536 if "ffn_down" in name else 576)
+        ref, mag = f64_reference(kernels, quant, data.view(kernels.quants[quant].dtype), acts[w.k])
+        assert_q_close(kernels.qmatvec(w, acts[w.k]), ref, mag, f"{name} ({qtype.name}) qmatvec")
+
+
 def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_path):
     rng = rng_for("gguf-file-q6k")
     tensors = gguf_tensors(rng, 2, 256)
@@ -407,7 +442,7 @@ def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_
     write_gguf(tmp_path / "q3.gguf", {**tensors, "output.q3_k": (q3_k, G.Q3_K)})
     top = kernels.module.in_use()
     with pytest.raises(ValueError, match=r"tensor 'output.q3_k' has type Q3_K, which this build does not support "
-                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4\)"):
+                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4\)"):
         formats.load_gguf(kernels, tmp_path / "q3.gguf")
     assert kernels.module.in_use() == top
 
