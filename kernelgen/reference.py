@@ -88,34 +88,83 @@ def _split_nibbles(q: np.ndarray) -> np.ndarray:
     return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
 
 
-def quantize_q4_0(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference Q4_0: d = (the value of largest magnitude) / -8,
-    q = min(15, trunc(x / d + 8.5)); value d * (q - 8)."""
+def _quantize_offset(x: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's reference rule of Q4_0 (half = 8) and Q5_0 (half = 16), per block of 32:
+    d = (the value of largest magnitude) / -half, q = min(2 half - 1, trunc(x / d + half + 0.5));
+    value d * (q - half). Returns d (f32) and q (int32)."""
     xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
     idx = np.abs(xb).argmax(axis=-1)
     vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
-    d = vmax / np.float32(-8)
+    d = vmax / np.float32(-half)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.minimum(15, np.trunc(xb * inv[..., None] + np.float32(8.5)).astype(np.int32))
-    out = np.empty(xb.shape[:-1], Q4_0)
+    return d, np.minimum(2 * half - 1, np.trunc(xb * inv[..., None] + np.float32(half + 0.5)).astype(np.int32))
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q4_0 (_quantize_offset with 16 levels)."""
+    d, q = _quantize_offset(x, 8)
+    out = np.empty(d.shape, Q4_0)
     out["d"] = d.astype(np.float16)
     out["qs"] = _split_nibbles(q)
     return out
 
 
-def quantize_q4_1(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference Q4_1: m = min, d = (max - min) / 15, q = min(15, trunc((x - m) / d + 0.5))."""
+Q5_0 = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q5_0 (_quantize_offset with 32 levels): the low four bits of each value as
+    Q4_0's nibbles, the fifth bit of element j as bit j of the little-endian 32-bit qh."""
+    d, q = _quantize_offset(x, 16)
+    out = np.empty(d.shape, Q5_0)
+    out["d"] = d.astype(np.float16)
+    out["qh"] = _fifth_bits(q)
+    out["qs"] = _split_nibbles(q & 15)
+    return out
+
+
+def _quantize_min(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's reference rule of Q4_1 (16 levels) and Q5_1 (32), per block of 32: m = min,
+    d = (max - min) / (levels - 1), q = trunc((x - m) / d + 0.5), as the C code's byte (Q4_1 clamps
+    it to 15; Q5_1 keeps its low five bits). Returns d, m (f32) and q (int32)."""
     xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
     lo, hi = xb.min(axis=-1), xb.max(axis=-1)
-    d = (hi - lo) / np.float32(15)
+    d = (hi - lo) / np.float32(levels - 1)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.minimum(15, np.trunc((xb - lo[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32))
-    out = np.empty(xb.shape[:-1], Q4_1)
+    q = np.trunc((xb - lo[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32)
+    return d, lo, np.minimum(15, q) if levels == 16 else q & 31
+
+
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q4_1 (_quantize_min with 16 levels); value d * q + m."""
+    d, m, q = _quantize_min(x, 16)
+    out = np.empty(d.shape, Q4_1)
     out["d"] = d.astype(np.float16)
-    out["m"] = lo.astype(np.float16)
+    out["m"] = m.astype(np.float16)
     out["qs"] = _split_nibbles(q)
+    return out
+
+
+Q5_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
+
+
+def _fifth_bits(q: np.ndarray) -> np.ndarray:
+    """Bit 4 of each of a block's 32 values (0..31) as Q5_0's and Q5_1's qh: bit j of the
+    little-endian 32-bit word for element j."""
+    qh = np.bitwise_or.reduce((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32), axis=-1)
+    return qh.astype("<u4")[..., None].view(np.uint8)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q5_1 (_quantize_min with 32 levels); value d * q + m."""
+    d, m, q = _quantize_min(x, 32)
+    out = np.empty(d.shape, Q5_1)
+    out["d"] = d.astype(np.float16)
+    out["m"] = m.astype(np.float16)
+    out["qh"] = _fifth_bits(q)
+    out["qs"] = _split_nibbles(q & 15)
     return out
 
 

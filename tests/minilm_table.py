@@ -171,7 +171,7 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     ref = reference_embeddings(sentences, queries)
-    rows = peer_rows(ref, sentences, queries, tuple(minilm.QUANTIZERS))
+    rows = peer_rows(ref, sentences, queries, ("q8_0", "q4_k_m", "q4_0"))
     tokens = int(inputs.tokenize(sentences).lengths.sum() + inputs.tokenize(queries).lengths.sum())
     print(f"{len(sentences)} sentences, {len(queries)} queries, {tokens} tokens; {time.perf_counter() - t0:.0f} s")
     print(HEADER)

@@ -218,6 +218,29 @@ def test_kernelgen_q8_0_embeddings_match_the_reference(reference_embeddings, cor
             assert row.top1 >= 0.98 and row.top5 >= 0.9, f"{name}: retrieval\n{table}"
 
 
+def test_kernelgen_q4_k_m_takes_llama_cpps_types_and_embeds_near_the_reference(reference_embeddings, corpus) -> None:
+    """--quant q4_k_m gives each linear layer the type llama.cpp's Q4_K_M would (fused QKV Q5_K, FFN2
+    Q6_K in layers 2 and 5 of 6, else Q4_K; 384-value rows take its fallbacks Q5_0 and Q5_1), and the
+    model embeds the subset on both targets near the float64 reference (whole corpus, one run: cos
+    mean 0.99286, min 0.9663, top-1 100%, top-5 95.2%; Q4_0 0.97364, 0.8694, 100%, 87.6%)."""
+    import minilm
+    import minilm_table
+
+    types = minilm.linear_types("q4_k_m", inputs.config())
+    assert [types[f"{i}.ffn2"] for i in range(6)] == ["q4_k", "q4_k", "q6_k", "q4_k", "q4_k", "q6_k"]
+    assert {types[f"{i}.{n}"] for i in range(6) for n in ("out", "ffn1")} == {"q5_0"}
+    assert {types[f"{i}.qkv"] for i in range(6)} == {"q5_1"}
+    sentences, queries = corpus
+    si, qi = subset(reference_embeddings, corpus)
+    ref = (reference_embeddings[0][si], reference_embeddings[1][qi])
+    rows = minilm_table.peer_rows(ref, [sentences[i] for i in si], [queries[i] for i in qi], ("q4_k_m",))
+    table = "\n".join([minilm_table.HEADER, *(row.row(name) for name, row in rows.items())])
+    print(table)
+    for target in minilm_table.TARGETS:
+        row = rows[f"kernelgen {target} q4_k_m"]
+        assert row.cos_mean >= 0.99 and row.cos_min >= 0.95 and row.top1 >= 0.9, f"{target}\n{table}"
+
+
 def test_why_models_what_runs(minilm_reference, corpus) -> None:
     """minilm_table.py --why splits kernelgen's error by source with float64 models of the prepared
     model (minilm.prepare: its channel order, Q8_0 weights, int8 activations per 32 prepared
@@ -259,29 +282,33 @@ def test_kernelgen_embeddings_threaded_equal_one_thread(corpus) -> None:
 
 # ---- the JS model (examples/minilm/minilm.mjs) on kernelgen's JS runtime --------------------------
 
-def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+def test_js_model_gives_pythons_bits(tmp_path, corpus, quant) -> None:
     """Node and headless Chromium run the exported model (export.py -> minilm.mjs) to the same bits as
     wasmtime under Python, on both targets, on one thread and through a two-thread pool; a batch of
-    unequal lengths (the padding exists only in pooling) and token ids passed from the host."""
+    unequal lengths (the padding exists only in pooling) and token ids passed from the host. The
+    Q4_K_M mix (a type per layer, from the file's metadata) on Node's pool and Chromium's one thread."""
     need_parts()
     need_browser()
     import export
     import minilm
 
-    model_file = tmp_path / "minilm-q8_0.safetensors"
-    export.export(model_file, "q8_0")
+    model_file = tmp_path / f"minilm-{quant}.safetensors"
+    export.export(model_file, quant)
     batch = inputs.tokenize(["Wow.", corpus[0][3], max(corpus[0], key=len)])
     ids_file = tmp_path / "ids.json"
     ids_file.write_text(json.dumps([row[:n].tolist() for row, n in zip(batch.ids, batch.lengths)]))
     script = ROOT / "examples" / "minilm" / "embed.mjs"
     for target in ("simd128", "relaxed-simd"):
-        model = minilm.load_model(target)
+        model = minilm.load_model(target, quant)
         try:
             expected = model.embed(batch)
         finally:
             model.k.reset()
         np.testing.assert_allclose(np.linalg.norm(expected, axis=1), 1, rtol=1e-5)
-        for where, threads in (("node", 1), ("node", 2), ("chromium", 1), ("chromium", 2)):
+        runs = (("node", 1), ("node", 2), ("chromium", 1), ("chromium", 2)) if quant == "q8_0" else \
+            (("node", 2), ("chromium", 1))
+        for where, threads in runs:
             out = tmp_path / f"{target}-{where}-{threads}.bin"
             proc = subprocess.run([NODE, *NODE_FLAGS, str(script), str(model_file), str(ids_file), str(out),
                                    "--target", target, "--threads", str(threads),
@@ -296,7 +323,8 @@ def test_js_model_gives_pythons_bits(tmp_path, corpus) -> None:
 
 def test_js_model_reads_pythons_threading_rule(tmp_path) -> None:
     """One MIN_POOL_TOKENS for both hosts: the JS model reads minilm.py's value from export.py's
-    file (settings in minilm.mjs), and refuses a file without it rather than guessing."""
+    file (settings in minilm.mjs), and refuses a file without it rather than guessing; the linear
+    layers' quant types likewise (linearTypes)."""
     need_parts()
     need(NODE, "node is not installed")
     import export
@@ -306,18 +334,26 @@ def test_js_model_reads_pythons_threading_rule(tmp_path) -> None:
     export.export(model_file, "q8_0")
     script = """
 const { readFileSync } = await import('node:fs');
-const { readSafetensors, settings } = await import(process.argv[1]);
+const { readSafetensors, settings, linearTypes } = await import(process.argv[1]);
 const { metadata } = readSafetensors(new Uint8Array(readFileSync(process.argv[2])));
 console.log(JSON.stringify(settings(metadata)));
 const { min_pool_tokens, ...without } = metadata;
 try { settings(without); } catch (e) { console.log(e.message); }
+console.log(JSON.stringify(linearTypes(metadata)));
+for (const types of [undefined, '[1]', '{"0.qkv": 8}']) {
+  try { linearTypes({ ...metadata, types }); } catch (e) { console.log(e.message); }
+}
 """
     proc = subprocess.run([NODE, "--input-type=module", "-e", script, (ROOT / "examples" / "minilm" / "minilm.mjs").as_uri(),
                            str(model_file)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    figures, refusal = proc.stdout.splitlines()
+    figures, refusal, types, *bad_types = proc.stdout.splitlines()
     assert json.loads(figures)["minPoolTokens"] == minilm.MIN_POOL_TOKENS
     assert "no number min_pool_tokens" in refusal
+    assert json.loads(types) == minilm.linear_types("q8_0", inputs.config())  # and the layer types likewise
+    assert bad_types == ["MiniLM: the file's metadata has no linear layer types (re-export it with export.py)",
+                         *["MiniLM: the file's linear layer types are not a map of names to quant types "
+                           "(re-export it with export.py)"] * 2]
 
 
 # Text the corpus does not have: accents (composed and combining), CJK, other scripts, punctuation of

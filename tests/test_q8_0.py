@@ -512,13 +512,14 @@ def _gguf_rows(rng: np.random.Generator) -> np.ndarray:
                           ).astype(np.float32)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_reference_quantizers_are_byte_identical_to_gguf(quant):
     """reference.quantize_* equal the gguf package's quantizers (llama.cpp's, C roundf) byte for byte,
     on tie values as well as random data."""
     import gguf  # a test dependency (pyproject.toml: test extra)
     x = _gguf_rows(np.random.default_rng(11))
-    ours = {"q8_0": reference.quantize_q8_0, "q4_0": reference.quantize_q4_0, "q4_1": reference.quantize_q4_1}[quant](x)
+    ours = {"q8_0": reference.quantize_q8_0, "q4_0": reference.quantize_q4_0, "q4_1": reference.quantize_q4_1,
+            "q5_0": reference.quantize_q5_0, "q5_1": reference.quantize_q5_1}[quant](x)
     theirs = gguf.quants.quantize(x, getattr(gguf.GGMLQuantizationType, quant.upper()))
     assert ours.view(np.uint8).reshape(theirs.shape).tobytes() == theirs.tobytes()
 

@@ -56,13 +56,27 @@ export function settings(metadata) {
   };
 }
 
+/** Each linear layer's quant type ("{layer}.{linear}" -> type) from the file's metadata (export.py
+ * writes it: one type for all, or a mix such as Q4_K_M's). A file without it is refused. */
+export function linearTypes(metadata) {
+  let types;
+  try {
+    types = JSON.parse(metadata.types);
+  } catch {
+    throw new RangeError('MiniLM: the file\'s metadata has no linear layer types (re-export it with export.py)');
+  }
+  if (types === null || typeof types !== 'object' || !Object.values(types).every((t) => typeof t === 'string')) {
+    throw new RangeError('MiniLM: the file\'s linear layer types are not a map of names to quant types (re-export it with export.py)');
+  }
+  return types;
+}
+
 export class MiniLM {
   /** Pack export.py's file (a Uint8Array) into kernels `k`. */
   static async load(k, bytes) {
     const { metadata, tensors } = readSafetensors(bytes);
     const { layers: count, ...figures } = settings(metadata);
-    const spec = k.manifest.quants[metadata.quant];
-    if (!spec) throw new RangeError(`MiniLM: the file's quant ${metadata.quant} is not in this build`);
+    const types = linearTypes(metadata);
     const get = (name) => {
       if (!(name in tensors)) throw new RangeError(`MiniLM: the file has no tensor ${name}`);
       return tensors[name];
@@ -72,7 +86,11 @@ export class MiniLM {
     const held = (name) => k.hold(f32(name));
     const linear = async (name) => {
       const { shape: [rows, bytesPerRow], data } = get(`${name}.w`);
-      return { w: await k.pack(metadata.quant, data, rows, (bytesPerRow / spec.stored_bytes) * spec.block), b: await held(`${name}.b`) };
+      if (!(name in types)) throw new RangeError(`MiniLM: the file's metadata gives no quant type for ${name}`);
+      const quant = types[name];
+      const spec = k.manifest.quants[quant];
+      if (!spec) throw new RangeError(`MiniLM: the file's ${name} is ${quant}, which is not in this build`);
+      return { w: await k.pack(quant, data, rows, (bytesPerRow / spec.stored_bytes) * spec.block), b: await held(`${name}.b`) };
     };
     const norm = async (name) => [await held(`${name}.gamma`), await held(`${name}.beta`)];
     const layers = [];

@@ -21,8 +21,9 @@ per-token qmatvec, so the results did not change when they moved to it). Attenti
 attention_f32 call per layer for the whole batch: it reads each head's q, k and v where the QKV
 projection left them (row stride 3 * 384) and gives one job per (sentence, head) to the pool. Only
 the real tokens of each sentence are computed; the padding exists only in the pooling step, where
-the mask keeps it out. The K-quants (Q4_K, Q5_K) do not fit this model: their super-blocks are 256
-values and most of its rows are 384.
+the mask keeps it out. `--quant q4_k_m` quantizes as llama.cpp's Q4_K_M would (q4_k_m): the K-quants'
+super-blocks are 256 values and most of this model's rows 384, so most layers take the fallback types
+Q5_0 and Q5_1, and only the FFN's down projection (rows of 1536) Q4_K and Q6_K.
 """
 from __future__ import annotations
 
@@ -108,11 +109,45 @@ def quantize_q8_0_searched(x: np.ndarray) -> np.ndarray:
     return out
 
 
-# The linear layers' quant types: the quantizer that makes each one's stored blocks.
-QUANTIZERS = {"q8_0": quantize_q8_0_searched, "q4_0": reference.quantize_q4_0}
+# The linear layers' quant types: the quantizer that makes each one's stored blocks (llama.cpp's
+# reference quantizers, byte for byte, but Q8_0's searched scales and the K-quants' simple schemes).
+QUANTIZERS = {"q8_0": quantize_q8_0_searched, "q4_0": reference.quantize_q4_0, "q5_0": reference.quantize_q5_0,
+              "q5_1": reference.quantize_q5_1, "q4_k": lambda x: reference.quantize_k(x, 4),
+              "q6_k": reference.quantize_q6_k}
 
 # The linear layers of each encoder layer, by the names prepare gives them.
 LINEARS = ("qkv", "out", "ffn1", "ffn2")
+
+
+def q4_k_m(layer: int, name: str, k: int, layers: int) -> str:
+    """The type llama.cpp's Q4_K_M gives one of this model's linear layers (llama_tensor_get_type in
+    llama-quant.cpp): Q4_K; a fused QKV matrix Q5_K; the FFN's down projection (ffn2) Q6_K in the
+    layers its use_more_bits picks (the first and last eighth, every third between: 2 and 5 of 6);
+    and where a row of `k` values is not a multiple of 256, the type it writes instead, Q5_0 for
+    Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K. Here: QKV Q5_1, the attention output and FFN1 Q5_0 (rows of
+    384), FFN2 Q6_K or Q4_K (rows of 1536): what `llama-quantize ... Q4_K_M` makes of a BERT with
+    fused QKV, with this project's quantizers (QUANTIZERS) in place of llama.cpp's."""
+    more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    kind = {"qkv": "q5_k", "ffn2": "q6_k" if more else "q4_k"}.get(name, "q4_k")
+    return kind if k % 256 == 0 else {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}[kind]
+
+
+# Quant mixes: a type per linear layer, chosen as a quantizer program would.
+MIXES = {"q4_k_m": q4_k_m}
+# What `quant` may name: a type of 32-value blocks for every layer (the K-quants' 256 divide only
+# FFN2's rows), or a mix.
+QUANTS = (*(q for q in QUANTIZERS if not q.endswith("_k")), *MIXES)
+
+
+def linear_types(quant: str, config: dict) -> dict[str, str]:
+    """Each linear layer's quant type ("{layer}.{linear}" -> a QUANTIZERS key): `quant` itself, or
+    a mix's choice from the layer's index, kind and row length."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    layers = config["num_hidden_layers"]
+    k = lambda name: config["intermediate_size"] if name == "ffn2" else config["hidden_size"]  # noqa: E731
+    return {f"{i}.{name}": quant if quant in QUANTIZERS else MIXES[quant](i, name, k(name), layers)
+            for i in range(layers) for name in LINEARS}
 
 
 def channel_order(w: dict[str, np.ndarray], layers: int) -> np.ndarray:
@@ -168,12 +203,11 @@ def arrange(safetensors_file: Path, config: dict) -> dict[str, np.ndarray]:
 
 
 def prepare(safetensors_file: Path, config: dict, quant: str = "q8_0") -> dict[str, np.ndarray]:
-    """arrange's tensors with each linear layer's weights as stored `quant` blocks (structured, rows x
-    blocks; QUANTIZERS[quant] makes them). The Python model packs these, and export.py writes them for
-    the JS model (minilm.mjs)."""
-    if quant not in QUANTIZERS:
-        raise ValueError(f"quant must be one of {', '.join(QUANTIZERS)}, got {quant!r}")
-    return {name: QUANTIZERS[quant](a) if name.endswith(".w") else a
+    """arrange's tensors with each linear layer's weights as stored blocks of its linear_types type
+    (structured, rows x blocks; QUANTIZERS makes them). The Python model packs these, and export.py
+    writes them for the JS model (minilm.mjs)."""
+    types = linear_types(quant, config)
+    return {name: QUANTIZERS[types[name.removesuffix(".w")]](a) if name.endswith(".w") else a
             for name, a in arrange(safetensors_file, config).items()}
 
 
@@ -189,7 +223,9 @@ class MiniLM:
         self.eps: float = config["layer_norm_eps"]
         self.word, self.pos, self.type0, self.order = t["word"], t["pos"], t["type0"], t["order"]
         self.ln0 = (t["ln0.gamma"], t["ln0.beta"])
-        linear = lambda i, name: Linear(self.k.pack(quant, t[f"{i}.{name}.w"]), t[f"{i}.{name}.b"])  # noqa: E731
+        self.types = linear_types(quant, config)
+        linear = lambda i, name: Linear(self.k.pack(self.types[f"{i}.{name}"], t[f"{i}.{name}.w"]),  # noqa: E731
+                                        t[f"{i}.{name}.b"])
         norm = lambda i, name: (t[f"{i}.{name}.gamma"], t[f"{i}.{name}.beta"])  # noqa: E731
         self.layers = [EncoderLayer(linear(i, "qkv"), linear(i, "out"), norm(i, "ln1"), linear(i, "ffn1"),
                                     linear(i, "ffn2"), norm(i, "ln2"))
@@ -233,7 +269,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sentences", nargs="+")
     ap.add_argument("--target", default="relaxed-simd", choices=("simd128", "relaxed-simd"))
-    ap.add_argument("--quant", default="q8_0", choices=tuple(QUANTIZERS))
+    ap.add_argument("--quant", default="q8_0", choices=QUANTS)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     model = load_model(args.target, args.quant)
