@@ -192,16 +192,44 @@ Q4_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", 
 Q5_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)), ("qs", "u1", (128,))])
 
 
+def _fit_step_min(xs: np.ndarray, top: int, tries: int = 21) -> tuple[np.ndarray, np.ndarray]:
+    """Per sub-block xs[..., n]: the step s > 0 and minimum m >= 0 of a grid s * q - m, q in 0..top,
+    with the least squared error weighted by rms(x) + |x| (large values count more), among the
+    plain grid over [min(x, 0), max(x)] and `tries` grids of top - 1 + 0.1 t steps over that span,
+    each refitted by weighted least squares for its codes (m clamped to 0 when the fit wants it
+    negative). This is the search llama.cpp's Q4_K/Q5_K quantizer does (make_qkx2_quants: the
+    same weights, steps and clamp), written from that description."""
+    x = xs.astype(np.float64)
+    w = np.sqrt((x ** 2).mean(-1, keepdims=True)) + np.abs(x)
+    lo = np.minimum(x.min(-1), 0)
+    span = x.max(-1) - lo
+    sw, swx = w.sum(-1), (w * x).sum(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = lambda steps: np.clip(np.rint((x - lo[..., None]) * np.where(span > 0, steps / span, 0)[..., None]), 0, top)  # noqa: E731
+        error = lambda s, m, q: (w * (s[..., None] * q - m[..., None] - x) ** 2).sum(-1)  # noqa: E731
+        step, low = np.where(span > 0, span / top, 0), -lo
+        best = error(step, low, codes(np.float64(top)))
+        for t in range(tries):
+            q = codes(np.float64(top - 1 + 0.1 * t))
+            swq, swqq, swxq = (w * q).sum(-1), (w * q * q).sum(-1), (w * x * q).sum(-1)
+            det = sw * swqq - swq * swq
+            s, m = (sw * swxq - swx * swq) / det, (swq * swxq - swqq * swx) / det
+            s, m = np.where(m < 0, swxq / swqq, s), np.maximum(m, 0)
+            e = error(s, m, q)
+            better = (det > 0) & (s > 0) & (e < best)
+            step, low, best = np.where(better, s, step), np.where(better, m, low), np.where(better, e, best)
+    return step.astype(np.float32), low.astype(np.float32)
+
+
 def quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
-    """A simple valid Q4_K (bits 4) or Q5_K (bits 5) quantizer (not llama.cpp's, which searches
-    scales and minimums): per sub-block of 32, minimum m = max(0, -min) and step (max + m) /
-    (2^bits - 1); the super-block's d and dmin are the largest step and minimum over 63, each
-    sub-block's 6-bit scale and minimum the nearest multiples of them, and each value the nearest
-    code of the stored (f16) scales, clamped to 0 .. 2^bits - 1. Layouts are llama.cpp's."""
+    """Q4_K (bits 4) or Q5_K (bits 5), llama.cpp's layouts: per sub-block of 32, the step and
+    minimum of _fit_step_min; the super-block's d and dmin the largest step and minimum over 63,
+    each sub-block's 6-bit scale and minimum the nearest multiples of them, and each value the
+    nearest code of the stored (f16) scales, clamped to 0 .. 2^bits - 1. (Not llama.cpp's bytes:
+    its rounding and the refit of the 6-bit scales differ.)"""
     top = (1 << bits) - 1
     xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 8, 32))
-    mins = np.maximum(0, -xs.min(axis=-1))
-    steps = (xs.max(axis=-1) + mins) / np.float32(top)
+    steps, mins = _fit_step_min(xs, top)
     d = (steps.max(axis=-1) / np.float32(63)).astype(np.float16)
     dmin = (mins.max(axis=-1) / np.float32(63)).astype(np.float16)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -225,15 +253,37 @@ def quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
 Q6_K = np.dtype([("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)), ("d", "<f2")])
 
 
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """A simple valid Q6_K quantizer (not llama.cpp's, which searches scales): per sub-block of 16,
-    step amax / 31; d the largest step over 127 (f16); each sub-block's int8 scale the nearest
-    multiple of d; values the nearest of the stored scale, clamped to -32..31. Layout llama.cpp's."""
-    xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 16, 16))
-    steps = np.abs(xs).max(axis=-1) / np.float32(31)
-    d = (steps.max(axis=-1) / np.float32(127)).astype(np.float16)
+def _fit_signed_step(xs: np.ndarray, half: int, tries: int = 19) -> np.ndarray:
+    """Per sub-block xs[..., n]: the step s (either sign) of a grid s * q, q in -half..half - 1, with
+    the least squared error weighted by x^2, among grids that put the value of largest magnitude at
+    -(half + 0.1 t) steps for t in -(tries // 2)..tries // 2 (the grid's one extra negative code
+    goes to the largest value's side), each refitted by weighted least squares for its codes. This
+    is the search llama.cpp's Q6_K quantizer does (make_qx_quants), written from that description."""
+    x = xs.astype(np.float64)
+    w = x * x
+    big = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)
+    step, best = np.zeros(x.shape[:-1]), (w * x * x).sum(-1)  # all codes 0: the error of nothing
     with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(0, 127).astype(np.int8)
+        for t in range(-(tries // 2), tries // 2 + 1):
+            q = np.clip(np.nan_to_num(np.rint(x * (-(half + 0.1 * t) / big))), -half, half - 1)
+            swqq = (w * q * q).sum(-1)
+            s = np.where(swqq > 0, (w * x * q).sum(-1) / swqq, 0)
+            e = (w * (s[..., None] * q - x) ** 2).sum(-1)
+            better = e < best
+            step, best = np.where(better, s, step), np.where(better, e, best)
+    return step.astype(np.float32)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K, llama.cpp's layout: per sub-block of 16, the step of _fit_signed_step; d the largest
+    step's magnitude over 127 (f16); each sub-block's int8 scale the nearest multiple of d; values
+    the nearest of the stored scale, clamped to -32..31. (Not llama.cpp's bytes: it maps the
+    largest scale to -128 and rounds otherwise.)"""
+    xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 16, 16))
+    steps = _fit_signed_step(xs, 32)
+    d = (np.abs(steps).max(axis=-1) / np.float32(127)).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(-127, 127).astype(np.int8)
         scale = d.astype(np.float32)[..., None] * sc
         q = np.nan_to_num(np.rint(xs / scale[..., None])).clip(-32, 31).astype(np.int32) + 32
     q = q.reshape(xs.shape[:-2] + (2, 4, 32))  # half of 128, quarter, element

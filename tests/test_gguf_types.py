@@ -105,6 +105,20 @@ def test_reference_k_quantizer_error_is_within_a_step(bits):
     assert np.all(np.abs(got - x).reshape(6, -1, 256) <= amax / 2 ** (bits - 1))
 
 
+@pytest.mark.parametrize("quant, before, bound", [("q4_k", 0.0785, 0.073), ("q5_k", 0.0382, 0.0365),
+                                                  ("q6_k", 0.0194, 0.0180)])
+def test_reference_k_quantizers_search_their_scales(quant, before, bound):
+    """The K-quant reference quantizers fit each sub-block's scale (and minimum) by a weighted search,
+    as llama.cpp's do: on Gaussian rows their relative RMS error (gguf's dequantization against x)
+    is below `bound`, where the plain grids over each sub-block's range gave `before` (measured,
+    same data): 0.0719, 0.0360, 0.0178 now."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 4096)) * rng.uniform(0.01, 1, (64, 1))).astype(np.float32)
+    b = quantized_blocks(quant, None, x)
+    err = gguf_dequant(quant, b) - x
+    assert np.sqrt((err ** 2).mean() / (x ** 2).mean()) < bound < before
+
+
 def test_reference_iq4_nl_picks_the_nearest_entry():
     x = np.linspace(-1, 1, 32, dtype=np.float32)[None, :]
     b = reference.quantize_iq4_nl(x)
