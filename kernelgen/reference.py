@@ -101,71 +101,56 @@ def _quantize_offset(x: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
     return d, np.minimum(2 * half - 1, np.trunc(xb * inv[..., None] + np.float32(half + 0.5)).astype(np.int32))
 
 
-def quantize_q4_0(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference Q4_0 (_quantize_offset with 16 levels)."""
-    d, q = _quantize_offset(x, 8)
-    out = np.empty(d.shape, Q4_0)
-    out["d"] = d.astype(np.float16)
-    out["qs"] = _split_nibbles(q)
-    return out
-
-
-Q5_0 = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
-
-
-def quantize_q5_0(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference Q5_0 (_quantize_offset with 32 levels): the low four bits of each value as
-    Q4_0's nibbles, the fifth bit of element j as bit j of the little-endian 32-bit qh."""
-    d, q = _quantize_offset(x, 16)
-    out = np.empty(d.shape, Q5_0)
-    out["d"] = d.astype(np.float16)
-    out["qh"] = _fifth_bits(q)
-    out["qs"] = _split_nibbles(q & 15)
-    return out
-
-
 def _quantize_min(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """llama.cpp's reference rule of Q4_1 (16 levels) and Q5_1 (32), per block of 32: m = min,
     d = (max - min) / (levels - 1), q = trunc((x - m) / d + 0.5), as the C code's byte (Q4_1 clamps
-    it to 15; Q5_1 keeps its low five bits). Returns d, m (f32) and q (int32)."""
+    it to 15; Q5_1 keeps its low five bits). Returns d, q (int32) and m (f32)."""
     xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
     lo, hi = xb.min(axis=-1), xb.max(axis=-1)
     d = (hi - lo) / np.float32(levels - 1)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.trunc((xb - lo[..., None]) * inv[..., None] + np.float32(0.5)).astype(np.int32)
-    return d, lo, np.minimum(15, q) if levels == 16 else q & 31
+    return d, np.minimum(15, q) if levels == 16 else q & 31, lo
 
 
-def quantize_q4_1(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference Q4_1 (_quantize_min with 16 levels); value d * q + m."""
-    d, m, q = _quantize_min(x, 16)
-    out = np.empty(d.shape, Q4_1)
-    out["d"] = d.astype(np.float16)
-    out["m"] = m.astype(np.float16)
-    out["qs"] = _split_nibbles(q)
-    return out
-
-
+Q5_0 = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
 Q5_1 = np.dtype([("d", "<f2"), ("m", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (16,))])
 
 
-def _fifth_bits(q: np.ndarray) -> np.ndarray:
-    """Bit 4 of each of a block's 32 values (0..31) as Q5_0's and Q5_1's qh: bit j of the
-    little-endian 32-bit word for element j."""
-    qh = np.bitwise_or.reduce((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32), axis=-1)
-    return qh.astype("<u4")[..., None].view(np.uint8)
+def _flat_blocks(dtype: np.dtype, d: np.ndarray, q: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """Q4_0, Q4_1, Q5_0 or Q5_1 blocks from each block's d (and m) and 32 codes q: the low four bits
+    as nibbles (_split_nibbles), the fifth, where the type has qh, as bit j of its little-endian
+    32-bit word for element j."""
+    out = np.empty(d.shape, dtype)
+    out["d"] = d.astype(np.float16)
+    if m is not None:
+        out["m"] = m.astype(np.float16)
+    if "qh" in dtype.names:
+        qh = np.bitwise_or.reduce((q >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32), axis=-1)
+        out["qh"] = qh.astype("<u4")[..., None].view(np.uint8)
+    out["qs"] = _split_nibbles(q & 15)
+    return out
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q4_0 (_quantize_offset, 16 levels); value d * (q - 8)."""
+    return _flat_blocks(Q4_0, *_quantize_offset(x, 8))
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q5_0 (_quantize_offset, 32 levels); value d * (q - 16)."""
+    return _flat_blocks(Q5_0, *_quantize_offset(x, 16))
+
+
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference Q4_1 (_quantize_min, 16 levels); value d * q + m."""
+    return _flat_blocks(Q4_1, *_quantize_min(x, 16))
 
 
 def quantize_q5_1(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference Q5_1 (_quantize_min with 32 levels); value d * q + m."""
-    d, m, q = _quantize_min(x, 32)
-    out = np.empty(d.shape, Q5_1)
-    out["d"] = d.astype(np.float16)
-    out["m"] = m.astype(np.float16)
-    out["qh"] = _fifth_bits(q)
-    out["qs"] = _split_nibbles(q & 15)
-    return out
+    """llama.cpp's reference Q5_1 (_quantize_min, 32 levels); value d * q + m."""
+    return _flat_blocks(Q5_1, *_quantize_min(x, 32))
 
 
 IQ4_NL = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
