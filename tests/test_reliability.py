@@ -227,7 +227,7 @@ def test_integer_arguments_are_checked_and_numpy_integers_accepted() -> None:
         print("done")
     """)
     assert "rope_table pos0: 4294967296 is outside 0..2147483643" in out
-    assert "dot_f32__unroll4 argument 2: 1099511627776 is outside" in out and "takes 3 arguments" in out
+    assert re.search(r"dot_f32__unroll\d argument 2: 1099511627776 is outside", out) and "takes 3 arguments" in out  # (the tuned variant)
     assert "alloc nbytes: expected an integer, got float 10.5" in out
     assert out.strip().endswith("done")
 
