@@ -1374,6 +1374,29 @@ def test_build_keeps_the_quant_code_within_the_budget(checked) -> None:
     assert fitted > smallest_code
 
 
+def test_build_keeps_the_budget_when_qmatmul_takes_qmatvecs_accs(checked) -> None:
+    """qmatmul's tiles take qmatvec's accs without its name saying so, so a type whose qmatvec pick
+    has accs 2 builds qmatmul code the budget's costs (by function name) did not count: the build
+    checks the bytes it made and drops picks until they fit, at every budget from the smallest
+    variants' bytes to all picks'."""
+    records = [rec(checked, tune, seconds, "256x4096", kernel="qmatvec", quant=q, target="relaxed-simd")
+               for q, fast in (("q8_0", {"rows": 1, "accs": 2}), ("q4_1", {"rows": 1, "accs": 2}),
+                               ("q4_0", {"rows": 4, "accs": 1}))
+               for tune, seconds in (({"rows": 1, "accs": 1}, 1.0), (fast, 0.5))]
+
+    def build(budget: int | None) -> tuple[dict, int]:
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), records=records, tune_host=HOST_A,
+                              code_budget=budget)
+        return b.manifest, size.sizes(b).figures()[size.QUANT_CODE]
+
+    free, used = build(None)
+    least, smallest_code = build(1)
+    assert used > smallest_code and free["tune"]["values"]["qmatvec_q8_0"] == {"rows": 1, "accs": 2}
+    for budget in range(smallest_code, used, max(1, (used - smallest_code) // 6)):
+        manifest, fitted = build(budget)
+        assert fitted <= budget, (budget, fitted, manifest["tune"]["budget"])
+
+
 def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
     store = tmp_path / "store.jsonl"
     for r in _qmatvec_records(checked, {"q8_0": 1.5}):
