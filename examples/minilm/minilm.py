@@ -110,7 +110,8 @@ def quantize_q8_0_searched(x: np.ndarray) -> np.ndarray:
 
 
 # The linear layers' quant types: the quantizer that makes each one's stored blocks (llama.cpp's
-# reference quantizers, byte for byte, but Q8_0's searched scales and the K-quants' simple schemes).
+# reference quantizers byte for byte, but for Q8_0's searched scales and the K-quants, whose scale
+# search follows llama.cpp's without its bytes: kernelgen.reference).
 QUANTIZERS = {"q8_0": quantize_q8_0_searched, "q4_0": reference.quantize_q4_0, "q5_0": reference.quantize_q5_0,
               "q5_1": reference.quantize_q5_1, "q4_k": lambda x: reference.quantize_k(x, 4),
               "q6_k": reference.quantize_q6_k}

@@ -717,7 +717,7 @@ def _machine_lines(m: dict) -> list[str]:
     if not m:
         return []
     what = f"{m['cpu']} [{' '.join(m['isa']) or 'no SIMD flags read'}], {m['cores']} cores, wasmtime {m['wasmtime']}"
-    node = f", node {m['node']}" if "node" in m else ""
+    node = f", {m['node']}" if "node" in m else ""  # node_timings' engine: "node <version> (V8 <version>)"
     load = " -> ".join(f"{x:.2f}" for x in m.get("load", []))
     return [f"machine: {what}{node}; load average {load}", ""]
 
