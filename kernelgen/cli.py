@@ -125,7 +125,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.tune_host_from is not None and tune_host is None:
         store = None  # that build used no tunings: neither does this one
     budget = None if args.no_code_budget else args.code_budget
-    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory, budget)
+    quants = tuple(dict.fromkeys(args.quant)) if args.quant else None
+    built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory,
+                           budget, quants)
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
         if dropped := b.manifest["tune"].get("budget", {}).get("dropped"):
@@ -284,6 +286,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"bytes of quant-type code per target the store's picks may take (default {CODE_BUDGET}: issue 13's"
                         " goal); over it, the picks with the least speed per byte take the smallest variant")
     b.add_argument("--no-code-budget", action="store_true", help="build the store's picks whatever their size")
+    b.add_argument("--quant", action="append", metavar="TYPE",
+                   help="build only this quant type's kernels (repeatable; default: every declared type), e.g. "
+                        "--quant q4_k --quant q6_k for a Q4_K_M model: smaller, and the byte budget spends itself on them")
     b.add_argument("--sizes", action="store_true",
                    help="print where each module's bytes go: raw, gzip and brotli sizes, code per quant type and per kernel")
     b.set_defaults(func=cmd_build)

@@ -1394,9 +1394,39 @@ def test_build_keeps_the_budget_when_qmatmul_takes_qmatvecs_accs(checked) -> Non
     free, used = build(None)
     least, smallest_code = build(1)
     assert used > smallest_code and free["tune"]["values"]["qmatvec_q8_0"] == {"rows": 1, "accs": 2}
-    for budget in range(smallest_code, used, max(1, (used - smallest_code) // 6)):
+    for budget in range(smallest_code, used, max(1, (used - smallest_code) // 3)):
         manifest, fitted = build(budget)
         assert fitted <= budget, (budget, fitted, manifest["tune"]["budget"])
+
+
+def test_build_of_some_quant_types_spends_the_budget_on_them(checked) -> None:
+    """A build of the types a model uses carries only their code: under the budget that made the
+    all-types build drop q4_1's pick, a q4_1-only build keeps it; a type left out is refused by the
+    loaded module with the types it has; a bad list of names is refused before anything is built."""
+    records = _qmatvec_records(checked, {"q8_0": 2.0, "q4_0": 2.0, "q4_1": 1.06})
+
+    def build(quants: tuple[str, ...] | None, budget: int | None):
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A,
+                              code_budget=budget, quants=quants)
+        return b
+
+    tight = size.sizes(build(None, None)).figures()[size.QUANT_CODE] - 1
+    assert build(None, tight).manifest["tune"]["source"]["qmatvec_q4_1"] == "budget"
+    b = build(("q4_1",), tight)
+    m = b.manifest
+    assert list(m["quants"]) == ["q4_1"] and "budget" not in m["tune"]
+    assert m["tune"]["values"]["qmatvec_q4_1"] == {"rows": 4, "accs": 1}
+    assert {e["quant"] for e in m["exports"].values()} == {None, "q4_1"}
+    assert size.sizes(b).figures()[size.QUANT_CODE] < tight
+    with pytest.raises(KeyError, match="unknown quant type 'q8_0'; this build has q4_1"):
+        from_built(b).pack("q8_0", np.zeros((1, 34), np.uint8))
+    for bad, error, message in (
+            (("q4_1", "q9"), KernelgenError, "no quant type 'q9' is declared .declared: q8_0, q4_0"),
+            ((), KernelgenError, "at least one"),
+            ("q4_1", TypeError, "expected a list of quant type names"),
+            ((4,), TypeError, "expected a list of quant type names")):
+        with pytest.raises(error, match=message):
+            build(bad, None)
 
 
 def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
@@ -1421,3 +1451,9 @@ def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
             main([*base, "--code-budget", bad, "--out", str(tmp_path / "o3")])
         assert e.value.code == 2 and "--code-budget" in err.getvalue() and "positive integer" in err.getvalue(), bad
         assert not (tmp_path / "o3").exists()
+    code, out, err = run_cli(*base, "--quant", "q4_0", "--quant", "q4_0", "--out", str(tmp_path / "o4"))
+    assert code == 0, err
+    m = json.loads((tmp_path / "o4" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert list(m["quants"]) == ["q4_0"]
+    code, out, err = run_cli(*base, "--quant", "q4_0", "--quant", "nope", "--out", str(tmp_path / "o5"))
+    assert code == 2 and "no quant type 'nope' is declared" in err and not (tmp_path / "o5").exists()

@@ -30,7 +30,7 @@ from .. import __version__
 from ..errors import KernelgenError
 from . import layout
 from .assemble import assemble, wabt_version
-from .check import Checked, check, resolve_tune, tune_key
+from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import calls, code_sizes, quant_of, reached
 from ..tuning.store import Record, best_tune, host, load_store, smallest, speedup, usable
@@ -241,11 +241,14 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
 def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,
                    tune: dict[str, dict[str, int]] | None = None, records: list[Record] | None = None,
                    tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES,
-                   code_budget: int | None = CODE_BUDGET) -> list[Built]:
+                   code_budget: int | None = CODE_BUDGET, quants: tuple[str, ...] | None = None) -> list[Built]:
     """Parse, check and compile `source` for `targets`; raises DslError on any user mistake.
     `records` (a tuning store) supplies tune values for kernels `tune` does not set, within
-    `code_budget` bytes of quant-type code per target (within_budget; None: no budget)."""
+    `code_budget` bytes of quant-type code per target (within_budget; None: no budget). `quants`
+    names the quant types to build (check.select_quants; None: every declared type)."""
     checked = check(parse(source, filename))
+    if quants is not None:
+        checked = select_quants(checked, quants)
     if records:
         records = usable(records, checked)
     built = []
@@ -375,8 +378,8 @@ def _locked(parent: Path, out_dir: Path, timeout: float) -> Iterator[None]:
 def build(dsl: Path, out_dir: Path, targets: tuple[str, ...] = TARGET_NAMES,
           tune: dict[str, dict[str, int]] | None = None, store: Path | None = None,
           tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES,
-          code_budget: int | None = CODE_BUDGET) -> tuple[list[Built], list[Path]]:
+          code_budget: int | None = CODE_BUDGET, quants: tuple[str, ...] | None = None) -> tuple[list[Built], list[Path]]:
     source = dsl.read_text(encoding="utf-8")
     records = load_store(store) if store is not None else None
-    built = compile_source(source, str(dsl), targets, tune, records, tune_host, max_pages, code_budget)
+    built = compile_source(source, str(dsl), targets, tune, records, tune_host, max_pages, code_budget, quants)
     return built, write_outputs(built, out_dir)

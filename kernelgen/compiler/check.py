@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from . import ast as A
 from . import layout
 from . import types as T
-from ..errors import DslError
+from ..errors import DslError, KernelgenError
 from ..names import TUNE_NAME, variant_name
 from .ops import TARGETS, Val, fold
 from ..quantformat import QuantFormat
@@ -114,6 +114,20 @@ def _check(program: A.Program) -> Checked:
         if name in seen:
             raise DslError(seen[name].span, f"{name!r} is the name of {k.name}'s pool job (its 'parallel' declaration)")
     return Checked(program, consts, quants, kernels, jobs)
+
+
+def select_quants(checked: Checked, names: tuple[str, ...] | list[str]) -> Checked:
+    """`checked` with only the quant types `names` (in declaration order): a build for a model that
+    uses two types carries two types' code, and the byte budget spends itself on them alone. The
+    declarations stay whole, so tunings (keyed per type, store.kernel_hash) still match."""
+    if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"quants: expected a list of quant type names, got {names!r}")
+    if not names:
+        raise KernelgenError("quants: name at least one quant type")
+    if unknown := [n for n in names if n not in checked.quants]:
+        raise KernelgenError(f"{checked.program.span.file}: no quant type {unknown[0]!r} is declared "
+                             f"(declared: {', '.join(checked.quants)})")
+    return replace(checked, quants={n: q for n, q in checked.quants.items() if n in names})
 
 
 def _const_value(e: A.Expr, consts: dict[str, Val]) -> int | float:
