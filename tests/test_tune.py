@@ -1429,6 +1429,26 @@ def test_build_of_some_quant_types_spends_the_budget_on_them(checked) -> None:
             build(bad, None)
 
 
+def test_bench_times_each_types_picks_and_says_what_the_default_build_drops(checked) -> None:
+    """Every type's rows 4 pick outgrows the default budget of the all-types build: the bench's modules
+    still time every pick (as single-type builds make them), and the report names what the default
+    build leaves out, in the table and the JSON."""
+    records = _qmatvec_records(checked, {q: 2.0 + i / 10 for i, q in enumerate(checked.quants)})
+    for r in records:
+        r.host = dict(S.host())
+    (default,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records)
+    dropped = default.manifest["tune"]["budget"]["dropped"]
+    assert dropped and set(dropped) <= {f"qmatvec_{q}" for q in checked.quants}
+    (benched,) = bench.bench_built(SOURCE, ("simd128",), records)
+    assert all(benched.manifest["tune"]["values"][f"qmatvec_{q}"]["rows"] == 4 for q in checked.quants)
+    report = bench.run(SOURCE, ("simd128",), records, cases=[], ratios=[], limits=[])
+    assert report.budget == {"simd128": dropped} and as_json(report)["budget"] == {"simd128": dropped}
+    text = format_table(report)
+    assert "the default all-types build keeps to 32768 bytes of quant code with the smallest variant of:" in text
+    assert all(f"qmatvec_{key.removeprefix('qmatvec_')}__rows4_accs1 ({d['speedup']}x)" in text
+               for key, d in dropped.items())
+
+
 def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
     store = tmp_path / "store.jsonl"
     for r in _qmatvec_records(checked, {"q8_0": 1.5}):

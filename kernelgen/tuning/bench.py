@@ -67,12 +67,14 @@ class Bench:
 
 def bench_built(source: str, targets: tuple[str, ...], records: list[Record] | None) -> list[Built]:
     """The library plus the bench's wrappers: repeat loops, the streaming read and its pool job, the
-    compute rooflines."""
+    compute rooflines. Without the byte budget: each type's kernels are the store's picks, as a build
+    of that type alone (`kernelgen build --quant TYPE`) makes them (a function's body follows from its
+    name); what the all-types build gives up to its budget is in the report (Report.budget)."""
     checked = check(parse(source))
     extra = STREAM_SOURCE + COMPUTE_SOURCE + POOL_REPEAT + "".join(
         repeat_source(checked, k) for k in ("qmatvec", "qmatmul", "matmul_f32_nt", "matmul_f32_nn",
                                             "exp_f32", "softmax_f32"))
-    return compile_source(source + extra, targets=targets, records=records)
+    return compile_source(source + extra, targets=targets, records=records, code_budget=None)
 
 
 # (kernel, quant, shape, threads): how node_bench.mjs names a timing. Mat-vec kernels (MATVEC_KERNELS)
@@ -541,6 +543,9 @@ class Report:
     # Node ran) and the 1-minute load average before and after: on a shared machine whose CPU changes
     # between sessions, a figure means nothing without them.
     machine: dict = field(default_factory=dict)
+    # Per target, the picks the default all-types build leaves out for its byte budget (the manifest's
+    # tune.budget.dropped: variant left out and its speedup); the rows time them as single-type builds do.
+    budget: dict[str, dict] = field(default_factory=dict)
 
 
 def _targets_of(case: Case, targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -562,6 +567,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     ratios = RATIOS if ratios is None else ratios
     limits = LIMITS if limits is None else limits
     machine = {**host(), "load": [round(os.getloadavg()[0], 2)]}
+    budget: dict[str, dict] = {}
     bench = Bench(source, targets, records)
     wasm_targets = targets if "wasmtime" in engines else ()
     node_targets = tuple(t + NODE for t in targets) if "node" in engines else ()
@@ -595,6 +601,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
         for b in built:
             if b.target not in targets:
                 continue
+            budget[b.target] = b.manifest["tune"].get("budget", {}).get("dropped", {})
             for name, size in sizes(b).figures().items():
                 row = rows.setdefault((name, b.target), Row(name, b.target, Cell(), unit="bytes", figure=True))
                 row.value.samples.append(float(size))
@@ -616,7 +623,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
             if t in benched:
                 out_limits.append(LimitRow(_row(rows, lim.of, t), lim.at_most))
     machine["load"].append(round(os.getloadavg()[0], 2))
-    return Report(list(rows.values()), out_ratios, out_limits, repeat, machine)
+    return Report(list(rows.values()), out_ratios, out_limits, repeat, machine, budget)
 
 
 def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tuple[str, dict[NodeKey, float]]:
@@ -709,6 +716,11 @@ def format_table(report: Report) -> str:
         r = lim.row
         lines.append(f"  {_name(r)}: {_value(r, r.value.median)} <= {_value(r, lim.at_most)}: "
                      f"{'met' if lim.met else 'NOT met'}")
+    if any(report.budget.values()):
+        lines += ["", f"the rows time each type's picks (as `kernelgen build --quant TYPE` builds them); the default "
+                      f"all-types build keeps to {CODE_BUDGET} bytes of quant code with the smallest variant of:"]
+        lines += [f"  {t}: " + ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}x)" for key, d in dropped.items())
+                  for t, dropped in report.budget.items() if dropped]
     return "\n".join(lines)
 
 
@@ -737,6 +749,7 @@ def as_json(report: Report) -> dict:
     return {
         "repeat": report.repeat,
         "machine": report.machine,
+        "budget": report.budget,
         "rows": [{**{k: v for k, v in asdict(r).items() if k != "value"}, **cell(r.value)} for r in report.rows],
         "ratios": [{"row": q.row.key, "target": q.row.target, "versus": q.versus.key,
                     "versus_target": q.versus.target, **cell(q.value), "at_least": q.at_least, "met": q.met}
