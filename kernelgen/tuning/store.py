@@ -152,8 +152,11 @@ def _check_record(data: object) -> Record:
     return Record(**fields)
 
 
-def load_store(path: Path) -> list[Record]:
+def load_store(path: Path | str) -> list[Record]:
     """All well-formed records; anything else is skipped with a warning naming its line."""
+    if not isinstance(path, (Path, str)):
+        raise TypeError(f"load_store: expected a path (str or Path), got {type(path).__name__}")
+    path = Path(path)
     records: list[Record] = []
     if not path.is_file():
         return records
