@@ -7,7 +7,8 @@ alone, with SIZE_MARGIN against the smallest variant; each pick is code in that 
 budget. When they do, the build keeps the picks that together give the most measured speed (the
 product of their speedups over the smallest variants, from the tuning records) within the budget,
 and builds the smallest variant for the others. The manifest's `tune.budget` names the picks left
-out and the speed each gives up.
+out and the speed each gives up. A build of the types one model uses (`kernelgen build --quant`,
+check.select_quants) spends the same budget on those types alone.
 """
 from __future__ import annotations
 
