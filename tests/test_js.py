@@ -301,6 +301,46 @@ await k.terminate();
                         r"16 pages of 64 KiB\)", got["message"]), got["message"]
 
 
+def test_node_runs_a_build_of_some_quant_types_and_refuses_the_others(tmp_path: Path) -> None:
+    """`kernelgen build --quant q4_k --quant q6_k` (a Q4_K_M model's types): the JS runtime packs and
+    runs them, on one thread and through the pool, to wasmtime's bits on the same build, and refuses
+    a type the build left out by name."""
+    need(NODE, "node is not installed")
+    out = tmp_path / "out"
+    assert cli.main(["build", "--no-store", "--out", str(out), "--quant", "q4_k", "--quant", "q6_k",
+                     "--dsl", str(ROOT / "kernels.dsl")]) == 0
+    rng = np.random.default_rng(5)
+    rows, kdim = 7, 512
+    x = rng.standard_normal(kdim).astype(np.float32)
+    for target in ("simd128", "relaxed-simd"):
+        k = kernelgen.load(out, target)
+        assert list(k.quants) == ["q4_k", "q6_k"]
+        blocks = random_blocks(k.quants["q6_k"], rows, kdim // 256, rng)
+        want = k.qmatvec(k.pack("q6_k", blocks), k.quantize_act(x))
+        data = tmp_path / f"{target}.json"
+        data.write_text(json.dumps({"blocks": blocks.view(np.uint8).reshape(-1).tolist(), "x": x.tolist()}))
+        script = tmp_path / f"{target}.mjs"
+        script.write_text(f"""
+import {{ readFileSync }} from 'node:fs';
+import {{ loadKernels }} from {json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri())};
+const data = JSON.parse(readFileSync({json.dumps(str(data))}, 'utf8'));
+const k = await loadKernels({{ dir: {json.dumps(str(out))}, target: {json.dumps(target)}, threads: 2 }});
+const w = await k.pack('q6_k', Uint8Array.from(data.blocks), {rows}, {kdim});
+const act = await k.quantizeAct(Float32Array.from(data.x));
+const one = await k.qmatvec(w, act), two = await k.qmatvec(w, act, {{ threads: true, chunk: 3 }});
+let refused = '';
+try {{ await k.pack('q8_0', new Uint8Array(34), 1, 32); }} catch (e) {{ refused = e.message; }}
+console.log(JSON.stringify({{ one: Array.from(one), two: Array.from(two), refused }}));
+await k.terminate();
+""")
+        proc = subprocess.run([NODE, *NODE_FLAGS, str(script)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        assert np.array_equal(np.array(got["one"], np.float32), want), target
+        assert np.array_equal(np.array(got["two"], np.float32), want), target
+        assert got["refused"] == "unknown quant type q8_0; this build has q4_k, q6_k", got["refused"]
+
+
 # Runs square_add (tests/helpers.py) from a build of its own through the runtime's generic `run`:
 # on one thread, then through the pool at several chunk sizes; prints every output as JSON.
 NODE_SQUARE_ADD = """

@@ -70,12 +70,25 @@ def wasmtime_version() -> str:
     return version("wasmtime")
 
 
+_HASHES: dict[tuple[str, str, str | None], str] = {}  # kernel_hash by (source, kernel, quant)
+
+
 def kernel_hash(checked: Checked, kernel: str, quant: str | None = None) -> str:
     """sha256 of the source a kernel is built from: its declaration, every kernel it calls, the
     consts and quant types it can reach. Editing an unrelated kernel keeps its tunings valid. A pool
     job is built from its exported kernel, so it has that kernel's hash. A generic kernel's code for
     one quant type reads that type's declaration only: with `quant`, the hash leaves the other types
-    out, so declaring a new type (or editing one) keeps every other type's tunings."""
+    out, so declaring a new type (or editing one) keeps every other type's tunings. Remembered per
+    source text (it is a function of it): a build asks for it once per tuning record it weighs."""
+    key = (checked.source, kernel, quant)
+    if (known := _HASHES.get(key)) is None:
+        if len(_HASHES) >= 4096:
+            _HASHES.clear()
+        known = _HASHES[key] = _kernel_hash(checked, kernel, quant)
+    return known
+
+
+def _kernel_hash(checked: Checked, kernel: str, quant: str | None) -> str:
     lines = checked.source.splitlines()
     seen: set[str] = set()
     todo = [checked.jobs[kernel].name if kernel in checked.jobs else kernel]
