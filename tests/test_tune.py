@@ -1477,3 +1477,5 @@ def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
     assert list(m["quants"]) == ["q4_0"]
     code, out, err = run_cli(*base, "--quant", "q4_0", "--quant", "nope", "--out", str(tmp_path / "o5"))
     assert code == 2 and "no quant type 'nope' is declared" in err and not (tmp_path / "o5").exists()
+    code, out, err = run_cli(*base, "--quant", "q4_0", "--tune", "qmatvec_q8_0.rows=2", "--out", str(tmp_path / "o5"))
+    assert code == 2 and "'qmatvec_q8_0' tunes quant type q8_0, which this build leaves out (it builds q4_0)" in err

@@ -307,6 +307,10 @@ def resolve_tune(checked: Checked, overrides: dict[str, dict[str, int]] | None =
                  for q in checked.quants}
     for name, values in overrides.items():
         k = checked.kernels.get(name) or per_quant.get(name)
+        if k is None and (left_out := next((q.name for q in checked.program.quants if q.name not in checked.quants
+                                            and name.endswith("_" + q.name)), None)):
+            raise DslError(None, f"{where}: {name!r} tunes quant type {left_out}, which this build leaves out "
+                                 f"(it builds {', '.join(checked.quants)})")
         if k is None or not k.ast.exported:
             raise DslError(None, f"{where}: no exported kernel {name!r}")
         declared = {t.name: t for t in k.ast.tunes}
