@@ -119,13 +119,33 @@ def _tune_host(args: argparse.Namespace) -> dict | None:
         raise KernelgenError(f"--tune-host-from {args.tune_host_from}: not a kernelgen manifest ({e})") from None
 
 
+def _gguf_quants(args: argparse.Namespace) -> list[str]:
+    """--quant-from FILE.gguf: the declared quant types the file's tensors use (all of them declared)."""
+    if args.quant_from is None:
+        return []
+    from .host.formats import gguf_quants
+
+    declared = check(parse(_read(args.dsl), str(args.dsl))).quants
+    try:
+        found = gguf_quants(args.quant_from, list(declared))
+    except ImportError as e:
+        raise KernelgenError(f"--quant-from: {e}") from None
+    except OSError as e:
+        raise KernelgenError(f"--quant-from {args.quant_from}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # not GGUF, or a tensor of a type the DSL does not declare
+        raise KernelgenError(f"--quant-from {e}") from None
+    if not found:
+        raise KernelgenError(f"--quant-from {args.quant_from}: no quantized tensor (only F32/F16): name --quant")
+    return found
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     _read(args.dsl)
     store, tune_host = _store(args), _tune_host(args)
     if args.tune_host_from is not None and tune_host is None:
         store = None  # that build used no tunings: neither does this one
     budget = None if args.no_code_budget else args.code_budget
-    quants = tuple(dict.fromkeys(args.quant)) if args.quant else None
+    quants = tuple(dict.fromkeys([*(args.quant or []), *_gguf_quants(args)])) or None
     built, changed = build(args.dsl, args.out, args.target, _tune(args.tune), store, tune_host, args.max_memory,
                            budget, quants)
     for b in built:
@@ -289,6 +309,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", action="append", metavar="TYPE",
                    help="build only this quant type's kernels (repeatable; default: every declared type), e.g. "
                         "--quant q4_k --quant q6_k for a Q4_K_M model: smaller, and the byte budget spends itself on them")
+    b.add_argument("--quant-from", type=Path, metavar="FILE.gguf",
+                   help="build the quant types a GGUF model file uses (with --quant: both); a tensor of a type the DSL "
+                        "does not declare is an error naming it")
     b.add_argument("--sizes", action="store_true",
                    help="print where each module's bytes go: raw, gzip and brotli sizes, code per quant type and per kernel")
     b.set_defaults(func=cmd_build)

@@ -5,6 +5,9 @@ targets, relaxed determinism on and off, threaded and not) equals float64 dequan
 float rounding, with exact integer parts."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as G
@@ -17,6 +20,8 @@ from kernelgen.host.api import Act, Kernels
 
 from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rng_for, same_as_deterministic,
                      unit_scale_qmatvec_and_qdots)
+
+DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 
 GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
         "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}
@@ -413,6 +418,40 @@ def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
         assert_bitwise_equal(km.quants[quant].dequantize_ref(blocks), dequantize(data, qtype), f"{name} dequantize")
         ref, mag = f64_reference(km, quant, blocks, act)
         assert_q_close(km.qmatvec(w, act), ref, mag, f"{name} qmatvec")
+
+
+def test_build_quant_from_a_gguf_file_builds_its_types(tmp_path, capsys):
+    """`kernelgen build --quant-from FILE.gguf` builds the declared types the file's tensors use (in
+    declaration order; with --quant, both); a tensor of an undeclared type, a file that is not GGUF, a
+    missing file and a file of floats only exit 2 naming the problem, and write nothing."""
+    from kernelgen.cli import main
+
+    rng = rng_for("gguf-quant-from")
+    tensors = gguf_tensors(rng, 2, 256)
+    model = tmp_path / "model.gguf"
+    write_gguf(model, {n: tensors[n] for n in ("embd.f32", "output.q6_k", "attn_q.q8_0", "ffn_up.q4_k")})
+    base = ["build", "--dsl", str(DSL_PATH), "--no-store", "--target", "simd128"]
+    assert main([*base, "--quant-from", str(model), "--quant", "q4_0", "--out", str(tmp_path / "o")]) == 0
+    manifest = json.loads((tmp_path / "o" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert list(manifest["quants"]) == ["q8_0", "q4_0", "q4_k", "q6_k"]  # in declaration order
+    assert formats.gguf_quants(model, ["q6_k", "q8_0", "q4_k", "q4_0"]) == ["q6_k", "q8_0", "q4_k"]
+    capsys.readouterr()
+    floats = tmp_path / "floats.gguf"
+    write_gguf(floats, {"embd.f32": tensors["embd.f32"]})
+    odd = tmp_path / "odd.gguf"
+    write_gguf(odd, {"a.q8_0": tensors["attn_q.q8_0"],
+                     "b.q2_k": (np.zeros((2, 84), np.uint8), G.Q2_K)})  # one Q2_K super-block per row
+    text = tmp_path / "text.gguf"
+    text.write_text("not a model")
+    for path, message in ((odd, f"--quant-from {odd}: tensor 'b.q2_k' has type Q2_K, which this build does not "
+                                "support (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, "
+                                "IQ4_NL, MXFP4)"),
+                          (text, f"--quant-from {text}: not a readable GGUF file"),
+                          (tmp_path / "none.gguf", f"--quant-from {tmp_path / 'none.gguf'}: cannot read"),
+                          (floats, f"--quant-from {floats}: no quantized tensor (only F32/F16): name --quant")):
+        assert main([*base, "--quant-from", str(path), "--out", str(tmp_path / "bad")]) == 2, path
+        assert message in capsys.readouterr().err, path
+        assert not (tmp_path / "bad").exists()
 
 
 def test_load_gguf_of_a_q4_k_m_file_of_a_576_wide_model(kernels, tmp_path):

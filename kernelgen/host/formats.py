@@ -34,25 +34,51 @@ if TYPE_CHECKING:
 GGUF_FLOATS = ("F32", "F16")  # returned as numpy arrays
 
 
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading a .gguf file needs the gguf package: pip install 'kernelgen[gguf]'") from None
+    return gguf
+
+
+def _checked_tensors(path: str | Path, declared: list[str] | dict) -> list:
+    """The tensors of a .gguf file, after checking that every one is F32, F16 or a type of `declared`
+    (quant type names: a GGUF type is one when its name in lower case is declared, Q4_K -> q4_k); a
+    ValueError names the first that is not, its type and the supported types (or the file, when it is
+    not GGUF)."""
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # the reader's own on a file that is not GGUF: ValueError, struct.error, ...
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    supported = [*GGUF_FLOATS, *(t.name for t in gguf.GGMLQuantizationType if t.name.lower() in declared)]
+    for t in reader.tensors:
+        if t.tensor_type.name not in supported:
+            raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which this build does not "
+                             f"support (supported: {', '.join(supported)})")
+    return reader.tensors
+
+
+def gguf_quants(path: str | Path, declared: list[str] | dict) -> list[str]:
+    """The quant types (of `declared`, in its order) that a .gguf file's tensors use: what a build
+    for that model needs (`kernelgen build --quant-from FILE`). ValueError as load_gguf's."""
+    used = {t.tensor_type.name.lower() for t in _checked_tensors(path, declared)}
+    return [q for q in declared if q in used]
+
+
 def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarray]:
     """Every tensor of a .gguf file by name: quantized ones packed into `kernels`' memory (a GGUF
     type is supported when the build declares a quant type of its name in lower case: Q4_K ->
     q4_k), F32/F16 ones as numpy arrays in numpy's axis order. A tensor of another type raises
     ValueError naming it, its type and the supported types, before anything is packed; if packing
     fails part way, what was packed is freed (nothing is half-loaded)."""
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError("load_gguf reads files with the gguf package: pip install 'kernelgen[gguf]'") from None
-    reader = gguf.GGUFReader(path)
-    supported = [*GGUF_FLOATS, *(t.name for t in gguf.GGMLQuantizationType if t.name.lower() in kernels.quants)]
-    for t in reader.tensors:
-        if t.tensor_type.name not in supported:
-            raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which this build does not "
-                             f"support (supported: {', '.join(supported)})")
+    tensors = _checked_tensors(path, kernels.quants)
     out: dict[str, Packed | np.ndarray] = {}
     try:
-        for t in reader.tensors:
+        for t in tensors:
             if t.tensor_type.name in GGUF_FLOATS:
                 out[t.name] = np.array(t.data)
                 continue
