@@ -946,6 +946,35 @@ def test_seed_style_peer_matches_numpy_and_a_wrong_one_is_caught() -> None:
             peer.prepare(k.pack("q4_0", reference.quantize_q4_0(rng.standard_normal((2, 64)))), x[:64])
 
 
+def test_every_stream_count_of_the_streaming_read_reads_every_byte() -> None:
+    """The roofline's reads (timing.STREAM_WAYS interleaved streams, alone and as pool chunks) fold
+    every 16 bytes of the buffer into their result: lane 0 of the XOR of all of them, so none is
+    skipped whatever the count."""
+    from kernelgen.host.pool import Pool, job_call
+    from kernelgen.tuning.timing import STREAM_ALIGN, STREAM_CHUNK, STREAM_WAYS, stream_name
+
+    (built,) = bench.bench_built(SOURCE, ("simd128",), None)
+    k = from_built(built)
+    nbytes = 3 * STREAM_CHUNK
+    assert nbytes % STREAM_ALIGN == 0
+    data = np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8)
+    addr = k.module.alloc(nbytes)
+    k.module.view(addr, np.uint8, nbytes)[:] = data
+    want = int(np.bitwise_xor.reduce(data.view("<i4").reshape(-1, 4)[:, 0]))
+    for ways in STREAM_WAYS:
+        assert k.call(stream_name(ways), addr, nbytes) == want, ways
+        data[ways * 16 + 5] ^= 1  # a byte of lane 1 changes nothing; one of lane 0 changes the fold
+        k.module.view(addr, np.uint8, nbytes)[:] = data
+        assert k.call(stream_name(ways), addr, nbytes) == want, ways
+        k.module.view(addr, np.uint8, nbytes)[nbytes - 16] ^= 1
+        assert k.call(stream_name(ways), addr, nbytes) == want ^ 1, ways
+        k.module.view(addr, np.uint8, nbytes)[:] = data
+        export = stream_name(ways, pool=True)
+        with Pool(k, 2) as pool:
+            pool.call(export, [addr, nbytes], 1)  # runs the chunks: nothing to compare but that it returns
+        assert job_call(k.manifest, export, [addr, nbytes]).count == 3
+
+
 MV_SMALL = (256, 2048)  # q4_0's planes are six streaming-read chunks, q8_0's ten
 
 

@@ -46,8 +46,9 @@ from .peer import SeedPeer
 from .budget import CODE_BUDGET
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
-from .timing import (COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_CHUNK, STREAM_SOURCE, measure,
-                     measure_python, repeat_name, repeat_source, roof_name)
+from .timing import (COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK,
+                     STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source, roof_name,
+                     stream_name)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
@@ -156,11 +157,13 @@ def _filled(k: Kernels, nbytes: int) -> int:
 
 
 def stream(quant: str, rows: int, cols: int) -> Callable[[Kernels], float]:
-    """A streaming read of as many bytes as `quant`'s packed rows x cols: the memory roofline."""
+    """A streaming read of as many bytes as `quant`'s packed rows x cols, the fastest of
+    STREAM_WAYS interleaved streams: the memory roofline."""
     def run(k: Kernels) -> float:
-        nbytes = _packed_bytes(k, quant, rows, cols) // 64 * 64
+        nbytes = _packed_bytes(k, quant, rows, cols) // STREAM_ALIGN * STREAM_ALIGN
         buf = _filled(k, nbytes)
-        return measure(lambda reps: k.call("bench_stream_repeat", reps, buf, nbytes)).seconds
+        return min(measure(lambda reps: k.call(stream_name(ways) + "_repeat", reps, buf, nbytes)).seconds
+                   for ways in STREAM_WAYS)
     return run
 
 
@@ -184,17 +187,21 @@ def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Ker
 
 
 def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Callable[[Kernels], float]:
-    """The streaming read of `quant`'s packed bytes on the pool (bench_stream_chunks) on `threads`."""
+    """The streaming read of `quant`'s packed bytes on the pool on `threads`, the fastest of
+    STREAM_WAYS streams per chunk."""
     def run(k: Kernels) -> float:
         nbytes = _packed_bytes(k, quant, rows, cols)
         chunks = max(1, nbytes // STREAM_CHUNK)
         args = [_filled(k, chunks * STREAM_CHUNK), chunks * STREAM_CHUNK]
-        call = job_call(k.manifest, "bench_stream_chunks", args)
-        with Pool(k, threads) as pool:
-            pool.call("bench_stream_chunks", args, 1)  # publishes the arguments
-            index = pool.job_index(call.job)
-            seconds = measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 1)).seconds
-        return seconds * nbytes / (chunks * STREAM_CHUNK)
+
+        def seconds(ways: int) -> float:
+            export = stream_name(ways, pool=True)
+            call = job_call(k.manifest, export, args)
+            with Pool(k, threads) as pool:
+                pool.call(export, args, 1)  # publishes the arguments
+                index = pool.job_index(call.job)
+                return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 1)).seconds
+        return min(seconds(ways) for ways in STREAM_WAYS) * nbytes / (chunks * STREAM_CHUNK)
     return run
 
 
@@ -648,6 +655,7 @@ def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tupl
         (out / "kernels.json").write_text(json.dumps(built.manifest), encoding="utf-8")
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
         config = {"out": tmp, "target": built.target, "seed": str(Path(tmp, "seed.wasm")), "minMs": min_ms,
+                  "streams": [stream_name(ways, pool=True) for ways in STREAM_WAYS],
                   "runtime": (library.runtime() / "kernelgen.mjs").as_uri(),
                   "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes],
                   "gemms": [{"kernel": kernel, "quant": q, "shape": list(shape), "pool": sorted(pool)}

@@ -2,9 +2,9 @@
 
 For any exported kernel, `repeat_source` writes a DSL wrapper that calls it `reps` times in a loop
 (generated from the kernel's own declaration, so it can never disagree with it), and
-`STREAM_SOURCE` a streaming read of a buffer: the memory roofline the kernels are measured
-against. `measure` grows the repetitions until a batch lasts `min_batch` seconds, runs a warm-up
-batch, then takes the median of `samples` batches.
+`STREAM_SOURCE` a streaming read of a buffer (the fastest of STREAM_WAYS interleaved streams): the
+memory roofline the kernels are measured against. `measure` grows the repetitions until a batch
+lasts `min_batch` seconds, runs a warm-up batch, then takes the median of `samples` batches.
 """
 from __future__ import annotations
 
@@ -19,32 +19,53 @@ from ..compiler.check import Checked
 STREAM_CHUNK = 1 << 16  # bytes per item of the threaded streaming read
 ENGINE_CHOICES = ("wasmtime", "node", "both")  # --engine of tune and bench: wasmtime, V8 through Node, or both
 
-STREAM_SOURCE = f"\nconst STREAM_CHUNK: i32 = {STREAM_CHUNK};\n" + """
-# The roofline: read nbytes (a multiple of 64) as fast as wasm can, XOR-folding so nothing is skipped.
-export kernel bench_stream(p: ptr, nbytes: i32) -> i32 {
-    var acc[4]: i32x4 = i32x4.splat(0);
-    for i in 0..nbytes step 64 {
-        unroll u in 0..4 {
-            acc[u] = acc[u] ^ i32x4.load(p + i, u * 16);
-        }
-    }
-    return extract(acc[0] ^ acc[1] ^ acc[2] ^ acc[3], 0);
-}
+# The streaming read runs as 1, 2, 4 or 8 interleaved streams (the buffer's parts read side by side,
+# as a mat-vec tile reads its rows); the roofline is the fastest. One stream is not the most wasm can
+# read: measured on an AVX2 EPYC (2 cores), 8192x8192 Q8_0 bytes read at 7.7-8.4 G weights/s as one
+# stream and 10.3-13.4 as four, 4096x4096 at 10-12 and 19-23.
+STREAM_WAYS = (1, 2, 4, 8)
+STREAM_ALIGN = 32 * max(STREAM_WAYS)  # nbytes of every read is a multiple of this
 
-export kernel bench_stream_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {
+
+def stream_name(ways: int, pool: bool = False) -> str:
+    return f"bench_stream{ways}_chunks" if pool else f"bench_stream{ways}"
+
+
+def _stream_source(ways: int) -> str:
+    read, chunks = stream_name(ways), stream_name(ways, pool=True)
+    return f"""
+# nbytes (a multiple of {32 * ways}) read as {ways} interleaved stream(s), XOR-folding so nothing is skipped.
+export kernel {read}(p: ptr, nbytes: i32) -> i32 {{
+    var acc[{ways}]: i32x4 = i32x4.splat(0);
+    let part = nbytes / {ways};
+    for i in 0..part step 32 {{
+        unroll u in 0..{ways} {{
+            acc[u] = acc[u] ^ i32x4.load(p + u * part + i) ^ i32x4.load(p + u * part + i, 16);
+        }}
+    }}
+    unroll u in 1..{ways} {{
+        acc[0] = acc[0] ^ acc[u];
+    }}
+    return extract(acc[0], 0);
+}}
+
+export kernel {read}_repeat(reps: i32, p: ptr, nbytes: i32) -> i32 {{
     var x: i32 = 0;
-    for rep in 0..reps {
-        x = x ^ bench_stream(p, nbytes);
-    }
+    for rep in 0..reps {{
+        x = x ^ {read}(p, nbytes);
+    }}
     return x;
-}
+}}
 
-# The roofline on the thread pool: the nbytes at p read in STREAM_CHUNK-byte chunks.
-export kernel bench_stream_chunks(p: ptr, nbytes: i32) {
+# The same read on the thread pool: the nbytes at p in STREAM_CHUNK-byte chunks.
+export kernel {chunks}(p: ptr, nbytes: i32) {{
     parallel chunks c0..c1 in 0..nbytes / STREAM_CHUNK;
-    let x = bench_stream(p + c0 * STREAM_CHUNK, (c1 - c0) * STREAM_CHUNK);
-}
+    let x = {read}(p + c0 * STREAM_CHUNK, (c1 - c0) * STREAM_CHUNK);
+}}
 """
+
+
+STREAM_SOURCE = f"\nconst STREAM_CHUNK: i32 = {STREAM_CHUNK};\n" + "".join(_stream_source(w) for w in STREAM_WAYS)
 
 
 # The compute rooflines the matrix products are measured against: the target's integer dot (idot7:
