@@ -18,8 +18,7 @@ from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
-from .names import variant_name
-from .tuning.budget import CODE_BUDGET
+from .tuning.budget import CODE_BUDGET, dropped_text
 from .tuning.store import STORE, StoreWarning, load_store
 from .tuning.timing import ENGINE_CHOICES
 
@@ -152,7 +151,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
         if dropped := b.manifest["tune"].get("budget", {}).get("dropped"):
             print(f"  within the {budget}-byte budget of quant-type code, the smallest variant instead of: "
-                  + ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}x faster)" for key, d in dropped.items()))
+                  + dropped_text(dropped, "x faster"))
         if args.sizes:
             from .tuning.size import format_sizes, sizes
             print(format_sizes(sizes(b)))

@@ -21,6 +21,7 @@ names its Node timing with `node`. `plot` draws the mat-vec rows as a roofline c
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,7 +44,7 @@ from ..names import parse_variant, variant_name
 from .store import Record, host
 from .v8 import NODE_FLAGS, node_path
 from .peer import SeedPeer
-from .budget import CODE_BUDGET
+from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
 from .timing import (COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK,
@@ -193,15 +194,15 @@ def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Callable[[Ker
         nbytes = _packed_bytes(k, quant, rows, cols)
         chunks = max(1, nbytes // STREAM_CHUNK)
         args = [_filled(k, chunks * STREAM_CHUNK), chunks * STREAM_CHUNK]
-
-        def seconds(ways: int) -> float:
-            export = stream_name(ways, pool=True)
-            call = job_call(k.manifest, export, args)
-            with Pool(k, threads) as pool:
+        best = math.inf
+        with Pool(k, threads) as pool:
+            for ways in STREAM_WAYS:
+                export = stream_name(ways, pool=True)
+                call = job_call(k.manifest, export, args)
                 pool.call(export, args, 1)  # publishes the arguments
                 index = pool.job_index(call.job)
-                return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 1)).seconds
-        return min(seconds(ways) for ways in STREAM_WAYS) * nbytes / (chunks * STREAM_CHUNK)
+                best = min(best, measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 1)).seconds)
+        return best * nbytes / (chunks * STREAM_CHUNK)
     return run
 
 
@@ -727,8 +728,7 @@ def format_table(report: Report) -> str:
     if any(report.budget.values()):
         lines += ["", f"the rows time each type's picks (as `kernelgen build --quant TYPE` builds them); the default "
                       f"all-types build keeps to {CODE_BUDGET} bytes of quant code with the smallest variant of:"]
-        lines += [f"  {t}: " + ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}x)" for key, d in dropped.items())
-                  for t, dropped in report.budget.items() if dropped]
+        lines += [f"  {t}: {dropped_text(dropped)}" for t, dropped in report.budget.items() if dropped]
     return "\n".join(lines)
 
 

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ..names import variant_name
+
 # Issue 13: the ten quant types' kernels in 32 KB per target (function bodies of quant-type code,
 # size.QUANT_CODE); the bench judges the same figure against this goal.
 CODE_BUDGET = 32768
@@ -53,3 +55,8 @@ def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], b
                 front.append(state)
     fits = [s for s in front if s[0] <= budget] or front[:1]  # over the budget even at the smallest: the least bytes
     return set(max(fits, key=lambda s: (s[1], -s[0]))[2])
+
+
+def dropped_text(dropped: dict[str, dict], unit: str = "x") -> str:
+    """A manifest's tune.budget.dropped as one line: each pick left out and its speedup."""
+    return ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}{unit})" for key, d in dropped.items())
