@@ -1478,6 +1478,25 @@ def test_bench_times_each_types_picks_and_says_what_the_default_build_drops(chec
                for key, d in dropped.items())
 
 
+def test_builds_within_the_budget_equal_fresh_builds_of_their_values(checked) -> None:
+    """within_budget's builds share their lowered functions and text (build.Memo), including
+    qmatmul's, whose body reads qmatvec's accs: each module it makes is the module a fresh build of
+    its tune values gives, byte for byte."""
+    records = [rec(checked, tune, seconds, "256x4096", kernel="qmatvec", quant=q, target="relaxed-simd")
+               for q, fast in (("q8_0", {"rows": 1, "accs": 2}), ("q4_1", {"rows": 2, "accs": 2}))
+               for tune, seconds in (({"rows": 1, "accs": 1}, 1.0), (fast, 0.5))]
+    (free,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), records=records, tune_host=HOST_A,
+                             code_budget=None)
+    used = size.sizes(free).figures()[size.QUANT_CODE]
+    for budget in (used - 1, 1):
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), records=records, tune_host=HOST_A,
+                              code_budget=budget)
+        assert b.manifest["tune"]["budget"]["dropped"]
+        (fresh,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), tune=b.manifest["tune"]["values"],
+                                  code_budget=None)
+        assert b.wasm == fresh.wasm and b.wat == fresh.wat, budget
+
+
 def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
     store = tmp_path / "store.jsonl"
     for r in _qmatvec_records(checked, {"q8_0": 1.5}):

@@ -24,12 +24,22 @@ def _template() -> jinja2.Template:
     return env.from_string(text)
 
 
-def render_module(funcs: list[Func], **frame: object) -> tuple[str, list[Span | None]]:
+def render_module(funcs: list[Func], cache: dict | None = None, **frame: object) -> tuple[str, list[Span | None]]:
+    """The module's text and each line's span. `cache` (kept across the builds of one program, whose
+    modules share most functions: lower's memo) holds each function's lines by identity."""
     w = Writer()
     for i, f in enumerate(funcs):
         if i:
             w.line(0, "")
+        if cache is not None and id(f) in cache:
+            _, lines, spans = cache[id(f)]
+            w.lines += lines
+            w.spans += spans
+            continue
+        start = len(w.lines)
         w.func(1, f)
+        if cache is not None:  # (f kept with its lines: its id is not reused while the cache lives)
+            cache[id(f)] = (f, w.lines[start:], w.spans[start:])
     head, _, tail = _template().render(**frame).partition(_MARK + "\n")
     lines = head.splitlines() + w.lines + tail.splitlines()
     spans = [None] * len(head.splitlines()) + w.spans + [None] * len(tail.splitlines())

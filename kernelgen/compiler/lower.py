@@ -79,6 +79,20 @@ class _Return(Exception):
     """Raised past a non-inline `return` to skip dead code after it in the same block."""
 
 
+@dataclass
+class Reused:
+    """A function lowered for one build, reusable by another build of the same checked program and
+    target (lower's `memo`: within_budget builds three or four variants of one program): what its
+    body read that its name does not say, checked before reuse, and the internal instances it
+    asked for, asked for again in the same order so the module is the one lowering would give."""
+
+    func: Func | None = None
+    count: int | str | list | None = None
+    reads: list[tuple[str, str | None, str, int]] = field(default_factory=list)  # other kernels' tune values
+    exports: list[tuple[KernelInfo, QuantFormat | None, str]] = field(default_factory=list)  # exports it calls
+    internals: list[tuple[KernelInfo, dict[str, Binding]]] = field(default_factory=list)
+
+
 class Instances:
     """The functions kernels become, named by one scheme (names.variant_name: the kernel, its
     quant type, then name-value pairs that parse back): an export carries its tune values
@@ -105,9 +119,13 @@ class Instances:
         """Exported kernel `k`'s tune values for `quant` (check.tune_for)."""
         return tune_for(self.tune, k.name, quant.name if quant else None)
 
-    def internal(self, k: KernelInfo, generics: dict[str, Binding], error: Callable[[str], DslError]) -> str:
+    def internal(self, k: KernelInfo, generics: dict[str, Binding], error: Callable[[str], DslError],
+                 record: Reused | None = None) -> str:
         """The function of internal kernel `k` for these compile-time arguments (queued for
-        lowering the first time it is asked for; `error` makes the DslError of a limit broken)."""
+        lowering the first time it is asked for; `error` makes the DslError of a limit broken;
+        `record`: the asking function's, which notes it)."""
+        if record is not None:
+            record.internals.append((k, generics))
         key = (k.name, tuple(_show(v) for v in generics.values()))
         if key not in self._names:
             quants = "_".join(v.name for v in generics.values() if isinstance(v, QuantFormat))
@@ -227,10 +245,13 @@ def _writes_memory(code: Instr) -> bool:
 class Lowerer:
     """Lowers every exported kernel of a checked program for one target."""
 
-    def __init__(self, checked: Checked, target: Target, tune: dict[str, dict[str, int]]) -> None:
+    def __init__(self, checked: Checked, target: Target, tune: dict[str, dict[str, int]],
+                 memo: dict[tuple[str, str, str], Reused] | None = None) -> None:
         self.c = checked
         self.target = target
         self.tune = tune
+        self.memo = memo if memo is not None else {}  # (target, role, name) -> its lowering
+        self._record: Reused | None = None  # that of the function being lowered
         self.funcs: list[Func] = []
         self.exports: list[Export] = []
         self.jobs: list[Export] = []  # the job table, in index order
@@ -371,7 +392,29 @@ class Lowerer:
     # ---- functions -------------------------------------------------------------------------------
     def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
         """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
-        its pool "job". Returns, for a parallel export, its item count as hosts evaluate it."""
+        its pool "job" (or reuse its lowering from another build: self.memo). Returns, for a parallel
+        export, its item count as hosts evaluate it."""
+        key = (self.target.name, role, name)
+        if (done := self.memo.get(key)) is not None and self._still_holds(done):
+            for callee, args in done.internals:
+                self.instances.internal(callee, args, self.error)
+            self.funcs.append(done.func)
+            return done.count
+        self._record = record = Reused()
+        try:
+            record.count = self._lower_body(k, generics, name, role)
+        finally:
+            self._record = None
+        record.func = self.funcs[-1]
+        self.memo[key] = record
+        return record.count
+
+    def _still_holds(self, done: Reused) -> bool:
+        """Whether what `done`'s body read beyond its name is the same in this build."""
+        return all(tune_for(self.tune, kernel, quant).get(param) == value for kernel, quant, param, value in done.reads) \
+            and all(self.instances.export(k, q) == name for k, q, name in done.exports)
+
+    def _lower_body(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
         frame = Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
         self._quant = next((v.name for v in generics.values() if isinstance(v, QuantFormat)), None)
         with self._context(frame, [dict(generics)], k.ast.span), self._scope():
@@ -814,6 +857,8 @@ class Lowerer:
                 if e.name not in values:
                     raise self.error(f"kernel {kernel.name} has no tune parameter {e.name!r}"
                                      f" (it has: {', '.join(values) or 'none'})")
+                if self._record is not None:
+                    self._record.reads.append((kernel.name, self._quant, e.name, values[e.name]))
                 return Val(None, "i32", values[e.name])
         raise self.error(f"no attribute {e.name!r} here")
 
@@ -887,9 +932,12 @@ class Lowerer:
             return self._inline(k, generics, args)
         if k.ast.exported:  # the exported function itself (this build's variant), lowered once by run()
             quant = next(iter(generics.values()), None)
-            name = self.instances.export(k, quant if isinstance(quant, QuantFormat) else None)
+            quant = quant if isinstance(quant, QuantFormat) else None
+            name = self.instances.export(k, quant)
+            if self._record is not None:
+                self._record.exports.append((k, quant, name))
         else:
-            name = self.instances.internal(k, generics, self.error)
+            name = self.instances.internal(k, generics, self.error, self._record)
         flat: list[Instr] = []
         for p, a in zip(k.ast.params, args):
             if isinstance(a, Packed):
@@ -994,8 +1042,12 @@ class Lowered:
     jobs: list[Export]  # the job table, entry i at index i
 
 
-def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]]) -> Lowered:
-    lw = Lowerer(checked, TARGETS[target_name], tune)
+def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]],
+          memo: dict[tuple[str, str, str], Reused] | None = None) -> Lowered:
+    """Lower `checked` for a target with these tune values. `memo` (a dict kept across builds of
+    this one checked program, filled here) lets another build reuse each function it has in
+    common: a build in within_budget lowers only the functions its values change."""
+    lw = Lowerer(checked, TARGETS[target_name], tune, memo)
     try:
         funcs = lw.run()
     except DslError as e:

@@ -2,8 +2,11 @@
 nodes with spans and turns lark's exceptions into `file:line:col` errors."""
 from __future__ import annotations
 
+import os
+import sys
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import lark
@@ -15,8 +18,23 @@ from ..errors import DslError
 
 @cache
 def _parser() -> lark.Lark:
+    """The LALR parser. Its tables are kept in lark's cache file, which lark checks against the
+    grammar's hash (building them took 0.9-1 s of every `kernelgen build`, loading them 0.06 s), in
+    the user's own cache directory: lark's default, the shared temp directory, would load a pickle
+    any local user could have put there. Without a writable one, lark builds the tables each time."""
     grammar = resources.files("kernelgen.compiler").joinpath("grammar.lark").read_text(encoding="utf-8")
-    return lark.Lark(grammar, parser="lalr", start="program", propagate_positions=True, maybe_placeholders=True)
+    return lark.Lark(grammar, parser="lalr", start="program", propagate_positions=True, maybe_placeholders=True,
+                     cache=_cache_file())
+
+
+def _cache_file() -> str | bool:
+    """$XDG_CACHE_HOME/kernelgen (or ~/.cache/kernelgen)/grammar-lark<version>-py<version>, or False."""
+    try:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kernelgen"
+        root.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError):  # no home, a read-only file system
+        return False
+    return str(root / f"grammar-lark{lark.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
 
 
 # Terminal names lark reports in "expected ..." lists, spelled as the user would type them.
