@@ -425,8 +425,11 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
 #
 # Weights are packed once (Kernels.pack) into planes: w.q (values), w.scale (f32 per block) and,
-# for types with an offset term, w.offset. Activations come in blocks of 32 (quantize_act), so
-# these kernels take quant types whose block is 32.
+# for types with an offset term, w.offset; a super-block type's w.scale holds one record per
+# super-block instead (its f16 factors and byte-sized sub-block integers: Q4_K 3 bytes per 32
+# values, not 8). Q.scale4(w, blk) and Q.offset4 read the f32s of four blocks from a multiple of 4,
+# Q.scale1 and Q.offset1 of one, from either layout. Activations come in blocks of 32
+# (quantize_act), so these kernels take quant types whose block is 32.
 #
 # The integer dots are exact on both targets, with the same int8 activations: on relaxed SIMD a
 # type whose values are codes - zero with codes and zero in [0, 127] (Q.dot7: every 4-, 5- and
@@ -582,9 +585,9 @@ inline kernel qscale4[Q: quant](w: packed Q, blk: i32, dots: i32x4, da4: f32x4, 
     static if Q.block_zero {
         exact = dots - i32x4.splat(Q.zero) * s4;
     }
-    var r: f32x4 = madd(f32x4.convert(exact), f32x4.load(w.scale + blk * 4) * da4, acc);
+    var r: f32x4 = madd(f32x4.convert(exact), Q.scale4(w, blk) * da4, acc);
     static if Q.has_offset {
-        r = madd(f32x4.convert(s4) * da4, f32x4.load(w.offset + blk * 4), r);
+        r = madd(f32x4.convert(s4) * da4, Q.offset4(w, blk), r);
     }
     return r;
 }
@@ -596,9 +599,9 @@ inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, s: ptr
 
 # acc plus the single block blk of a row (the blocks left over past a multiple of four).
 inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x4) -> f32x4 {
-    var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4.splat(f32.load(w.scale + blk * 4) * da), acc);
+    var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4.splat(Q.scale1(w, blk) * da), acc);
     static if Q.has_offset {
-        r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(f32.load(w.offset + blk * 4) * da), r);
+        r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(Q.offset1(w, blk) * da), r);
     }
     return r;
 }

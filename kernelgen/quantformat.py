@@ -15,8 +15,10 @@ Packing turns a matrix of stored blocks into planes the kernels read (each conti
   q       the fields `unpack` reads, per block, concatenated in declaration order (Q.bytes each),
           or for a `reencoded` type (super-blocks, bit masks) its integers per block of 32 in the
           narrowest cheap encoding (ENCODINGS)
-  scale   S per block as f32 (f16 scales widened once here, not in the hot loop)
-  offset  M per block as f32, only for types with `+ M`
+  scale   S per block as f32 (f16 scales widened once here, not in the hot loop); for a
+          super-block type whose S (and M) are F * I, an f16 field times a byte-sized integer of
+          s, one record per super-block instead (QuantFormat.record): F as f32, I as bytes
+  offset  M per block as f32, only for types with `+ M` (a super-block's record holds it)
 """
 from __future__ import annotations
 
@@ -200,6 +202,12 @@ def nodes(n: Node) -> list[Node]:
 def _factors(n: Node) -> list[Node]:
     """The factors of a product a * b * ...."""
     return _factors(n.left) + _factors(n.right) if isinstance(n, Op) and n.op == "*" else [n]
+
+
+def _float_field(n: Node, q: QuantFormat) -> bool:
+    """Whether n is a float field of q's block or its negation (a record's F: QuantFormat.record)."""
+    n = n.arg if isinstance(n, Neg) else n
+    return isinstance(n, Field) and q.field(n.field).type in ("f16", "f32")
 
 
 def _product(factors: list[Node]) -> Node:
@@ -401,6 +409,30 @@ SUB_SCALES = "isc"  # the kernel block's field of integer sub-block scales (sub-
 
 
 @dataclass(frozen=True)
+class Factored:
+    """A super-block type's scale or offset per kernel block as F * I (QuantFormat.record): F a
+    float field of the super-block, maybe negated, stored as f32 at byte `f_at` of the record; I an
+    integer formula of s stored as one byte per kernel block from `i_at` (None: F alone, the kernel
+    block's part of Q6_K's scale). The kernels multiply F * I in f32 as the reference does, so the
+    products are the per-block f32 values bit for bit."""
+
+    f: Node
+    i: Node | None
+    signed: bool
+    f_at: int
+    i_at: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """Plane scale of a super-block type: `bytes` per super-block of `blocks` kernel blocks."""
+
+    factors: dict[str, Factored]  # "scale", and "offset" for types with `+ M`
+    bytes: int
+    blocks: int
+
+
+@dataclass(frozen=True)
 class Encoding:
     """How plane q holds one kernel block of a super-block type: the fields and the unpack formula
     kernels read, and the numpy encoder (integers minus the zero, shape (..., 32) -> bytes)."""
@@ -484,6 +516,56 @@ class QuantFormat:
         return _product(rest), _product(per_sub)
 
     @functools.cached_property
+    def record(self) -> Record | None:
+        """A super-block type's scales and offsets as one record per super-block in plane scale:
+        F of each as f32, then I of each as a byte per kernel block, padded to a whole number of
+        bytes per kernel block (Q4_K: d, -dmin, eight 6-bit scales and eight minimums, 24 bytes: 3
+        per 32 values, where f32 scale and offset planes took 8, a third of Q4_K's bytes). None for
+        flat types and for a super-block whose scale or offset is no such product (each kernel block
+        then has its own f32s)."""
+        if not self.sub:
+            return None
+        parts: dict[str, tuple[Node, Node | None]] = {}
+        if self.sub_scales:  # the integers of sub-blocks of 16 stay with the codes (plane q)
+            parts["scale"] = (self.sub_scales[0], None)
+        for name, formula in (("scale", self.scale), ("offset", self.offset)):
+            if formula is not None and name not in parts:
+                split = self._f_times_i(formula)
+                if split is None:
+                    return None
+                parts[name] = split
+        if not all(_float_field(f, self) for f, _ in parts.values()):
+            return None
+        ranges = IntRange(self.block, {f.name: f.type for f in self.fields})
+        blocks, at = self.block // KERNEL_BLOCK, 4 * len(parts)
+        factors = {}
+        for name, (f, i) in parts.items():
+            signed = i is not None and fold(i, ranges)[0] < 0
+            factors[name] = Factored(f, i, signed, 4 * len(factors), at if i is not None else -1)
+            at += blocks if i is not None else 0
+        unit = np.lcm(blocks, 4)  # whole bytes per kernel block, f32s aligned
+        return Record(factors, int(-(-at // unit) * unit), blocks)
+
+    def _f_times_i(self, formula: Node) -> tuple[Node, Node] | None:
+        """formula as (F, I): F * I or -(F * I), F a float field, I an integer formula of s whose
+        values fit a byte (IntRange); None when it is not such a product."""
+        neg = isinstance(formula, Neg)
+        core = formula.arg if neg else formula
+        if not (isinstance(core, Op) and core.op == "*"):
+            return None
+        ranges = IntRange(self.block, {f.name: f.type for f in self.fields})
+        for f, i in ((core.left, core.right), (core.right, core.left)):
+            if not (isinstance(f, Field) and any(x.kind == "s" for x in nodes(i))):
+                continue
+            try:
+                lo, hi = fold(i, ranges)
+            except (ValueError, AttributeError):
+                return None
+            if -128 <= lo and hi <= 127 or 0 <= lo and hi <= 255:
+                return (Neg(f) if neg else f), i
+        return None
+
+    @functools.cached_property
     def encoding(self) -> tuple[str, int]:
         """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
         lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
@@ -558,10 +640,16 @@ class QuantFormat:
     @property
     def planes(self) -> dict[str, tuple[str, int]]:
         """Plane name -> (numpy dtype, bytes per block), in the order kernels take them."""
+        if self.record is not None:
+            return {"q": ("u1", self.kernel.bytes), "scale": ("u1", self.record.bytes // self.record.blocks)}
         planes = {"q": ("u1", self.kernel.bytes), "scale": ("<f4", 4)}
         if self.offset is not None:
             planes["offset"] = ("<f4", 4)
         return planes
+
+    def packed_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of the planes of a packed rows x cols matrix (cols a multiple of the block)."""
+        return sum(n for _, n in self.planes.values()) * rows * (cols // self.kernel.block)
 
     @property
     def dtype(self) -> np.dtype:
@@ -578,6 +666,11 @@ class QuantFormat:
                if self.reencoded else {}),
             # the scale's factors: plane scale (per super-block) and the i32 after each kernel block's codes
             **({"sub_scales": dict(zip(("block", "sub"), map(to_json, self.sub_scales)))} if self.sub_scales else {}),
+            # plane scale's record per super-block: F at f_at (f32), I at i_at (a byte per kernel block)
+            **({"record": {"bytes": self.record.bytes, "blocks": self.record.blocks, "factors": {
+                name: {"f": to_json(x.f), "f_at": x.f_at, "i": to_json(x.i) if x.i is not None else None,
+                       "i_at": x.i_at, "signed": x.signed} for name, x in self.record.factors.items()}}}
+               if self.record else {}),
             "stored_bytes": self.stored_bytes,
             "fields": [{"name": f.name, "type": f.type, "count": f.count, "offset": f.offset} for f in self.fields],
             "unpack": text(self.unpack),
@@ -597,11 +690,17 @@ class QuantFormat:
         """The type a manifest's `quants[name]` entry describes (written by to_json)."""
         try:
             f = d["formulas"]
-            return cls(name, d["block"], tuple(FieldInfo(x["name"], x["type"], x["count"], x["offset"]) for x in d["fields"]),
-                       from_json(f["unpack"]), from_json(f["scale"]), from_json(f["offset"]) if f["offset"] else None,
-                       tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"))
-        except (KeyError, TypeError, ValueError) as e:
+            q = cls(name, d["block"], tuple(FieldInfo(x["name"], x["type"], x["count"], x["offset"]) for x in d["fields"]),
+                    from_json(f["unpack"]), from_json(f["scale"]), from_json(f["offset"]) if f["offset"] else None,
+                    tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"))
+            planes = {n: (p["dtype"], p["bytes_per_block"]) for n, p in d["planes"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None
+        mine = {n: (np.dtype(dt).str, b) for n, (dt, b) in q.planes.items()}
+        if planes != mine:  # the kernels were built for another packed layout: packing here would misread
+            raise ValueError(f"manifest quant {name!r}: its kernels read planes {planes}, this kernelgen packs {mine};"
+                             " rebuild the library with this version (kernelgen build)")
+        return q
 
     # ---- numpy reference, derived from the formulas
     def as_blocks(self, raw: np.ndarray) -> np.ndarray:
@@ -698,7 +797,11 @@ class QuantFormat:
             raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
             q = np.concatenate([self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
                                 for f in (self.field(n) for n in self.value_fields)], axis=-1)
-        planes = {"q": np.ascontiguousarray(q).reshape(-1), "scale": self.scale_ref(blocks).reshape(-1)}
+        planes = {"q": np.ascontiguousarray(q).reshape(-1)}
+        if self.record is not None:
+            planes["scale"] = self._records(blocks).reshape(-1)
+            return planes
+        planes["scale"] = self.scale_ref(blocks).reshape(-1)
         if self.offset is not None:
             planes["offset"] = self.offset_ref(blocks).reshape(-1)
         if self.sub_scales:
@@ -706,6 +809,19 @@ class QuantFormat:
                                                         blocks.shape).astype(np.float32),
                                         self.block // KERNEL_BLOCK, axis=-1).reshape(-1)
         return planes
+
+    def _records(self, blocks: np.ndarray) -> np.ndarray:
+        """Plane scale of a `record` type: one record per stored block, shape blocks.shape + (bytes,)."""
+        rec = self.record
+        out = np.zeros(blocks.shape + (rec.bytes,), np.uint8)
+        kernel_subs = np.arange(rec.blocks) * KERNEL_BLOCK // self.sub  # each kernel block's sub-block
+        for x in rec.factors.values():
+            f = np.broadcast_to(fold(x.f, NumpyEval(blocks)), blocks.shape).astype("<f4")
+            out[..., x.f_at:x.f_at + 4] = f[..., None].view(np.uint8)
+            if x.i is not None:
+                i = np.broadcast_to(fold(x.i, NumpyEval(blocks, s=kernel_subs)), blocks.shape + (rec.blocks,))
+                out[..., x.i_at:x.i_at + rec.blocks] = i.astype(np.int8 if x.signed else np.uint8).view(np.uint8)
+        return out
 
     def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:
         """A value field's bytes as plane q holds them: interleaved nibbles (element 2i low, 2i+1

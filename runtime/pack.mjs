@@ -5,8 +5,10 @@
 // packs here without code of its own. Planes (each contiguous, row-major, one entry per block):
 //   q       the value fields' bytes, concatenated in "value_fields" order ("interleaved" nibble
 //           fields repacked from ONNX order, element 2i low / 2i+1 high, to split order)
-//   scale   f32: the "scale" formula (f16 fields widened)
-//   offset  f32: the "offset" formula, only for types that have one
+//   scale   f32: the "scale" formula (f16 fields widened); for a type with a "record" (super-blocks
+//           whose scale and offset are F * I), one record of "record.bytes" per stored block: each
+//           factor's F as f32 at f_at, its I as a byte per kernel block from i_at
+//   offset  f32: the "offset" formula, only for flat types that have one
 
 const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantFormat.pack checks the same)
 const INT8_MAX = 127;
@@ -154,6 +156,10 @@ export function packInto(spec, blocks, nblocks, planes) {
   const interleaved = new Set(spec.interleaved);
   const valueFields = spec.value_fields.map((n) => fields[n]);
   const qBytes = spec.planes.q.bytes_per_block;
+  const record = spec.record && {
+    ...spec.record,
+    factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: fold(x.f, consumer).at, i: x.i && fold(x.i, consumer).at })),
+  };
   const view = new DataView(blocks.buffer, blocks.byteOffset, blocks.byteLength);
   const values = new Int32Array(spec.block);
   for (let b = 0; b < nblocks; b++) {
@@ -181,16 +187,17 @@ export function packInto(spec, blocks, nblocks, planes) {
         at += nbytes;
       }
     }
+    if (record) writeRecord(record, view, o, new DataView(planes.scale.buffer, planes.scale.byteOffset + b * record.bytes, record.bytes),
+      kernelBlock / spec.sub);
     for (let s = 0; s < per; s++) {
       const k = b * per + s;
       const u = values.subarray(s * kernelBlock, (s + 1) * kernelBlock);
       if (encode) encode(u.map((x) => x - zero), planes.q.subarray(k * qBytes, (k + 1) * qBytes));
-      if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
-      if (!split) {
-        planes.scale[k] = scaleAt(view, o, s);
-        continue;
+      if (!record) {
+        if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
+        planes.scale[k] = split ? split.f(view, o, 0) : scaleAt(view, o, s);
       }
-      planes.scale[k] = split.f(view, o, 0);
+      if (!split) continue;
       // the sub-blocks' integer scales follow the kernel block's codes in plane q, one i32 each holding
       // the scale in both i16 halves (quantformat.SUB_SCALES)
       const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - 4 * halves, 4 * halves);
@@ -199,6 +206,21 @@ export function packInto(spec, blocks, nblocks, planes) {
         at.setInt16(4 * h, v, true);
         at.setInt16(4 * h + 2, v, true);
       }
+    }
+  }
+}
+
+/** A super-block's record (quantformat.QuantFormat.record) from the stored block at byte `o` of
+ * `view` into `dst`: F of each factor as f32, I as a byte per kernel block (kernel block k is
+ * sub-block k * subsPerBlock). */
+function writeRecord(record, view, o, dst, subsPerBlock) {
+  for (const x of record.factors) {
+    dst.setFloat32(x.f_at, x.f(view, o, 0), true);
+    if (!x.i) continue;
+    for (let k = 0; k < record.blocks; k++) {
+      const v = x.i(view, o, Math.floor(k * subsPerBlock));
+      if (x.signed) dst.setInt8(x.i_at + k, v);
+      else dst.setUint8(x.i_at + k, v);
     }
   }
 }

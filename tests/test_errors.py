@@ -242,6 +242,12 @@ CASES = [
          "'packed Q' needs Q to be a [Q: quant] parameter"),
     Case("packed N where N is an i32 generic", "kernel g[N: i32](w: packed N) {\n}\nexport kernel f(x: ptr) {\n}\n",
          1, 18, "'packed N' needs N to be a [N: quant] parameter"),
+    Case("a block's scale read from a pointer, not a packed matrix",
+         Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    f32.store(p, T.scale1(p, 0));\n}\n", 11, 18,
+         "q.scale1(w, blk): w must be a packed q matrix", lowering=True),
+    Case("the offset of a type that has none",
+         Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    f32x4.store(p, T.offset4(w, 0));\n}\n", 11, 20,
+         "q has no offset (Q.has_offset is 0): q.offset4 reads nothing", lowering=True),
     # ---- constants out of range: caught before the assembler sees them
     Case("an i8x16 constant out of range", K("i8x16.store(x, i8x16.splat(1000));"), 2, 20,
          "1000 does not fit in a i8 lane", lowering=True),

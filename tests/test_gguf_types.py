@@ -151,6 +151,46 @@ def test_q5_1_packs_its_values_as_bytes(quants):
     assert (values[0] == 31).all() and (values[1] == 0).all()
 
 
+@pytest.mark.parametrize("quant, per32, factors", [("q4_k", 19, {"scale", "offset"}), ("q5_k", 35, {"scale", "offset"}),
+                                                  ("q6_k", 41, {"scale"})])
+def test_super_block_records_hold_the_per_block_scales(quants, quant, per32, factors):
+    """A K-quant's scales and offsets travel as one record per super-block (F as f32, I a byte per
+    kernel block), not as f32s per 32 values: Q4_K packs 19 bytes per 32 values (llama.cpp's block:
+    18), 24 before. Each kernel block's f32 F * I is the reference scale and offset bit for bit, on
+    random stored bytes with every finite f16 (subnormals, -0, either sign of d and dmin). Q6_K's
+    record holds d alone: its sub-blocks of 16 keep their integer scales with the codes."""
+    from kernelgen.quantformat import NumpyEval, fold
+    q = quants[quant]
+    assert q.record is not None and set(q.record.factors) == factors and q.record.blocks == 8
+    assert q.packed_bytes(1, 256) == 8 * per32
+    b = random_blocks(q, rng_for("records", quant), 7, 5)
+    b["d"][0, 0] = np.float16(-0.0)
+    rec = q.pack(b)["scale"].reshape(7, 5, q.record.bytes)
+    for name, ref in (("scale", q.scale_ref(b)), ("offset", q.offset_ref(b) if q.offset is not None else None)):
+        if name not in factors:
+            continue
+        x = q.record.factors[name]
+        f = rec[..., x.f_at:x.f_at + 4].copy().view("<f4")  # (7, 5, 1)
+        if x.i is None:  # the kernel block's part of the scale, the same for the 8 of a super-block
+            assert_bitwise_equal(f[..., 0], fold(q.sub_scales[0], NumpyEval(b)).astype(np.float32), f"{quant} {name}")
+            continue
+        i = rec[..., x.i_at:x.i_at + 8].view(np.int8 if x.signed else np.uint8).astype(np.float32)
+        assert_bitwise_equal((i * f).reshape(7, -1), ref, f"{quant} {name}")
+
+
+def test_a_manifest_of_another_packed_layout_is_refused(quants):
+    """A library built for another packing (a manifest whose planes are not what this kernelgen's
+    pack writes: Q4_K's f32 scale and offset planes of an older build) is refused with a rebuild
+    hint, not packed into a layout its kernels misread."""
+    from kernelgen.quantformat import QuantFormat
+    d = quants["q4_k"].to_json()
+    assert QuantFormat.from_json("q4_k", d).planes == quants["q4_k"].planes
+    d["planes"] = {"q": {"dtype": "|u1", "bytes_per_block": 16}, "scale": {"dtype": "<f4", "bytes_per_block": 4},
+                   "offset": {"dtype": "<f4", "bytes_per_block": 4}}
+    with pytest.raises(ValueError, match="rebuild the library"):
+        QuantFormat.from_json("q4_k", d)
+
+
 def test_codebook_lookups_take_relaxed_swizzle_on_relaxed_simd():
     """A codebook's nibble indices are below 16, where relaxed_swizzle is defined as swizzle: relaxed
     SIMD's build uses it (no saturating add on x86), simd128's the plain swizzle. (Its results are the

@@ -21,12 +21,13 @@ from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
 from ..quantformat import SUB_SCALES, Int, Lookup, QuantFormat
-from .quant import unpack_lanes
+from .quant import lower_scales, unpack_lanes
 from .wat import Block, Comment, Func, I, If, Instr, Stmt, number
 
 _QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
                 "shuffle", "iota"}
 _ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
+_SCALE_OPS = ("scale4", "scale1", "offset4", "offset1")  # Q.<op>(w, blk): lower_scales
 
 
 @dataclass(frozen=True)
@@ -872,9 +873,12 @@ class Lowerer:
                 raise self.error(f"{f.base.id}.{f.name} is not an operation (typed ops: {', '.join(sorted(_QUALIFIABLE))})")
             return self._op(f.name, t, e.args)
         if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and isinstance(q := self._lookup(f.base.id), QuantFormat):
+            if f.name in _SCALE_OPS and len(e.args) == 2:
+                return self._scales(q, f.name, e.args)
             if f.name not in ("unpack", "codes", "zeros") or len(e.args) != 2:
                 raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j),"
-                                 f" {f.base.id}.codes(ptr, j) or {f.base.id}.zeros(ptr, j)")
+                                 f" {f.base.id}.codes(ptr, j), {f.base.id}.zeros(ptr, j) or"
+                                 f" {f.base.id}.scale4(w, blk) (scale1, offset4, offset1)")
             base = self.materialize(self._coerce(self._expr(e.args[0]), "i32"), "i32")
             j = self._const_int(e.args[1], f"the lane group of {f.name}()")
             return Val(unpack_lanes(q, base, j, self.error, f.name, "relaxed-simd" in self.target.features,
@@ -893,6 +897,20 @@ class Lowerer:
         if f.id in _ALL_OPS:
             return self._op(f.id, None, e.args)
         raise self.error(f"unknown function {f.id!r}")
+
+    def _scales(self, q: QuantFormat, name: str, args: tuple[A.Expr, ...]) -> Val:
+        """Q.scale4(w, blk) and kin: the f32 scale or offset of block blk of packed matrix w (4: of
+        blocks blk .. blk + 3, blk a multiple of 4), whatever plane layout Q's pack gives it."""
+        w = self._lookup(args[0].id) if isinstance(args[0], A.Name) else None
+        if not isinstance(w, Packed) or w.quant.name != q.name:
+            raise self.error(f"{q.name}.{name}(w, blk): w must be a packed {q.name} matrix")
+        what, lanes = name[:-1], int(name[-1])
+        if what == "offset" and q.offset is None:
+            raise self.error(f"{q.name} has no offset (Q.has_offset is 0): {q.name}.{name} reads nothing")
+        blk = self.materialize(self._coerce(self._expr(args[1]), "i32"), "i32")
+        planes = {p: I("local.get", f"${n}") for p, n in w.planes.items()}
+        code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")))
+        return Val(code, "f32x4" if lanes == 4 else "f32")
 
     def _op(self, name: str, qualifier: str | None, arg_nodes: tuple[A.Expr, ...]) -> Val:
         op = self.target.ops.get(name)

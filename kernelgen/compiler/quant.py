@@ -469,3 +469,37 @@ def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Ex
     if qf.codes is None:
         raise error(f"{qf.name} has no codes in [0, 127] (Q.codes7 is 0): use {qf.name}.unpack")
     return fold(qf.codes[0 if what == "codes" else 1], _LowerUnpack(kb, base, j, relaxed, load))
+
+
+# ---- the per-block scale and offset, for `Q.scale4(w, blk)` and kin in kernels ---------------------
+
+
+def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: str, lanes: int,
+                 reuse: Callable[[Instr], tuple[Instr, Instr]]) -> Instr:
+    """The f32 `what` ("scale" or "offset") of kernel block blk (lanes 1) or of blocks blk .. blk + 3
+    (lanes 4, blk a multiple of 4) as an f32 or f32x4: `planes` reads each plane's pointer, `reuse`
+    gives code for an i32 twice (code that evaluates it, then code that reads it again). A per-block plane
+    is loaded as is; a super-block record (QuantFormat.record) gives F * I, F splat to the lanes
+    and I a byte per block widened: the same f32 product pack's reference computes. Four blocks
+    at a multiple of 4 lie in one record (a super-block holds 8)."""
+    rec = qf.record
+    if rec is None:
+        op = "v128.load" if lanes == 4 else "f32.load"
+        return I(op, I("i32.add", planes[what], I("i32.shl", blk, I("i32.const", "2"))))
+    x = rec.factors[what]
+    shift = rec.blocks.bit_length() - 1  # kernel blocks per record: a power of two (256 / 32)
+    blk = reuse(blk) if x.i is not None else (blk, blk)
+    at = I("i32.add", planes["scale"], I("i32.mul", I("i32.shr_u", blk[0], I("i32.const", str(shift))),
+                                           I("i32.const", str(rec.bytes))))
+    if x.i is None:
+        f = I("f32.load", *_off(x.f_at), at)
+        return I("f32x4.splat", f) if lanes == 4 else f
+    first, again = reuse(at)
+    ints = I("i32.add", first, I("i32.and", blk[1], I("i32.const", str(rec.blocks - 1))))
+    f = I("f32.load", *_off(x.f_at), again)
+    sign = "s" if x.signed else "u"
+    if lanes == 1:
+        return I("f32.mul", I(f"f32.convert_i32_{sign}", I(f"i32.load8_{sign}", *_off(x.i_at), ints)), f)
+    widened = I(f"i32x4.extend_low_i16x8_{sign}", I(f"i16x8.extend_low_i8x16_{sign}", I("v128.load32_zero", *_off(x.i_at), ints)))
+    return I("f32x4.mul", I("f32x4.convert_i32x4_s", widened), I("f32x4.splat", f))
+

@@ -147,7 +147,7 @@ def _blocks(k: Kernels, quant: str, rows: int, cols: int, rng: np.random.Generat
 
 
 def _packed_bytes(k: Kernels, quant: str, rows: int, cols: int) -> int:
-    return sum(size for _, size in k.quants[quant].planes.values()) * rows * (cols // k.quants[quant].block)
+    return k.quants[quant].packed_bytes(rows, cols)
 
 
 def _filled(k: Kernels, nbytes: int) -> int:
