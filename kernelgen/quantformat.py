@@ -523,8 +523,9 @@ class QuantFormat:
         per 32 values, where f32 scale and offset planes took 8, a third of Q4_K's bytes). None for
         flat types and for a super-block whose scale or offset is no such product (each kernel block
         then has its own f32s)."""
-        if not self.sub:
-            return None
+        blocks = self.block // KERNEL_BLOCK
+        if not self.sub or blocks % 4 or blocks & (blocks - 1):  # the kernels read four blocks' scales at a
+            return None  # multiple of 4 from one record, found by a shift (lower_scales)
         parts: dict[str, tuple[Node, Node | None]] = {}
         if self.sub_scales:  # the integers of sub-blocks of 16 stay with the codes (plane q)
             parts["scale"] = (self.sub_scales[0], None)
@@ -537,7 +538,7 @@ class QuantFormat:
         if not all(_float_field(f, self) for f, _ in parts.values()):
             return None
         ranges = IntRange(self.block, {f.name: f.type for f in self.fields})
-        blocks, at = self.block // KERNEL_BLOCK, 4 * len(parts)
+        at = 4 * len(parts)
         factors = {}
         for name, (f, i) in parts.items():
             signed = i is not None and fold(i, ranges)[0] < 0

@@ -178,6 +178,24 @@ def test_super_block_records_hold_the_per_block_scales(quants, quant, per32, fac
         assert_bitwise_equal((i * f).reshape(7, -1), ref, f"{quant} {name}")
 
 
+def test_a_super_block_too_small_for_a_record_keeps_f32_planes_and_computes_right():
+    """The kernels read four blocks' scales from one record: a super-block of 64 values (two kernel
+    blocks) has no record, keeps f32 scale planes, and its mat-vec equals the reference."""
+    from kernelgen.compiler.build import compile_kernels
+    decl = ("quant k64 {\n    block 64;\n    sub 32;\n    field d: f16;\n    field sc: u8[2];\n    field qs: u8[32];\n"
+            "    unpack (qs[i % 32] >> (i / 32 * 4)) & 15;\n    dequant d * sc[s] * q;\n}\n")
+    k = compile_kernels(DSL_PATH.read_text(encoding="utf-8") + decl, "simd128")
+    q = k.quants["k64"]
+    assert q.record is None and q.planes["scale"] == ("<f4", 4)
+    rng = rng_for("k64")
+    b = random_blocks(q, rng, 5, 6, (0.5, 2.0))
+    act = k.quantize_act(rng.standard_normal(6 * 64).astype(np.float32))
+    got = k.qmatvec(k.pack("k64", b), act)
+    ref, mag = reference.qmatvec(q.scale_ref(b), q.unpack_ref(b).reshape(5, -1), k.act_values(act), act.d,
+                                 consts(k)[0], 32)
+    assert np.all(np.abs(got - ref) <= 1e-5 * mag + 1e-30)
+
+
 def test_a_manifest_of_another_packed_layout_is_refused(quants):
     """A library built for another packing (a manifest whose planes are not what this kernelgen's
     pack writes: Q4_K's f32 scale and offset planes of an older build) is refused with a rebuild
