@@ -69,7 +69,8 @@ def inputs_hash(source: str, target: str, tune: dict, max_pages: int) -> str:
 class Memo:
     """What the builds of one checked program share (within_budget makes three or four per target,
     most of their functions alike): lowered functions (lower's memo) and their text (render_module's
-    cache). Builds that used one measured 3.1 s for both targets' default build, 4.8 s without."""
+    cache). Both targets' default build measured 2.1-2.3 s in one process with one, 4.8 s without
+    (seven builds; lowering 3.0 s -> 0.9 s)."""
 
     lowered: dict = field(default_factory=dict)
     rendered: dict = field(default_factory=dict)
