@@ -1428,6 +1428,37 @@ def test_build_keeps_the_budget_when_qmatmul_takes_qmatvecs_accs(checked) -> Non
         assert fitted <= budget, (budget, fitted, manifest["tune"]["budget"])
 
 
+def test_budget_choice_is_the_fastest_of_every_choice_that_fits(checked) -> None:
+    """Against every one of the 16 choices of two types' qmatvec and qmatmul picks, each built and
+    measured: at budgets across the range, the build's choice fits and no fitting choice has more
+    speed (sum of log speedups), including where qmatmul's tiles take qmatvec's accs of 2."""
+    quants = ("q8_0", "q4_1")
+    fast = {("qmatvec", "q8_0"): ({"rows": 1, "accs": 2}, 2.0), ("qmatvec", "q4_1"): ({"rows": 2, "accs": 2}, 1.5),
+            ("qmatmul", "q8_0"): ({"tokens": 2, "rows": 2}, 1.3), ("qmatmul", "q4_1"): ({"tokens": 1, "rows": 4}, 1.7)}
+    least = {"qmatvec": {"rows": 1, "accs": 1}, "qmatmul": {"tokens": 1, "rows": 1}}
+    records = [rec(checked, tune, seconds, "64x256x256", kernel=k, quant=q, target="relaxed-simd")
+               for (k, q), (tune, x) in fast.items() for tune, seconds in ((least[k], 1.0), (tune, 1 / x))]
+    keys = sorted(fast)
+
+    def quant_code(b) -> int:
+        return size.sizes(b).figures()[size.QUANT_CODE]
+
+    choices = []
+    for n in range(1 << len(keys)):
+        taken = {keys[i] for i in range(len(keys)) if n >> i & 1}
+        tune = {**least, **{f"{k}_{q}": fast[k, q][0] if (k, q) in taken else least[k] for k, q in keys}}
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), tune=tune, code_budget=None, quants=quants)
+        choices.append((quant_code(b), sum(math.log(fast[key][1]) for key in taken)))
+    smallest_code, most = min(c for c, _ in choices), max(c for c, _ in choices)
+    for budget in range(smallest_code, most + 1, max(1, (most - smallest_code) // 6)):
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), records=records, tune_host=HOST_A,
+                              code_budget=budget, quants=quants)
+        dropped = b.manifest["tune"].get("budget", {}).get("dropped", {})
+        speed = sum(math.log(x) for (k, q), (_, x) in fast.items() if f"{k}_{q}" not in dropped)
+        best = max(s for c, s in choices if c <= budget)
+        assert quant_code(b) <= budget and speed == pytest.approx(best), (budget, dropped)
+
+
 def test_build_of_some_quant_types_spends_the_budget_on_them(checked) -> None:
     """A build of the types a model uses carries only their code: under the budget that made the
     all-types build drop q4_1's pick, a q4_1-only build keeps it; a type left out is refused by the
