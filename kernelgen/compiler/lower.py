@@ -238,6 +238,30 @@ def _walk(code: Instr) -> Iterator[Instr]:
         yield from _walk(a)
 
 
+# Scalar integer operators without effects or traps: an operand made only of these (and local
+# reads) may be dropped when its value cannot matter (x * 0).
+_PURE_INT = {f"{t}.{op}" for t in ("i32", "i64") for op in ("const", "add", "sub", "mul", "and", "or", "xor", "shl",
+                                                          "shr_s", "shr_u")}
+
+
+def _int_identity(op: str, a: Val, b: Val) -> Val | None:
+    """x * 1, 1 * x, 0 + x and x * 0 on scalar integers (unrolled indices make them: `r * k * 4`
+    with r = 0 or 1), so the WAT reads as written by hand and no engine need fold them. None if
+    no identity applies; x * 0 only where x has no effect to keep."""
+    if not T.is_int(a.type) or T.is_vector(a.type) or b.type != a.type:
+        return None
+    if op == "*":
+        for one, x in ((a, b), (b, a)):
+            if _known(one) and one.const == 1:
+                return x
+            if _known(one) and one.const == 0 and (x.code is None or all(
+                    i.op == "local.get" or i.op in _PURE_INT for i in _walk(x.code))):
+                return Val(None, a.type, 0)
+    if op == "+" and _known(a) and a.const == 0:
+        return b
+    return None
+
+
 def _writes_memory(code: Instr) -> bool:
     """A store, call, atomic or memory operation anywhere in `code`."""
     return any(x.op.startswith(("call", "memory.")) or ".store" in x.op or ".atomic" in x.op for x in _walk(code))
@@ -804,6 +828,8 @@ class Lowerer:
             a = self._coerce(a, "i32" if a.type == T.INT_LIT else "f32")
         if T.is_int(a.type) and b.const == 0 and b.code is None and op in ("+", "-", "|", "^", "<<", ">>"):
             return a  # x + 0 and friends: common after target constants fold (ACT_ZERO on simd128)
+        if (simple := _int_identity(op, a, b)) is not None:
+            return simple
         if op == "+" and T.is_int(a.type) and T.is_vector(a.type) and (is_zero_vector(a) or is_zero_vector(b)):
             return b if is_zero_vector(a) else a  # a zero accumulator passed to an inline kernel
         t = a.type
