@@ -216,15 +216,21 @@ export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
 kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32, n: i32, k: i32) {
     var acc[M * N]: f32x4 = f32x4.splat(0.0);
     var bv[N]: f32x4 = f32x4.splat(0.0);
+    var brow[N]: ptr = 0;
+    unroll r in 0..N {
+        brow[r] = b + (r0 + r) * k * 4;
+    }
+    var arow[M]: ptr = 0;
+    unroll t in 0..M {
+        arow[t] = a + (t0 + t) * k * 4;
+    }
     let body = k - k % 4;
-    let arow = a + t0 * k * 4;
-    let brow = b + r0 * k * 4;
     for i in 0..body * 4 step 16 {  # i: bytes
         unroll r in 0..N {
-            bv[r] = f32x4.load(brow + r * k * 4 + i);
+            bv[r] = f32x4.load(brow[r] + i);
         }
         unroll t in 0..M {
-            let av = f32x4.load(arow + t * k * 4 + i);
+            let av = f32x4.load(arow[t] + i);
             unroll r in 0..N {
                 acc[t * N + r] = acc[t * N + r] + av * bv[r];
             }
@@ -286,16 +292,22 @@ export kernel matmul_f32_nt(a: ptr, b: ptr, y: ptr, m: i32, n: i32, k: i32) {
 kernel ftile_nn[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, c0: i32, n: i32, k: i32) {
     var acc[M * N]: f32x4 = f32x4.splat(0.0);
     var bv[N]: f32x4 = f32x4.splat(0.0);
-    for i in 0..k {
+    var arow[M]: ptr = 0;
+    unroll t in 0..M {
+        arow[t] = a + (t0 + t) * k * 4;
+    }
+    var brow: ptr = b + c0 * 4;  # row i of B's columns c0 ..
+    for i in 0..k * 4 step 4 {  # i: bytes
         unroll c in 0..N {
-            bv[c] = f32x4.load(b + (i * n + c0) * 4, c * 16);
+            bv[c] = f32x4.load(brow, c * 16);
         }
         unroll t in 0..M {
-            let av = f32x4.splat(f32.load(a + ((t0 + t) * k + i) * 4));
+            let av = f32x4.splat(f32.load(arow[t] + i));
             unroll c in 0..N {
                 acc[t * N + c] = acc[t * N + c] + av * bv[c];
             }
         }
+        brow = brow + n * 4;
     }
     unroll j in 0..M * N {
         f32x4.store(y + ((t0 + j / N) * n + c0) * 4, (j % N) * 16, acc[j]);
