@@ -4,17 +4,18 @@
 // thread count and prints the table; run alone:
 //
 //   node --experimental-wasm-relaxed-simd --no-liftoff examples/minilm/bench.mjs IDS.json \
-//        --engine kernelgen --model MODEL.safetensors [--target T] [--threads N] [--batches 1,8,32] [--browser]
+//        --engine kernelgen --model MODEL.safetensors [--lib OUT] [--target T] [--threads N] [--batches 1,8,32] [--browser]
 //   node examples/minilm/bench.mjs IDS.json --engine ort --onnx model.onnx [--threads N] [--batches 1,8] [--browser]
 //
-// IDS.json: [[101, ..., 102], ...] token ids per sentence. --browser runs the engine in a worker of a
+// IDS.json: [[101, ..., 102], ...] token ids per sentence. --lib: the build's directory (`kernelgen build
+// --out`; default the repository's out/). --browser runs the engine in a worker of a
 // cross-origin isolated page of headless Chromium (bench-worker.mjs; threads need the isolation),
 // onnxruntime-web's browser build served from node_modules, V8 with --no-liftoff as in Node (every engine's wasm optimized from the
 // start, not when tiering gets to it). Prints one JSON line per batch size (timeEngine's records,
 // plus `where`).
 
 import { readFile } from 'node:fs/promises';
-import { basename, dirname } from 'node:path';
+import { basename, dirname, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 
@@ -25,7 +26,7 @@ import { kernelgenEngine, ortEngine, timeEngine } from './timing.mjs';
 const { values, positionals } = parseArgs({
   allowPositionals: true,
   options: {
-    engine: { type: 'string' }, model: { type: 'string' }, onnx: { type: 'string' }, target: { type: 'string' },
+    engine: { type: 'string' }, model: { type: 'string' }, lib: { type: 'string' }, onnx: { type: 'string' }, target: { type: 'string' },
     threads: { type: 'string', default: '1' }, batches: { type: 'string', default: '1,8,32' },
     repeat: { type: 'string', default: '3' }, browser: { type: 'boolean', default: false },
   },
@@ -48,12 +49,13 @@ if (!files[values.engine]) fail(`--engine ${values.engine} needs ${flags[values.
 const sentences = JSON.parse(await readFile(positionals[0], 'utf8'));
 const file = files[values.engine];
 const spec = { engine: values.engine, target: values.target, threads, batches, repeat };
+const lib = values.lib && resolve(values.lib);
 
 /** In Node: the runtime as imported here, onnxruntime-web's Node build. */
 async function inNode() {
   const bytes = new Uint8Array(await readFile(file));
   const engine = spec.engine === 'kernelgen'
-    ? await kernelgenEngine(loadKernels, bytes, spec)
+    ? await kernelgenEngine((o) => loadKernels({ ...o, dir: lib }), bytes, spec)
     : await ortEngine(await import('onnxruntime-web'), bytes, spec);
   try {
     return await timeEngine(engine, sentences, batches, repeat);
@@ -66,7 +68,7 @@ async function inNode() {
  * (bench-worker.mjs), onnxruntime-web's browser build (it loads its wasm and its worker script from /ort/). */
 function inChromium() {
   const ortDist = dirname(fileURLToPath(import.meta.resolve('onnxruntime-web/wasm')));
-  return withPage({ mounts: { '/file/': dirname(file), '/ort/': ortDist }, jsFlags: ['--no-liftoff'] }, (page) => page.evaluate(async (message) => {
+  return withPage({ mounts: { '/file/': dirname(file), '/ort/': ortDist, ...(lib ? { '/out/': lib } : {}) }, jsFlags: ['--no-liftoff'] }, (page) => page.evaluate(async (message) => {
     if (!self.crossOriginIsolated) throw new Error('the page is not cross-origin isolated: no threads');
     const worker = new Worker('/minilm/bench-worker.mjs', { type: 'module' });
     try {

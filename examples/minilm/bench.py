@@ -5,7 +5,12 @@ reference; and where kernelgen's time goes (linear layers with their activation 
 attention, the rest: LayerNorm, GELU, pooling).
 
     python examples/minilm/bench.py [--sentences 32] [--batches 1,8,32] [--threads 1,2] [--repeat 5]
-                                    [--where node,chromium]
+                                    [--where node,chromium] [--lib OUT]
+
+kernelgen runs on a library built for the model's one quant type, Q8_0 (`kernelgen build --quant q8_0`,
+a few seconds), as a page serving this model would ship it: the whole library's byte budget then goes
+to Q8_0's tiles, where the committed out/ (every type in 32 KB) builds its smallest GEMM tile. `--lib
+out` (or any build's directory) times that build instead.
 
 Needs node and node_modules (npm ci: onnxruntime-web, playwright-core), /usr/bin/chromium, and the
 model packages (inputs.py). Each engine runs in its own Node process or Chromium page (bench.mjs),
@@ -33,10 +38,12 @@ import export
 import inputs
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 # Node 20: relaxed SIMD behind a flag, and Liftoff miscompiles its integer dot (runtime/README.md).
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 TARGETS = ("simd128", "relaxed-simd")
 WHERE = {"node": [], "chromium": ["--browser"]}
+QUANT = "q8_0"  # the linear layers' type (export.py), and the one the library is built for
 GOAL_SPEEDUP = 1.5  # Chromium, relaxed SIMD, 2 threads, batch 32, against onnxruntime-web (issue 15)
 
 
@@ -98,6 +105,16 @@ def onnxruntime_runs(ids: list[list[int]], batches: list[int], threads: int, rep
     return runs
 
 
+def library(out: Path) -> Path:
+    """Build the kernels for QUANT alone into `out` (the tuning store's picks, as `kernelgen build`)."""
+    proc = subprocess.run([sys.executable, "-m", "kernelgen.cli", "build", "--quant", QUANT, "--out", str(out),
+                           "--dsl", str(ROOT / "kernels.dsl"), "--store", str(ROOT / "tuning" / "store.jsonl")],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        sys.exit(f"bench.py: kernelgen build --quant {QUANT}: exit {proc.returncode}\n{proc.stderr}")
+    return out
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -157,6 +174,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=5, help="timed passes per figure (the median is kept)")
     ap.add_argument("--where", default="node,chromium", help=f"where the JS engines run: {', '.join(WHERE)}")
+    ap.add_argument("--lib", type=Path, help="a kernelgen build's directory (default: a Q8_0 build made for this run)")
     args = ap.parse_args()
     node = shutil.which("node")
     if node is None:
@@ -175,21 +193,22 @@ def main() -> None:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory() as tmp:
         model, ids_file = Path(tmp) / "minilm-q8_0.safetensors", Path(tmp) / "ids.json"
-        export.export(model, "q8_0")
+        export.export(model, QUANT)
         ids_file.write_text(json.dumps(ids))
+        lib = args.lib or library(Path(tmp) / "lib")
         common = [str(ids_file), "--batches", args.batches, "--repeat", str(args.repeat)]
         for t in threads:
             for place in where:
                 for target in TARGETS:
-                    runs += node_runs(node, [*common, "--engine", "kernelgen", "--model", str(model), "--target", target,
-                                             "--threads", str(t), *WHERE[place]])
+                    runs += node_runs(node, [*common, "--engine", "kernelgen", "--model", str(model), "--lib", str(lib),
+                                             "--target", target, "--threads", str(t), *WHERE[place]])
                 runs += node_runs(node, [*common, "--engine", "ort", "--onnx", str(inputs.onnx_path()),
                                          "--threads", str(t), *WHERE[place]])
             runs += onnxruntime_runs(ids, batches, t, args.repeat)
     node_version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
     print(f"all-MiniLM-L6-v2, {len(ids)} corpus sentences ({min(map(len, ids))}..{max(map(len, ids))} tokens, "
           f"mean {np.mean([len(s) for s in ids]):.1f}), sentences/s, the median of {args.repeat} timed passes after "
-          f"an untimed one; kernelgen Q8_0\n{cpu_name()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the "
+          f"an untimed one; kernelgen Q8_0 on {'the build in ' + str(args.lib) if args.lib else 'a Q8_0 build'}\n{cpu_name()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the "
           f"start, {os.getloadavg()[0]:.1f} at the end; node {node_version}\n")
     print(table(runs, batches))
 
