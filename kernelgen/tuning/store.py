@@ -195,6 +195,7 @@ def usable(records: list[Record], checked: Checked) -> list[Record]:
     build would use) is skipped with a StoreWarning naming its line."""
     out = []
     hash_of = functools.cache(functools.partial(kernel_hash, checked))  # 1-2 ms each, once per kernel and type
+    resolves = functools.cache(lambda kernel, tune: resolve_tune(checked, {kernel: json.loads(tune)}, where="tune record"))
     for r in records:
         job = r.kernel in checked.jobs
         k = checked.jobs.get(r.kernel) or checked.kernels.get(r.kernel)
@@ -209,8 +210,8 @@ def usable(records: list[Record], checked: Checked) -> list[Record]:
             if set(r.tune) != {t.name for t in k.ast.tunes}:
                 problem = f"tune values {r.tune}: {r.kernel} takes {', '.join(t.name for t in k.ast.tunes) or 'none'}"
             else:
-                try:
-                    resolve_tune(checked, {r.kernel: r.tune}, where="tune record")
+                try:  # once per kernel and variant: the store holds thousands of records of a few
+                    resolves(r.kernel, json.dumps(r.tune, sort_keys=True))
                 except DslError as e:
                     problem = e.message
         if problem is None:
@@ -259,9 +260,9 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     hash_of = functools.cache(functools.partial(kernel_hash, checked, kernel))
     hk = json.dumps(want_host, sort_keys=True)
     latest: dict[tuple[str, str], float] = {}
-    for r in sorted(records, key=lambda r: r.when):
-        if (r.kernel, r.target) == (kernel, target) and quant in (ALL_QUANTS, r.quant) \
-                and json.dumps(r.host, sort_keys=True) == hk and r.dsl_hash == hash_of(r.quant):
+    mine = [r for r in records if r.kernel == kernel and r.target == target and quant in (ALL_QUANTS, r.quant)]
+    for r in sorted(mine, key=lambda r: r.when):
+        if json.dumps(r.host, sort_keys=True) == hk and r.dsl_hash == hash_of(r.quant):
             key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}:{r.engine}")
             if r.seconds is not None and r.status == "ok":
                 latest[key] = r.seconds
