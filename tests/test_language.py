@@ -83,6 +83,22 @@ kernel helper[N: i32](x: i32) -> i32 {
     return x * N;
 }
 
+kernel bump(p: ptr) -> i32 {
+    i32.store(p, i32.load(p) + 1);
+    return 3;
+}
+
+# Integer identities the lowering removes (x * 1, 1 * x, 0 + x, x * 0) and keeps where an operand
+# has an effect: bump's store, and a load that may trap.
+export kernel identities(x: i32, p: ptr) -> i32 {
+    var s: i32 = 0;
+    unroll r in 0..2 {
+        s = s + r * x + x * r + (0 + r) * 100;
+    }
+    let z = bump(p) * 0 + i32.load(p + 4) * 0;
+    return s + z;
+}
+
 export kernel generic_calls(x: i32) -> i32 {
     return helper[2](x) + helper[3](x) + helper[2](x);
 }
@@ -119,6 +135,19 @@ def test_generic_kernel_instances_and_unroll_offsets_in_the_wat() -> None:
     assert built.wat.count("(func $helper__n2\n") == 1 and built.wat.count("(func $helper__n3\n") == 1
     assert parse_variant("helper__n2").tune == {"n": 2}
     assert "(i32.store offset=12" in built.wat
+
+
+def test_integer_identities_go_and_effects_stay(k) -> None:
+    from kernelgen.compiler.build import compile_source
+    (built,) = compile_source(SOURCE, targets=("simd128",))
+    body = built.wat.split("(func $identities")[1].split("\n  (func ")[0]
+    assert "i32.mul" not in body.split("let z =")[0], body  # r * x, x * r for r = 0, 1: gone
+    assert "call $bump" in body and "i32.load" in body  # x * 0 keeps an operand with an effect
+    p = k.module.alloc(8)
+    assert k.call("identities", 5, p) == 2 * 5 + 100
+    assert k.module.get(p, np.int32, 1).tolist() == [1]  # bump ran
+    with pytest.raises(Exception, match="out of bounds"):
+        k.call("identities", 5, 0x7FFFFFF0)  # the load's trap is kept
 
 
 def test_each_inline_expansion_keeps_its_own_result(k) -> None:
