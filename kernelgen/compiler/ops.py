@@ -456,6 +456,13 @@ def _run_job(c: Ctx, q: str | None, args: list[Val]) -> Val:
 # ---- ops whose lowering differs by target ------------------------------------------------------
 
 
+def _pairs_to_i32(x: Instr) -> Instr:
+    """i16 lanes summed in pairs into i32 lanes: an i16 dot with ones, what extadd_pairwise does,
+    written so an engine can keep the ones in a register (V8 11 loads extadd's constant's address
+    before every use)."""
+    return I("i32x4.dot_i16x8_s", x, I("v128.const", "i16x8", *["1"] * 8))
+
+
 def _idot_check(c: Ctx, args: list[Val]) -> tuple[Val, Val, Val, int | None]:
     """(acc, w, a, offset). `a` is an i8x16 of activations, or the address of activations stored in
     the target's layout (ACT_BYTES each) with a constant `offset` counted in activations."""
@@ -557,7 +564,7 @@ def _idots_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     w1, w2 = c.reuse(w)
     dot_p = I("i16x8.relaxed_dot_i8x16_i7x16_s", w1, p1)
     dot_n = I("i16x8.relaxed_dot_i8x16_i7x16_s", w2, I("i8x16.sub", p2, a2))
-    return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_p, dot_n)))
+    return _plus_acc(c, acc, _pairs_to_i32(I("i16x8.sub", dot_p, dot_n)))
 
 
 def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -611,7 +618,7 @@ def _idot7p_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     p1, p2 = c.reuse(a)
     d0 = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u0))
     d1 = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset + 16), c.materialize(u1))
-    return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.add", d0, d1)))
+    return _plus_acc(c, acc, _pairs_to_i32(I("i16x8.add", d0, d1)))
 
 
 def _idot7z_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -631,7 +638,7 @@ def _idot7z_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     p1, p2 = c.reuse(a)
     dot_u = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p1, offset), c.materialize(u))
     dot_z = I("i16x8.relaxed_dot_i8x16_i7x16_s", _act_load(c, p2, offset), c.materialize(z))
-    return _plus_acc(c, acc, I("i32x4.extadd_pairwise_i16x8_s", I("i16x8.sub", dot_u, dot_z)))
+    return _plus_acc(c, acc, _pairs_to_i32(I("i16x8.sub", dot_u, dot_z)))
 
 
 def _idot7zs_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
