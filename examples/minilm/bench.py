@@ -44,6 +44,7 @@ NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 TARGETS = ("simd128", "relaxed-simd")
 WHERE = {"node": [], "chromium": ["--browser"]}
 QUANT = "q8_0"  # the linear layers' type (export.py), and the one the library is built for
+BUILD_SECONDS = 600  # the library's build: a few seconds, but a waiting out/ lock or a stuck tool must not hang the bench
 GOAL_SPEEDUP = 1.5  # Chromium, relaxed SIMD, 2 threads, batch 32, against onnxruntime-web (issue 15)
 
 
@@ -109,7 +110,7 @@ def library(out: Path) -> Path:
     """Build the kernels for QUANT alone into `out` (the tuning store's picks, as `kernelgen build`)."""
     proc = subprocess.run([sys.executable, "-m", "kernelgen.cli", "build", "--quant", QUANT, "--out", str(out),
                            "--dsl", str(ROOT / "kernels.dsl"), "--store", str(ROOT / "tuning" / "store.jsonl")],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, timeout=BUILD_SECONDS)
     if proc.returncode:
         sys.exit(f"bench.py: kernelgen build --quant {QUANT}: exit {proc.returncode}\n{proc.stderr}")
     return out

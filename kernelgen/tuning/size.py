@@ -66,28 +66,6 @@ def quant_of(function: str, quants: Iterable[str]) -> str | None:
     return next((q for q in quants if base.endswith(f"_{q}")), None)
 
 
-def calls(wat: str) -> dict[str, set[str]]:
-    """Each defined function's direct callees, by name, from the WAT (a function runs to the next
-    one; pool jobs are reached through the table, as roots of their own)."""
-    parts = re.split(r"^  \(func \$(\S+)", wat, flags=re.M)[1:]
-    return {name: set(re.findall(r"\bcall \$(\S+?)[\s)]", body)) for name, body in zip(parts[::2], parts[1::2])}
-
-
-def reached(functions: dict[str, int], graph: dict[str, set[str]], roots: Iterable[str]) -> int:
-    """Bytes of the functions `roots` reach through calls, each counted once. A function's body
-    depends only on its name (names.variant_name holds its quant type, tune values and compile-time
-    integers), so tables merged from several builds of one source and target answer for any mix of
-    their exports."""
-    seen: set[str] = set()
-    todo = list(roots)
-    while todo:
-        f = todo.pop()
-        if f not in seen:
-            seen.add(f)
-            todo.extend(graph[f])
-    return sum(functions[f] for f in seen)
-
-
 @dataclass(frozen=True)
 class Sizes:
     """One target's module: its bytes raw and compressed, and each function body's bytes."""
