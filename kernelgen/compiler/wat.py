@@ -69,6 +69,21 @@ class Func:
     span: Span | None = None
 
 
+def _map_stmts(stmts: list[Stmt], f) -> list[Stmt]:
+    """`stmts` with `f` applied to every instruction tree in them (inside blocks and ifs too)."""
+    out: list[Stmt] = []
+    for st in stmts:
+        if isinstance(st, Instr):
+            out.append(f(st))
+        elif isinstance(st, Block):
+            out.append(Block(st.kind, st.label, _map_stmts(st.body, f)))
+        elif isinstance(st, If):
+            out.append(If(f(st.cond), _map_stmts(st.then, f), _map_stmts(st.orelse, f)))
+        else:
+            out.append(st)
+    return out
+
+
 def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt], list[tuple[str, str]]]:
     """`body` with each v128.const it uses more than once read from a local set at its start, and
     those locals: 2 bytes per use in place of 18 (a 4-row tile repeats its nibble mask eight times),
@@ -76,26 +91,14 @@ def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt
     (`$i8x16_15`, else `$i16x8_const_2`), none of them in `taken`."""
     counts: dict[tuple[str, ...], int] = {}
 
-    def count(x: Instr) -> None:
+    def count(x: Instr) -> Instr:
         if x.op == "v128.const":
             counts[x.imms] = counts.get(x.imms, 0) + 1
         for a in x.args:
             count(a)
+        return x
 
-    def each(stmts: list[Stmt], f) -> list[Stmt]:
-        out: list[Stmt] = []
-        for st in stmts:
-            if isinstance(st, Instr):
-                out.append(f(st))
-            elif isinstance(st, Block):
-                out.append(Block(st.kind, st.label, each(st.body, f)))
-            elif isinstance(st, If):
-                out.append(If(f(st.cond), each(st.then, f), each(st.orelse, f)))
-            else:
-                out.append(st)
-        return out
-
-    each(body, lambda x: (count(x), x)[1])
+    _map_stmts(body, count)
     names: dict[tuple[str, ...], str] = {}
     for imms, n in counts.items():
         if n > 1:
@@ -117,7 +120,7 @@ def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt
 
     sets: list[Stmt] = [Comment("vector constants used more than once")]
     sets += [I("local.set", f"${name}", Instr("v128.const", imms)) for imms, name in names.items()]
-    return sets + each(body, swap), [(name, "v128") for name in names.values()]
+    return sets + _map_stmts(body, swap), [(name, "v128") for name in names.values()]
 
 
 def number(x: int | float) -> str:
