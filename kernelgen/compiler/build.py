@@ -32,7 +32,7 @@ from . import layout
 from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
-from ..tuning.size import code_sizes, quant_of
+from ..tuning.size import by_quant, code_sizes
 from ..tuning.store import Record, best_tune, host, load_store, smallest, speedup, usable
 from .emit import render_module
 from ..host.api import Kernels
@@ -215,11 +215,7 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     quants = tuple(checked.quants)
 
     def by_type(b: Built) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for f, n in code_sizes(b).items():
-            if (q := quant_of(f, quants)) is not None:
-                out[q] = out.get(q, 0) + n
-        return out
+        return {q: n for q, n in by_quant(code_sizes(b), quants).items() if q is not None}
 
     def kernel_of(u: Upgrade) -> str:
         return u.key.removesuffix(f"_{u.quant}")

@@ -66,6 +66,15 @@ def quant_of(function: str, quants: Iterable[str]) -> str | None:
     return next((q for q in quants if base.endswith(f"_{q}")), None)
 
 
+def by_quant(functions: dict[str, int], quants: tuple[str, ...]) -> dict[str | None, int]:
+    """Function-body bytes (code_sizes) per quant type, None for the functions of none, in the
+    order of `quants`: the byte budget's costs and the bench's figures."""
+    out: dict[str | None, int] = {q: 0 for q in (*quants, None)}
+    for name, size in functions.items():
+        out[quant_of(name, quants)] += size
+    return out
+
+
 @dataclass(frozen=True)
 class Sizes:
     """One target's module: its bytes raw and compressed, and each function body's bytes."""
@@ -87,10 +96,7 @@ class Sizes:
 
     def by_quant(self) -> dict[str | None, int]:
         """Function-body bytes per quant type (None: the functions of no quant type), in declaration order."""
-        out: dict[str | None, int] = {q: 0 for q in (*self.quants, None)}
-        for name, size in self.functions.items():
-            out[self.split(name)[1]] += size
-        return out
+        return by_quant(self.functions, self.quants)
 
     def by_kernel(self) -> dict[str, int]:
         """Function-body bytes per kernel variant over all quant types, largest first."""
