@@ -21,6 +21,9 @@ class DslError(KernelgenError):
         self.message = message
         self.source = source
 
+    def __reduce__(self) -> tuple:  # pickled whole (a parallel build's process raises it to the parent)
+        return type(self), (self.span, self.message, self.source)
+
     def with_source(self, source: str) -> DslError:
         if not self.source:
             self.source = source

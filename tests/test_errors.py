@@ -369,6 +369,18 @@ def test_op_missing_on_a_target_in_kernels_dsl(op: str) -> None:
     assert line[e.span.col - 1:].startswith(f"{op}("), (e.span, line)
 
 
+def test_an_error_lowering_one_target_of_a_parallel_build_arrives_whole() -> None:
+    """compile_source builds the targets in processes of their own: a DslError raised while
+    lowering one of them reaches the caller with its span, message and source line."""
+    source = "export kernel f(x: ptr, n: i32) {\n    let a = i32x4.splat(1.5);\n}\n"
+    with pytest.raises(DslError) as info:
+        compile_source(source, "bad.dsl", targets=("simd128", "relaxed-simd"))
+    e = info.value
+    assert (e.span.file, e.span.line, e.span.col) == ("bad.dsl", 2, 13)
+    assert str(e).splitlines() == ["bad.dsl:2:13: i32x4.splat of a float constant; convert it explicitly",
+                                   "        let a = i32x4.splat(1.5);", "    " + " " * 12 + "^"]
+
+
 # ---- assembler errors mapped back -----------------------------------------------------------------
 
 WAT_BAD = """(module
