@@ -171,6 +171,10 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     smallest variant (what a byte budget may take back)."""
     overrides = dict(overrides or {})
     want = tune_host or host()
+    mine: dict[str, list[Record]] = {}  # this target's records by kernel: each lookup below reads only its own
+    for r in records or []:
+        if r.target == target:
+            mine.setdefault(r.kernel, []).append(r)
     sources: dict[str, str] = {}
     upgrades: list[Upgrade] = []
     for name, k in checked.kernels.items():
@@ -181,7 +185,7 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             continue
         least = smallest(checked, name)
         picks = {q: best for q in (checked.quants if k.ast.generics else (None,))
-                 if records and (best := best_tune(records, checked, name, target, want, least, q)) is not None}
+                 if (best := best_tune(mine.get(name, []), checked, name, target, want, least, q)) is not None}
         if not picks:
             sources[name] = "default"
             continue
@@ -191,12 +195,12 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
                 overrides[tune_key(name, q)] = best
                 sources[tune_key(name, q)] = "store"
                 upgrades.append(Upgrade(tune_key(name, q), q, least, best,
-                                        speedup(records, checked, name, target, want, best, least, q)))
+                                        speedup(mine[name], checked, name, target, want, best, least, q)))
     values = resolve_tune(checked, overrides)
     sources.update({key: "override" for key in overrides if key not in sources})
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
     for name in checked.jobs:
-        if records and (best := best_tune(records, checked, name, target, want)) is not None:
+        if (best := best_tune(mine.get(name, []), checked, name, target, want)) is not None:
             pool[name] = best
     used_store = "store" in sources.values() or bool(pool)
     return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades}
