@@ -8,13 +8,16 @@ the source line and a caret under the column (README: "Every mistake in the DSL 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
 from kernelgen.compiler import assemble as asm
 from kernelgen.compiler.ast import Span
+from kernelgen.compiler import build as build_module
 from kernelgen.compiler.build import compile_source
 from kernelgen.compiler.check import check, resolve_tune
 from kernelgen.errors import DslError, KernelgenError
@@ -379,6 +382,40 @@ def test_an_error_lowering_one_target_of_a_parallel_build_arrives_whole() -> Non
     assert (e.span.file, e.span.line, e.span.col) == ("bad.dsl", 2, 13)
     assert str(e).splitlines() == ["bad.dsl:2:13: i32x4.splat of a float constant; convert it explicitly",
                                    "        let a = i32x4.splat(1.5);", "    " + " " * 12 + "^"]
+
+
+_COMPILE_ONE = build_module._compile_one
+
+
+def _dying_on_relaxed(checked, target, **kw):  # module level: the pool pickles it by name
+    if target == "relaxed-simd":
+        os._exit(9)
+    return _COMPILE_ONE(checked, target, **kw)
+
+
+def test_a_target_process_that_dies_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target's build process killed mid-build (os._exit stands for the OOM killer): a
+    KernelgenError saying so, not a traceback from the pool or a wait for a result that never comes."""
+    monkeypatch.setattr(build_module, "_compile_one", _dying_on_relaxed)
+    with pytest.raises(KernelgenError, match="stopped abruptly"):
+        compile_source("export kernel f(x: ptr) {\n}\n", targets=("simd128", "relaxed-simd"))
+
+
+def test_a_build_beside_another_python_thread_stays_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fork copies only the calling thread: with another thread running, the targets are built here."""
+    def no_pool(*a, **kw):
+        raise AssertionError("forked while another thread ran")
+
+    monkeypatch.setattr(build_module.concurrent.futures, "ProcessPoolExecutor", no_pool)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        built = compile_source("export kernel f(x: ptr) {\n}\n", targets=("simd128", "relaxed-simd"))
+    finally:
+        stop.set()
+        other.join(5)
+    assert [b.target for b in built] == ["simd128", "relaxed-simd"]
 
 
 # ---- assembler errors mapped back -----------------------------------------------------------------

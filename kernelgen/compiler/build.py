@@ -18,7 +18,9 @@ import json
 import multiprocessing
 import os
 import shutil
+import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,13 +282,26 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
         records = usable(records, checked)
     one = functools.partial(_compile_one, checked, tune=tune, records=records, tune_host=tune_host,
                             dsl_name=Path(filename).name, max_pages=max_pages, code_budget=code_budget)
-    if len(targets) < 2 or (os.cpu_count() or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if not _fork_targets(targets):
         return [one(t) for t in targets]
     # One process per target: the targets share nothing past `checked`, and lowering is pure Python
-    # (both targets' default build: 4.6-5.3 s in one process). Forked, so the children start with
-    # the parsed program and the imports; each result comes back pickled (its wasm, text, manifest).
-    with concurrent.futures.ProcessPoolExecutor(len(targets), mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(one, targets))
+    # (both targets' default build: 4.5-5.0 s in one process, 3.0-3.6 s so). Forked, so the children
+    # start with the parsed program and the imports; each result comes back pickled (its wasm, text
+    # and manifest), an error raised in one as itself.
+    try:
+        with concurrent.futures.ProcessPoolExecutor(len(targets), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(one, targets))
+    except BrokenProcessPool:
+        raise KernelgenError("a target's build process stopped abruptly (killed, or out of memory); "
+                             "nothing was written") from None
+
+
+def _fork_targets(targets: tuple[str, ...]) -> bool:
+    """Build `targets` in forked processes: more than one target and one CPU, a platform that forks,
+    and no other Python thread in this process (a fork copies only the calling thread, so a lock
+    another one holds would never be released in the child)."""
+    return (len(targets) > 1 and (os.cpu_count() or 1) > 1 and "fork" in multiprocessing.get_all_start_methods()
+            and threading.active_count() == 1)
 
 
 def _compile_one(checked: Checked, target: str, tune: dict[str, dict[str, int]] | None, records: list[Record] | None,
