@@ -396,6 +396,8 @@ def _dying_on_relaxed(checked, target, **kw):  # module level: the pool pickles 
 def test_a_target_process_that_dies_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
     """A target's build process killed mid-build (os._exit stands for the OOM killer): a
     KernelgenError saying so, not a traceback from the pool or a wait for a result that never comes."""
+    if not build_module._fork_targets(("simd128", "relaxed-simd")):  # built here, the stand-in would end pytest
+        pytest.skip("this process builds its targets itself (one CPU, no fork, or other threads)")
     monkeypatch.setattr(build_module, "_compile_one", _dying_on_relaxed)
     with pytest.raises(KernelgenError, match="stopped abruptly"):
         compile_source("export kernel f(x: ptr) {\n}\n", targets=("simd128", "relaxed-simd"))
