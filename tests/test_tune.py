@@ -1324,8 +1324,17 @@ def test_size_table_matches_wasm_objdump_and_splits_by_quant_type_and_kernel(tmp
 # ---- the byte budget of quant-type code ----------------------------------------------------------
 
 
-def _upgrade(key: str, quant: str, speedup: float) -> B.Upgrade:
-    return B.Upgrade(key, quant, {"rows": 1}, {"rows": 4}, speedup)
+def _upgrade(key: str, quant: str, speedup: float, rows: int = 4) -> B.Upgrade:
+    return B.Upgrade(key, quant, {"rows": 1}, {"rows": rows}, speedup, middle=rows != 4)
+
+
+def _keys(names: frozenset[str]) -> set[str]:
+    """spend's names (`mv_a__rows4`) as their keys."""
+    return {n.partition("__")[0] for n in names}
+
+
+def _names(*keys: str) -> set[str]:
+    return {f"{k}__rows4" for k in keys}
 
 
 def test_spend_takes_the_most_speed_within_the_budget() -> None:
@@ -1336,15 +1345,15 @@ def test_spend_takes_the_most_speed_within_the_budget() -> None:
     extra = {"mv_a": 3000, "mv_b": 1000, "mv_c": 1000}
     ups = [_upgrade("mv_a", "a", 1.5), _upgrade("mv_b", "b", 1.2), _upgrade("mv_c", "c", 1.1)]
 
-    def cost(quant: str, keys: frozenset[str]) -> int:
-        return small[quant] + sum(extra[k] for k in keys)
+    def cost(quant: str, names: frozenset[str]) -> int:
+        return small[quant] + sum(extra[k] for k in _keys(names))
 
-    assert B.spend(ups, cost, 3000 + 3000) == {"mv_a"}
-    assert B.spend(ups, cost, 3000 + 2999) == {"mv_b", "mv_c"}
-    assert B.spend(ups, cost, 3000 + 4000) == {"mv_a", "mv_b"}
-    assert B.spend(ups, cost, 3000 + 1999) == {"mv_b"}
+    assert B.spend(ups, cost, 3000 + 3000) == _names("mv_a")
+    assert B.spend(ups, cost, 3000 + 2999) == _names("mv_b", "mv_c")
+    assert B.spend(ups, cost, 3000 + 4000) == _names("mv_a", "mv_b")
+    assert B.spend(ups, cost, 3000 + 1999) == _names("mv_b")
     assert B.spend(ups, cost, 2999) == set()
-    assert B.spend(ups, cost, 10 ** 9) == {"mv_a", "mv_b", "mv_c"}
+    assert B.spend(ups, cost, 10 ** 9) == _names("mv_a", "mv_b", "mv_c")
     assert B.spend([], cost, 0) == set()
 
 
@@ -1353,14 +1362,30 @@ def test_spend_costs_one_types_upgrades_together() -> None:
     upgrade that saves bytes is taken even when nothing fits."""
     ups = [_upgrade("mv_q", "q", 1.3), _upgrade("mm_q", "q", 1.1), _upgrade("mv_r", "r", 1.05)]
 
-    def cost(quant: str, keys: frozenset[str]) -> int:
+    def cost(quant: str, names: frozenset[str]) -> int:
         if quant == "r":
-            return 2000 - 500 * ("mv_r" in keys)  # smaller than the smallest variant (it happens: rows 2 < rows 1)
-        return 1000 + 2000 * bool(keys)  # either upgrade builds the shared tile
+            return 2000 - 500 * ("mv_r" in _keys(names))  # smaller than the smallest variant (it happens: rows 2 < rows 1)
+        return 1000 + 2000 * bool(names)  # either upgrade builds the shared tile
 
-    assert B.spend(ups, cost, 1000 + 1500 + 2000) == {"mv_q", "mm_q", "mv_r"}
-    assert B.spend(ups, cost, 1000 + 1500 + 1999) == {"mv_r"}
-    assert B.spend(ups, cost, 0) == {"mv_r"}
+    assert B.spend(ups, cost, 1000 + 1500 + 2000) == _names("mv_q", "mm_q", "mv_r")
+    assert B.spend(ups, cost, 1000 + 1500 + 1999) == _names("mv_r")
+    assert B.spend(ups, cost, 0) == _names("mv_r")
+
+
+def test_spend_takes_a_middle_variant_where_the_pick_does_not_fit() -> None:
+    """A kernel with a pick and a middle variant: never both (a's two together would be the most
+    speed at 6000), the pick where it fits with the rest, the middle one where that buys more (1.4 x
+    1.1 against 1.5 alone), the middle one alone where only it fits."""
+    ups = [_upgrade("mv_a", "a", 1.5), _upgrade("mv_a", "a", 1.4, rows=2), _upgrade("mv_b", "b", 1.1)]
+    extra = {"mv_a__rows4": 3000, "mv_a__rows2": 1000, "mv_b__rows4": 1000}
+
+    def cost(quant: str, names: frozenset[str]) -> int:
+        return 1000 + sum(extra[n] for n in names)
+
+    assert B.spend(ups, cost, 2000 + 4000) == {"mv_a__rows4", "mv_b__rows4"}
+    assert B.spend(ups, cost, 2000 + 3000) == {"mv_a__rows2", "mv_b__rows4"}
+    assert B.spend(ups, cost, 2000 + 1000) == {"mv_a__rows2"}
+    assert B.spend(ups, cost, 2000) == set()
 
 
 def test_speedup_is_the_ratio_of_the_stores_scores(checked) -> None:
@@ -1403,6 +1428,31 @@ def test_build_keeps_the_quant_code_within_the_budget(checked) -> None:
     least, smallest_code = build(1)  # below the smallest variants: the smallest everywhere
     assert set(least["tune"]["budget"]["dropped"]) == {"qmatvec_q8_0", "qmatvec_q4_0", "qmatvec_q4_1"}
     assert fitted > smallest_code
+
+
+def test_build_takes_the_middle_variant_where_the_pick_does_not_fit(checked) -> None:
+    """Rows 4 2x and rows 2 1.67x faster than rows 1: a budget below rows 4's bytes builds rows 2 and
+    says which pick it left out, what it built instead and both speedups (the CLI's line names
+    both). Rows 2 is also the fewest bytes (its tile is qmatmul's default one, rows 1 adds a
+    single-row copy), so a budget below every choice takes it too."""
+    tunes = (({"rows": 1, "accs": 1}, 1.0), ({"rows": 2, "accs": 1}, 0.6), ({"rows": 4, "accs": 1}, 0.5))
+    records = [rec(checked, tune, seconds, "256x4096", kernel="qmatvec", quant="q8_0") for tune, seconds in tunes]
+
+    def build(**kw):
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), quants=("q8_0",), **kw)
+        return b.manifest, size.sizes(b).figures()[size.QUANT_CODE]
+
+    bytes_of = {rows: build(tune={"qmatvec_q8_0": {"rows": rows, "accs": 1}}, code_budget=None)[1] for rows in (1, 2, 4)}
+    assert bytes_of[2] < min(bytes_of[1], bytes_of[4])
+    m, used = build(records=records, tune_host=HOST_A, code_budget=bytes_of[4] - 1)
+    assert used <= bytes_of[4] - 1 and m["tune"]["values"]["qmatvec_q8_0"] == {"rows": 2, "accs": 1}
+    assert m["tune"]["source"]["qmatvec_q8_0"] == "budget"
+    assert m["tune"]["budget"]["dropped"] == {"qmatvec_q8_0": {"fast": {"rows": 4, "accs": 1}, "speedup": 2.0,
+                                                                "built": {"rows": 2, "accs": 1}, "built_speedup": 1.667}}
+    assert B.dropped_text(m["tune"]["budget"]["dropped"]) == \
+        "qmatvec_q8_0__rows4_accs1 (2.0x; qmatvec_q8_0__rows2_accs1 built, 1.667x)"
+    m, used = build(records=records, tune_host=HOST_A, code_budget=1)
+    assert used == bytes_of[2] and m["tune"]["values"]["qmatvec_q8_0"] == {"rows": 2, "accs": 1}
 
 
 def test_build_keeps_the_budget_when_qmatmul_takes_qmatvecs_accs(checked) -> None:

@@ -14,6 +14,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -38,7 +39,7 @@ from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
-from ..tuning.store import Record, best_tune, host, load_store, smallest, speedup, usable
+from ..tuning.store import Record, best_tune, host, load_store, middle_tune, smallest, speedup, usable
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -170,7 +171,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     is SIZE_MARGIN faster); a type the store has no timing for, when others have some, takes the
     smallest variant (its code is built for every such type); a kernel without timings takes its
     declared defaults. The account's "upgrades" are the store's picks of one type that are not the
-    smallest variant (what a byte budget may take back)."""
+    smallest variant (what a byte budget may take back), and for each its middle variant where the
+    store has one (store.middle_tune: what the budget may build instead)."""
     overrides = dict(overrides or {})
     want = tune_host or host()
     mine: dict[str, list[Record]] = {}  # this target's records by kernel: each lookup below reads only its own
@@ -198,6 +200,9 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
                 sources[tune_key(name, q)] = "store"
                 upgrades.append(Upgrade(tune_key(name, q), q, least, best,
                                         speedup(mine[name], checked, name, target, want, best, least, q)))
+                if (mid := middle_tune(mine[name], checked, name, target, want, least, best, q)) is not None:
+                    upgrades.append(Upgrade(tune_key(name, q), q, least, mid,
+                                            speedup(mine[name], checked, name, target, want, mid, least, q), middle=True))
     values = resolve_tune(checked, overrides)
     sources.update({key: "override" for key in overrides if key not in sources})
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
@@ -210,18 +215,21 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
 
 def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, int]], info: dict, budget: int,
                   dsl_name: str, max_pages: int, memo: Memo | None = None) -> Built:
-    """`built` when its quant-type code fits `budget` bytes; else the build whose store picks are
-    budget.spend's choice (the others at their smallest variants), each dropped pick's source
-    "budget" and the manifest's `tune.budget` naming it with its fast variant and the speedup it
-    gives up.
+    """`built` when its quant-type code fits `budget` bytes; else the build of budget.spend's choice
+    of store picks and middle variants (the others at their smallest variants), each dropped pick's
+    source "budget" and the manifest's `tune.budget` naming it with its fast variant and the speedup
+    it gives up (and the middle variant built instead, with its own).
 
-    Costs are measured, not modelled: one build per subset of the tuned kernels (qmatvec, qmatmul:
-    four builds, two of them `built` and the smallest) gives every type's code with those kernels'
-    picks taken, since types share no code. A model from function names and call graphs missed
-    what an export's name leaves out (qmatmul's tiles take qmatvec's accs): 1,571 bytes under the
-    truth on relaxed SIMD, and the greedy repair after it dropped four picks to keep one."""
+    Costs are measured, not modelled: one build per combination of the tuned kernels' levels
+    (smallest, middle, pick; qmatvec and qmatmul: nine builds, one of them `built`) gives every
+    type's code at each level, since types share no code. A model from function names and call
+    graphs missed what an export's name leaves out (qmatmul's tiles take qmatvec's accs): 1,571
+    bytes under the truth on relaxed SIMD, and the greedy repair after it dropped four picks to keep
+    one. Taking a middle variant instead of the smallest kept relaxed SIMD's Q8_0 mat-vec at 1.35x of
+    the smallest's speed where the pick (1.42x) did not fit."""
     upgrades: list[Upgrade] = info["upgrades"]
     quants = tuple(checked.quants)
+    keys = {u.key for u in upgrades}
 
     def by_type(b: Built) -> dict[str, int]:
         return {q: n for q, n in by_quant(code_sizes(b), quants).items() if q is not None}
@@ -229,39 +237,52 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     def kernel_of(u: Upgrade) -> str:
         return u.key.removesuffix(f"_{u.quant}")
 
-    def compiled(taken: set[str], account: dict) -> Built:
-        chosen = {k: v for k, v in values.items() if k in taken or k not in {u.key for u in upgrades}}
-        return compile_target(checked, built.target, chosen, dsl_name, account, max_pages, memo)
+    def compiled(taken: list[Upgrade], account: dict) -> Built:
+        chosen = {k: v for k, v in values.items() if k not in keys}  # a key left out: the kernel's smallest
+        chosen.update({u.key: u.fast for u in taken})
+        return compile_target(checked, built.target, resolve_tune(checked, chosen), dsl_name, account, max_pages, memo)
 
     if sum(by_type(built).values()) <= budget or not upgrades:
         return built
+    # Each tuned kernel at each level (0: smallest, 1: middle, 2: pick) across all types at once;
+    # a type with no middle variant of a kernel keeps its smallest at level 1.
     kernels = sorted({kernel_of(u) for u in upgrades})
-    sizes: dict[frozenset[str], dict[str, int]] = {}
-    for n in range(1 << len(kernels)):
-        subset = frozenset(k for i, k in enumerate(kernels) if n >> i & 1)
-        b = built if len(subset) == len(kernels) else compiled({u.key for u in upgrades if kernel_of(u) in subset}, info)
-        sizes[subset] = by_type(b)
+    levels = [(0, 1, 2) if any(u.middle and kernel_of(u) == k for u in upgrades) else (0, 2) for k in kernels]
+    at_level = {2: [u for u in upgrades if not u.middle], 1: [u for u in upgrades if u.middle]}
+    sizes: dict[tuple[int, ...], dict[str, int]] = {}
+    for combo in itertools.product(*levels):
+        taken = [u for k, level in zip(kernels, combo) if level for u in at_level[level] if kernel_of(u) == k]
+        sizes[combo] = by_type(built if all(level == 2 for level in combo) else compiled(taken, info))
 
-    def cost(quant: str, taken: frozenset[str]) -> int:
-        return sizes[frozenset(kernel_of(u) for u in upgrades if u.key in taken)].get(quant, 0)
+    def cost(quant: str, names: frozenset[str]) -> int:
+        mine = [u for u in upgrades if u.quant == quant and u.name in names]
+        return sizes[tuple(next((1 + (not u.middle) for u in mine if kernel_of(u) == k), 0) for k in kernels)].get(quant, 0)
 
-    def build(taken: set[str]) -> Built:
-        dropped = [u for u in upgrades if u.key not in taken]
+    def build(names: set[str]) -> Built:
+        taken = [u for u in upgrades if u.name in names]
+        built_as = {u.key: u for u in taken}
+        dropped = [u for u in upgrades if not u.middle and (u.key not in built_as or built_as[u.key].middle)]
         return compiled(taken, {**info, "source": {**info["source"], **{u.key: "budget" for u in dropped}},
-                                "budget": {"bytes": budget, "dropped": {
-                                    u.key: {"fast": values[u.key], "speedup": round(u.speedup, 3)} for u in dropped}}})
+                                "budget": {"bytes": budget, "dropped": {u.key: {
+                                    "fast": values[u.key], "speedup": round(u.speedup, 3),
+                                    **({"built": {p: built_as[u.key].fast[p] for p in values[u.key]},
+                                        "built_speedup": round(built_as[u.key].speedup, 3)} if u.key in built_as else {})}
+                                    for u in dropped}}})
 
     # A type's code can still move by a few bytes with the whole module's function count (the size
     # of call indices): a choice that misses by that much is made again with the miss taken off.
-    fixed = sum(n for q, n in sizes[frozenset()].items() if q not in {u.quant for u in upgrades})
+    fixed = sum(n for q, n in sizes[(0,) * len(kernels)].items() if q not in {u.quant for u in upgrades})
     short = 0
+    tried = []
     for _ in range(BUDGET_RETRIES):
         out = build(spend(upgrades, cost, budget - fixed - short))
         used = sum(by_type(out).values())
         if used <= budget:
             return out
+        tried.append((used, out))
         short += used - budget
-    return build(set())
+    least = build(set())  # nothing fits: the fewest bytes, which the smallest variants need not be
+    return min([*tried, (sum(by_type(least).values()), least)], key=lambda t: t[0])[1]
 
 
 BUDGET_RETRIES = 4  # choices made again when a measured choice misses the budget by its call indices

@@ -12,6 +12,7 @@ check.select_quants) spends the same budget on those types alone.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,28 +26,40 @@ CODE_BUDGET = 32768
 
 @dataclass(frozen=True)
 class Upgrade:
-    """One quant type's tuned variant of one kernel, in place of its smallest variant."""
+    """One quant type's tuned variant of one kernel, in place of its smallest variant: the store's
+    pick, or (`middle`) the fastest variant between the two, for a budget the pick does not fit."""
 
     key: str  # the build table's key (check.tune_key): `qmatvec_q8_0`
     quant: str
     small: dict[str, int]
     fast: dict[str, int]
     speedup: float  # time of `small` / time of `fast`, by the tuning records (store.speedup)
+    middle: bool = False
+
+    @property
+    def name(self) -> str:  # what spend's choices hold: the key and the variant (`qmatvec_q8_0__rows2_accs1`)
+        return variant_name(self.key, None, self.fast)
 
 
 def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], budget: int) -> set[str]:
-    """The keys of the upgrades to build: the choice with the largest sum of log(speedup) (the
-    geometric mean of the speedups over the types' kernels) whose bytes stay within `budget`, the
-    fewest bytes among equals. `cost(quant, keys)` is the bytes of one quant type's code with the
-    upgrades `keys` of that type (the others at their smallest variants): one type's upgrades need
-    not add up (two kernels can share a tile), so each type's choices are costed as wholes. Exact,
-    a knapsack over the types: the choices kept after each type are those no other choice beats
-    on both bytes and speed."""
+    """The names of the upgrades to build, at most one per key (a kernel's pick or its middle
+    variant): the choice with the largest sum of log(speedup) (the geometric mean of the speedups
+    over the types' kernels) whose bytes stay within `budget`, the fewest bytes among equals.
+    `cost(quant, names)` is the bytes of one quant type's code with the upgrades `names` of that type
+    (the others at their smallest variants): one type's upgrades need not add up (two kernels can
+    share a tile), so each type's choices are costed as wholes. Exact, a knapsack over the types:
+    the choices kept after each type are those no other choice beats on both bytes and speed."""
     front: list[tuple[int, float, frozenset[str]]] = [(0, 0.0, frozenset())]
     for quant in sorted({u.quant for u in upgrades}):
-        mine = [u for u in upgrades if u.quant == quant]
-        options = [(cost(quant, keys), sum(math.log(u.speedup) for u in mine if u.key in keys), keys)
-                   for keys in (frozenset(u.key for i, u in enumerate(mine) if n >> i & 1) for n in range(1 << len(mine)))]
+        per_key: dict[str, list[Upgrade]] = {}
+        for u in upgrades:
+            if u.quant == quant:
+                per_key.setdefault(u.key, []).append(u)
+        options = []
+        for combo in itertools.product(*([None, *ups] for ups in per_key.values())):
+            chosen = [u for u in combo if u is not None]
+            names = frozenset(u.name for u in chosen)
+            options.append((cost(quant, names), sum(math.log(u.speedup) for u in chosen), names))
         states = sorted(((b + ob, v + ov, keys | ok) for b, v, keys in front for ob, ov, ok in options),
                         key=lambda s: (s[0], -s[1], sorted(s[2])))
         front = []
@@ -58,5 +71,8 @@ def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], b
 
 
 def dropped_text(dropped: dict[str, dict], unit: str = "x") -> str:
-    """A manifest's tune.budget.dropped as one line: each pick left out and its speedup."""
-    return ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}{unit})" for key, d in dropped.items())
+    """A manifest's tune.budget.dropped as one line: each pick left out and its speedup (and the
+    middle variant built in its place, with its own)."""
+    return ", ".join(f"{variant_name(key, None, d['fast'])} ({d['speedup']}{unit}"
+                     + (f"; {variant_name(key, None, d['built'])} built, {d['built_speedup']}{unit}" if "built" in d else "")
+                     + ")" for key, d in dropped.items())

@@ -293,6 +293,22 @@ def best_tune(records: list[Record], checked: Checked, kernel: str, target: str,
     return json.loads(best)
 
 
+def middle_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+                small: dict, fast: dict, quant: str | None = ALL_QUANTS) -> dict | None:
+    """The variant between `small` and `fast` (each tune value at most fast's, neither of the two) with
+    the lowest variant_scores, when it beats `small` by SIZE_MARGIN: for a byte budget that does not
+    fit `fast` (every tune parameter here counts copies of code, so lower values are less code).
+    None when the store has no such variant."""
+    scores = variant_scores(records, checked, kernel, target, want_host, quant)
+    base = scores.get(json.dumps(small, sort_keys=True))
+    between = [t for t in scores if (v := json.loads(t)) not in (small, fast) and v.keys() == fast.keys()
+               and all(v[p] <= fast[p] for p in v)]
+    if base is None or not between:
+        return None
+    best = min(sorted(between), key=lambda t: scores[t])
+    return json.loads(best) if scores[best] * SIZE_MARGIN < base else None
+
+
 def speedup(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
             fast: dict, slow: dict, quant: str | None = ALL_QUANTS) -> float:
     """How many times faster variant `fast` runs than `slow` by the records (variant_scores); a
