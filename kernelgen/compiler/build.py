@@ -73,7 +73,7 @@ def inputs_hash(source: str, target: str, tune: dict, max_pages: int) -> str:
 
 @dataclass
 class Memo:
-    """What the builds of one checked program share (within_budget makes three or four per target,
+    """What the builds of one checked program share (within_budget makes up to nine per target,
     most of their functions alike): lowered functions (lower's memo) and their text (render_module's
     cache). Both targets' default build measured 2.1-2.3 s in one process with one, 4.8 s without
     (seven builds; lowering 3.0 s -> 0.9 s)."""

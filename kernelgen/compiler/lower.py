@@ -83,7 +83,7 @@ class _Return(Exception):
 @dataclass
 class Reused:
     """A function lowered for one build, reusable by another build of the same checked program and
-    target (lower's `memo`: within_budget builds three or four variants of one program): what its
+    target (lower's `memo`: within_budget builds up to nine variants of one program): what its
     body read that its name does not say, checked before reuse, and the internal instances it
     asked for, asked for again in the same order so the module is the one lowering would give."""
 
