@@ -237,6 +237,9 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     def kernel_of(u: Upgrade) -> str:
         return u.key.removesuffix(f"_{u.quant}")
 
+    def level(u: Upgrade) -> int:  # 0 is the smallest variant
+        return 1 if u.middle else 2
+
     def compiled(taken: list[Upgrade], account: dict) -> Built:
         chosen = {k: v for k, v in values.items() if k not in keys}  # a key left out: the kernel's smallest
         chosen.update({u.key: u.fast for u in taken})
@@ -248,15 +251,14 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     # a type with no middle variant of a kernel keeps its smallest at level 1.
     kernels = sorted({kernel_of(u) for u in upgrades})
     levels = [(0, 1, 2) if any(u.middle and kernel_of(u) == k for u in upgrades) else (0, 2) for k in kernels]
-    at_level = {2: [u for u in upgrades if not u.middle], 1: [u for u in upgrades if u.middle]}
     sizes: dict[tuple[int, ...], dict[str, int]] = {}
     for combo in itertools.product(*levels):
-        taken = [u for k, level in zip(kernels, combo) if level for u in at_level[level] if kernel_of(u) == k]
-        sizes[combo] = by_type(built if all(level == 2 for level in combo) else compiled(taken, info))
+        taken = [u for u in upgrades if level(u) == combo[kernels.index(kernel_of(u))]]
+        sizes[combo] = by_type(built if all(n == 2 for n in combo) else compiled(taken, info))
 
     def cost(quant: str, names: frozenset[str]) -> int:
-        mine = [u for u in upgrades if u.quant == quant and u.name in names]
-        return sizes[tuple(next((1 + (not u.middle) for u in mine if kernel_of(u) == k), 0) for k in kernels)].get(quant, 0)
+        chosen = {kernel_of(u): level(u) for u in upgrades if u.quant == quant and u.name in names}
+        return sizes[tuple(chosen.get(k, 0) for k in kernels)].get(quant, 0)
 
     def build(names: set[str]) -> Built:
         taken = [u for u in upgrades if u.name in names]
