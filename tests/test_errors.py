@@ -405,10 +405,10 @@ def test_a_target_process_that_dies_is_an_error_not_a_hang(monkeypatch: pytest.M
 
 def test_a_build_beside_another_python_thread_stays_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """fork copies only the calling thread: with another thread running, the targets are built here."""
-    def no_pool(*a, **kw):
+    def no_fork(*a, **kw):
         raise AssertionError("forked while another thread ran")
 
-    monkeypatch.setattr(build_module.concurrent.futures, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(build_module, "_in_processes", no_fork)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)
     other.start()

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -330,6 +331,41 @@ def test_a_build_killed_at_any_moment_leaves_one_whole_build(tmp_path: Path) -> 
         assert len(set(results.values())) == 1 and set(results.values()) <= {2, 3}, results
     write_outputs(compile_source(TINY, targets=B.TARGET_NAMES), out)  # a later build cleans up after the kills
     assert sorted(os.listdir(tmp_path)) == ["a.dsl", "b.dsl", "out"]
+
+
+def _state(pid: int) -> tuple[str, int] | None:
+    """(state, parent) of a live process from Linux /proc; None once it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (fields[0], int(fields[1]))
+
+
+def _children(pid: int) -> set[int]:
+    return {int(d.name) for d in Path("/proc").glob("[0-9]*") if (st := _state(int(d.name))) and st[1] == pid}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or not B._fork_targets(B.TARGET_NAMES),
+                    reason="the build forks its targets only where it can (Linux here)")
+def test_a_build_killed_while_its_targets_compile_leaves_no_process_behind(tmp_path: Path) -> None:
+    """kill -9 a build once it has forked its targets' processes: each ends by itself (after its own
+    target, its result finding no reader) instead of waiting for work for ever."""
+    p = subprocess.Popen([sys.executable, "-m", "kernelgen.cli", "build", "--out", str(tmp_path / "out")],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (kids := _children(p.pid)) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kids, "the build forked no target process"
+    finally:
+        p.kill()
+        p.wait(timeout=TIMEOUT)
+    deadline = time.monotonic() + TIMEOUT
+    while (left := {k for k in kids if _state(k)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"target processes {sorted(left)} outlived their build"
+    assert not (tmp_path / "out").exists()
 
 
 def test_concurrent_builds_leave_a_consistent_out(tmp_path: Path) -> None:

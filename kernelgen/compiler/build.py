@@ -9,7 +9,6 @@ identical bytes; a build that changes nothing writes nothing.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import errno
 import functools
@@ -18,14 +17,14 @@ import itertools
 import json
 import multiprocessing
 import os
+import pickle
 import shutil
 import threading
 import time
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 try:
     import fcntl
@@ -308,15 +307,58 @@ def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[st
     if not _fork_targets(targets):
         return [one(t) for t in targets]
     # One process per target: the targets share nothing past `checked`, and lowering is pure Python
-    # (both targets' default build: 4.5-5.0 s in one process, 3.0-3.6 s so). Forked, so the children
-    # start with the parsed program and the imports; each result comes back pickled (its wasm, text
-    # and manifest), an error raised in one as itself.
+    # (both targets' default build: 4.5-5.0 s in one process, 3.0-3.6 s so).
+    return _in_processes(one, targets)
+
+
+def _in_processes(one: Callable[[str], Built], targets: tuple[str, ...]) -> list[Built]:
+    """one(t) for each target, each in a process forked for it: the children start with the parsed
+    program and the imports, do their one target, send back its Built (or the error it raised, as
+    itself) and end. Nothing in a child waits on this process: one whose build was killed ends
+    after its own target, when its result finds no reader (a process pool's workers would wait on
+    their queue for ever, as the first version of this did)."""
+    ctx = multiprocessing.get_context("fork")
+    running = []
     try:
-        with concurrent.futures.ProcessPoolExecutor(len(targets), mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(one, targets))
-    except BrokenProcessPool:
-        raise KernelgenError("a target's build process stopped abruptly (killed, or out of memory); "
-                             "nothing was written") from None
+        for t in targets:
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_target_process, args=(one, t, recv, send))
+            p.start()
+            send.close()
+            running.append((p, recv))
+        results = []
+        for p, recv in running:
+            try:
+                ok, value = recv.recv()
+            except EOFError:
+                raise KernelgenError("a target's build process stopped abruptly (killed, or out of memory); "
+                                     "nothing was written") from None
+            if not ok:
+                raise value
+            results.append(value)
+        return results
+    finally:
+        for p, recv in running:  # done, or this build stops: no child outlives it
+            recv.close()
+            p.join(CHILD_EXIT)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+CHILD_EXIT = 5.0  # seconds a target's process has to end after it sent its result
+
+
+def _target_process(one: Callable[[str], Built], target: str, recv: Any, send: Any) -> None:
+    recv.close()  # the parent's end: with it closed, a parent that died leaves this write no reader
+    try:
+        result: tuple[bool, object] = (True, one(target))
+    except BaseException as e:  # noqa: BLE001 - raised again in the parent
+        result = (False, e)
+    try:
+        send.send(result)
+    except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: its text
+        send.send((False, KernelgenError(f"{target}: {result[1]!r}")))
 
 
 def _fork_targets(targets: tuple[str, ...]) -> bool:
