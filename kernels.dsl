@@ -211,21 +211,27 @@ export kernel matvec_f32(w: ptr, x: ptr, y: ptr, rows: i32, k: i32) {
 # rounded, then added), hsum's pairs ((0 + 1) + (2 + 3)), then the k % 4 tail products in order.
 # A multiply and an add, not madd: wasmtime's x86 lowering of relaxed_madd overwrites a factor, so
 # each of a tile's shared A and B vectors is copied before every use (12-14 register moves per 8
-# multiply-adds, seen in the disassembly); mul and add leave the factors alone. Loads go from row
-# pointers at a byte offset, one address add each.
-kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32, n: i32, k: i32) {
+# multiply-adds, seen in the disassembly); mul and add leave the factors alone. The loop keeps only
+# the M + N row pointers and one byte offset live, counting up to 0 from below (the pointers start
+# past the whole vectors, where the tail begins): with an index, its bound and the output's
+# coordinates too, cranelift ran out of integer registers for a 4 x 2 tile and carried a pointer
+# through a stack slot from one pass to the next.
+inline kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32, n: i32, k: i32) {
     var acc[M * N]: f32x4 = f32x4.splat(0.0);
     var bv[N]: f32x4 = f32x4.splat(0.0);
+    let tail = k % 4;
+    let body = (k - tail) * 4;  # bytes of whole vectors in a row
     var brow[N]: ptr = 0;
     unroll r in 0..N {
-        brow[r] = b + (r0 + r) * k * 4;
+        brow[r] = b + (r0 + r) * k * 4 + body;
     }
     var arow[M]: ptr = 0;
     unroll t in 0..M {
-        arow[t] = a + (t0 + t) * k * 4;
+        arow[t] = a + (t0 + t) * k * 4 + body;
     }
-    let body = k - k % 4;
-    for i in 0..body * 4 step 16 {  # i: bytes
+    let yt = y + (t0 * n + r0) * 4;  # y[t0, r0]
+    var i: i32 = -body;
+    while i < 0 {
         unroll r in 0..N {
             bv[r] = f32x4.load(brow[r] + i);
         }
@@ -235,15 +241,33 @@ kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32, n: i32
                 acc[t * N + r] = acc[t * N + r] + av * bv[r];
             }
         }
+        i = i + 16;
     }
-    unroll j in 0..M * N {
-        let at = a + (t0 + j / N) * k * 4;
-        let br = b + (r0 + j % N) * k * 4;
-        var s: f32 = hsum(acc[j]);
-        for i in body..k {
-            s = s + f32.load(at + i * 4) * f32.load(br + i * 4);
+    # The lane sums, four outputs' at once (same order as one hsum each), in one vector store where
+    # they sit side by side in y; then the k % 4 tail products onto each output in order.
+    unroll g in 0..M * N / 4 {
+        let v = hsum(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+        if N % 4 == 0 {
+            f32x4.store(yt + (4 * g / N * n + 4 * g % N) * 4, v);
+        } else {
+            unroll u in 0..4 {
+                let j = 4 * g + u;
+                f32.store(yt + (j / N * n + j % N) * 4, extract(v, u));
+            }
         }
-        f32.store(y + ((t0 + j / N) * n + r0 + j % N) * 4, s);
+    }
+    unroll j in M * N - M * N % 4..M * N {
+        f32.store(yt + (j / N * n + j % N) * 4, hsum(acc[j]));
+    }
+    if tail > 0 {
+        unroll j in 0..M * N {
+            let out = yt + (j / N * n + j % N) * 4;
+            var s: f32 = f32.load(out);
+            for i in 0..tail * 4 step 4 {  # i: bytes past the row pointers, at the tail
+                s = s + f32.load(arow[j / N] + i) * f32.load(brow[j % N] + i);
+            }
+            f32.store(out, s);
+        }
     }
 }
 
@@ -1270,9 +1294,7 @@ kernel attention_scores(q: ptr, k: ptr, row: ptr, t0: i32, t1: i32, ld: i32, d: 
                 acc[u] = acc[u] + qv * f32x4.load(k + ((j + u) * ld + c) * 4);
             }
         }
-        unroll u in 0..4 {
-            f32.store(row + (j - t0 + u) * 4, hsum(acc[u]));
-        }
+        f32x4.store(row + (j - t0) * 4, hsum(acc[0], acc[1], acc[2], acc[3]));
     }
     for j in full..t1 {
         var acc: f32x4 = f32x4.splat(0.0);

@@ -113,6 +113,22 @@ export kernel vector_calls(x: f32) -> f32 {
     return extract(v, 0) + extract(v, 3);
 }
 
+# hsum of four vectors at once (one vector of sums) beside four single hsums: p holds four f32x4
+# (or i32x4) inputs; the vector sum goes to p + 64, the single ones to p + 80 .. p + 92.
+export kernel hsums_f32(p: ptr) {
+    f32x4.store(p + 64, hsum(f32x4.load(p), f32x4.load(p + 16), f32x4.load(p + 32), f32x4.load(p + 48)));
+    unroll j in 0..4 {
+        f32.store(p + 80 + j * 4, hsum(f32x4.load(p + j * 16)));
+    }
+}
+
+export kernel hsums_i32(p: ptr) {
+    i32x4.store(p + 64, hsum(i32x4.load(p), i32x4.load(p + 16), i32x4.load(p + 32), i32x4.load(p + 48)));
+    unroll j in 0..4 {
+        i32.store(p + 80 + j * 4, hsum(i32x4.load(p + j * 16)));
+    }
+}
+
 export kernel atomics(p: ptr) -> i32 {
     atomic_store(p, 5);
     let old = atomic_add(p, 3);
@@ -190,6 +206,28 @@ def test_generic_internal_kernels_are_instantiated_once_per_argument(k) -> None:
 
 def test_a_function_returns_a_vector(k) -> None:
     assert k.call("vector_calls", 1.5) == 12.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_hsum_of_four_vectors_is_four_hsums_bit_for_bit(k, dtype) -> None:
+    """Lane i of hsum(a, b, c, d) is the ith vector's hsum, pairs first ((0 + 1) + (2 + 3)): floats
+    where the order shows (cancellation, 2^24 + 1, inf - inf, NaN, -0), integers that wrap."""
+    rng = np.random.default_rng(7)
+    if dtype == np.float32:
+        cases = [np.array(v, np.float32) for v in (
+            [[1e8, 1, -1e8, 1], [2 ** 24, 1, 1, 0], [np.inf, -np.inf, 1, 2], [np.nan, 1, 2, 3]],
+            [[-0.0, -0.0, -0.0, -0.0], [1, 2 ** -30, -1, 0], [3e38, 3e38, -3e38, -3e38], [0.1, 0.2, 0.3, 0.4]])]
+        cases.append((rng.standard_normal((4, 4)) * 10 ** rng.uniform(-20, 20, (4, 1))).astype(np.float32))
+    else:
+        cases = [np.array([[2 ** 31 - 1, 1, -2 ** 31, -1], [-2 ** 31] * 4, [0, 0, 0, 1], [5, -6, 7, -8]], np.int32),
+                 rng.integers(-2 ** 31, 2 ** 31, (4, 4), dtype=np.int64).astype(np.int32)]
+    for v in cases:
+        p = k.module.put(np.concatenate([v.ravel(), np.zeros(8, dtype)]))
+        k.call(f"hsums_{'f32' if dtype == np.float32 else 'i32'}", p)
+        got = k.module.get(p + 64, dtype, 8)
+        with np.errstate(all="ignore"):
+            want = (v[:, 0] + v[:, 1]) + (v[:, 2] + v[:, 3])
+        assert got[:4].tobytes() == got[4:].tobytes() == want.astype(dtype).tobytes(), (v, got, want)
 
 
 def test_atomics(k) -> None:

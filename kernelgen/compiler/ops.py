@@ -135,9 +135,16 @@ def _pminmax(name: str) -> Op:
 
 
 def _horizontal(name: str, combine: str) -> Op:
-    """hsum / hmax: fold the lanes of a 4-lane vector into a scalar, pairs first ((0,1),(2,3))."""
+    """hsum / hmax: fold the lanes of a 4-lane vector into a scalar, pairs first ((0,1),(2,3)).
+    hsum(a, b, c, d) folds four at once into one vector (lane i: the ith's hsum, in the same order),
+    six shuffles and three adds where four scalar folds take twelve extracts and twelve adds."""
 
     def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        if combine == "add":
+            if len(args) not in (1, 4):
+                raise c.error(f"hsum() takes one vector, or four, got {len(args)} arguments")
+            if len(args) == 4:
+                return _hsum4(c, _same(c, args, name))
         (a,) = _arity(c, args, 1, name)
         if a.type not in ("f32x4", "i32x4") or (a.type == "i32x4" and combine != "add"):
             raise c.error(f"{name}() takes an f32x4{' or i32x4' if combine == 'add' else ''}, not {a.type}")
@@ -148,6 +155,21 @@ def _horizontal(name: str, combine: str) -> Op:
         return Val(I(op, I(op, ext[0], ext[1]), I(op, ext[2], ext[3])), lane)
 
     return lower
+
+
+def _hsum4(c: Ctx, args: list[Val]) -> Val:
+    """hsum(a, b, c, d): pairs within each vector ((0+1), (2+3)), then the pairs' sums."""
+    t = args[0].type
+    if t not in ("f32x4", "i32x4"):
+        raise c.error(f"hsum() takes f32x4 or i32x4 vectors, not {t}")
+    evens, odds = _lane_bytes([0, 2, 4, 6], 4), _lane_bytes([1, 3, 5, 7], 4)
+
+    def pairs(x: Val, y: Val) -> Instr:  # lanes x0+x1, x2+x3, y0+y1, y2+y3
+        (x1, x2), (y1, y2) = c.reuse(x), c.reuse(y)
+        return I(f"{t}.add", I("i8x16.shuffle", *evens, x1, y1), I("i8x16.shuffle", *odds, x2, y2))
+
+    ab, cd = Val(pairs(args[0], args[1]), t), Val(pairs(args[2], args[3]), t)
+    return Val(pairs(ab, cd), t)
 
 
 def _arity(c: Ctx, args: list[Val], n: int, name: str) -> list[Val]:
@@ -324,12 +346,16 @@ def _shuffle(c: Ctx, q: str | None, args: list[Val]) -> Val:
     a, b, *lanes = args
     for v in (a, b):
         _need(c, v, t, "a shuffle operand")
-    width = 16 // n
     idx = [_const_int(c, lane, "a shuffle lane") for lane in lanes]
     if any(not 0 <= i < 2 * n for i in idx):
         raise c.error(f"shuffle lanes of {t} must be in 0..{2 * n - 1}, got {idx}")
-    byte_idx = [str(i * width + k) for i in idx for k in range(width)]
-    return Val(I("i8x16.shuffle", *byte_idx, c.materialize(a), c.materialize(b)), t)
+    return Val(I("i8x16.shuffle", *_lane_bytes(idx, n), c.materialize(a), c.materialize(b)), t)
+
+
+def _lane_bytes(lanes: list[int], n: int) -> list[str]:
+    """i8x16.shuffle's byte indices for picking `lanes` of two n-lane vectors."""
+    width = 16 // n
+    return [str(i * width + k) for i in lanes for k in range(width)]
 
 
 def _select(c: Ctx, q: str | None, args: list[Val]) -> Val:
