@@ -263,8 +263,8 @@ inline kernel ftile_nt[M: i32, N: i32](a: ptr, b: ptr, y: ptr, t0: i32, r0: i32,
         unroll j in 0..M * N {
             let out = yt + (j / N * n + j % N) * 4;
             var s: f32 = f32.load(out);
-            for i in 0..tail * 4 step 4 {  # i: bytes past the row pointers, at the tail
-                s = s + f32.load(arow[j / N] + i) * f32.load(brow[j % N] + i);
+            for c in 0..tail * 4 step 4 {  # c: bytes past the row pointers, at the tail
+                s = s + f32.load(arow[j / N] + c) * f32.load(brow[j % N] + c);
             }
             f32.store(out, s);
         }

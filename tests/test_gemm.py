@@ -383,8 +383,8 @@ def test_tuner_verifies_and_times_the_matrix_products(kernel, quant):
 @pytest.mark.parametrize("kernel, old, new", [
     ("qmatmul", "f32.store(y + ((t0 + i / N) * n + r0 + i % N * rs) * 4, hsum(acc[i * A]));",
      "f32.store(y + ((t0 + i / N) * n + r0 + i % N * rs) * 4, hsum(acc[i * A]) * 1.001);"),
-    ("matmul_f32_nt", "s = s + f32.load(arow[j / N] + i) * f32.load(brow[j % N] + i);",
-     "s = s - f32.load(arow[j / N] + i) * f32.load(brow[j % N] + i);"),
+    ("matmul_f32_nt", "s = s + f32.load(arow[j / N] + c) * f32.load(brow[j % N] + c);",
+     "s = s - f32.load(arow[j / N] + c) * f32.load(brow[j % N] + c);"),
     ("matmul_f32_nn", "s = s + f32.load(a + (t * k + i) * 4) * f32.load(b + (i * n + c) * 4);",
      "s = s + f32.load(a + (t * k + i) * 4) * f32.load(b + (i * n + c + 1) * 4);"),
 ])

@@ -137,7 +137,7 @@ def _pminmax(name: str) -> Op:
 def _horizontal(name: str, combine: str) -> Op:
     """hsum / hmax: fold the lanes of a 4-lane vector into a scalar, pairs first ((0,1),(2,3)).
     hsum(a, b, c, d) folds four at once into one vector (lane i: the ith's hsum, in the same order),
-    six shuffles and three adds where four scalar folds take twelve extracts and twelve adds."""
+    six shuffles and three adds where four scalar folds take sixteen extracts and twelve adds."""
 
     def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
         if combine == "add":
