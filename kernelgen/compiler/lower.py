@@ -233,9 +233,13 @@ def _known(v: Val) -> bool:
 
 
 def _walk(code: Instr) -> Iterator[Instr]:
-    yield code
-    for a in code.args:
-        yield from _walk(a)
+    """Every instruction of `code`'s tree, in no particular order (a stack, not nested generators:
+    each statement is walked as it is emitted)."""
+    todo = [code]
+    while todo:
+        x = todo.pop()
+        yield x
+        todo.extend(x.args)
 
 
 # Scalar integer operators without effects or traps: an operand made only of these (and local
