@@ -152,6 +152,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         if dropped := b.manifest["tune"].get("budget", {}).get("dropped"):
             print(f"  within the {budget}-byte budget of quant-type code, the smallest variant instead of: "
                   + dropped_text(dropped, "x faster"))
+        if stale := b.manifest["tune"].get("stale"):
+            print("  not tuned (the tuning store times other versions of their source; `kernelgen tune --kernel NAME` "
+                  "times this one): " + ", ".join(f"{key} ({n} timings)" for key, n in stale.items()))
         if args.sizes:
             from .tuning.size import format_sizes, sizes
             print(format_sizes(sizes(b)))

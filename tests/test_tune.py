@@ -485,6 +485,43 @@ def test_build_falls_back_to_defaults_for_another_host_or_target(checked) -> Non
     assert plain.wasm == other.wasm and plain.manifest == other.manifest
 
 
+def test_build_names_the_kernels_whose_timings_are_all_of_another_version(checked, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edit to a tuned kernel (here: a comment in fdot, which dot_f32 inlines) makes its timings
+    another version's: the build falls back to the defaults for it, and says so in the manifest and
+    on the command line, per kernel and per quant type; timings of the current version, or of
+    another host, say nothing."""
+    edited = SOURCE.replace("    let body = n - n % (4 * U);\n", "    let body = n - n % (4 * U);  # edited\n", 1)
+    assert edited != SOURCE and kernel_hash(checked_of(edited), "dot_f32") != kernel_hash(checked, "dot_f32")
+    q8 = [rec(checked, {"rows": r, "accs": 1}, t, "256x4096", kernel="qmatvec", quant="q8_0")
+          for r, t in ((1, 2e-3), (2, 1e-3))]
+    records = _dot_records(checked, HOST_A, best=4) + q8 + _dot_records(checked, HOST_B, best=1)
+    (b,) = compile_source(edited, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A,
+                          code_budget=None)
+    t = b.manifest["tune"]
+    assert t["source"]["dot_f32"] == "default" and t["values"]["dot_f32"] == {"unroll": 2}
+    assert t["stale"] == {"dot_f32": 3}  # not HOST_B's three: another machine's timings never apply
+    assert t["source"]["qmatvec_q8_0"] == "store"  # qmatvec does not call fdot: its timings still hold
+
+    q4 = SOURCE.replace("unpack nib(qs, i) - 8;", "unpack (nib(qs, i) - 8);", 1)  # Q4_0's declaration edited
+    assert q4 != SOURCE
+    records = q8 + [rec(checked, {"rows": r, "accs": 1}, t, "256x4096", kernel="qmatvec", quant="q4_0")
+                    for r, t in ((1, 2e-3), (2, 1e-3))]
+    (b,) = compile_source(q4, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A, code_budget=None)
+    t = b.manifest["tune"]
+    assert t["stale"] == {"qmatvec_q4_0": 2} and t["values"]["qmatvec_q8_0"] == {"rows": 2, "accs": 1}
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A, code_budget=None)
+    assert "stale" not in b.manifest["tune"]
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kernels.dsl").write_text(edited, encoding="utf-8")
+    _store_file(tmp_path / S.STORE, _dot_records(checked, S.host(), best=4))
+    code, out, err = run_cli("build", "--target", "simd128", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    assert "not tuned (the tuning store times other versions of their source" in out
+    assert "dot_f32 (3 timings)" in out and "kernelgen tune --kernel NAME" in out
+
+
 def test_build_override_beats_the_store(checked) -> None:
     records = _dot_records(checked, HOST_A, best=4)
     (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), tune={"dot_f32": {"unroll": 1}},

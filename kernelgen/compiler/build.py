@@ -38,7 +38,7 @@ from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
-from ..tuning.store import Record, best_tune, host, load_store, middle_tune, smallest, speedup, usable
+from ..tuning.store import Record, best_tune, host, load_store, middle_tune, other_versions, smallest, speedup, usable
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -115,7 +115,10 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         # each type's integer-dot scheme on this target (Target.dot_scheme): "i7" or "i16"
         "quants": {name: {**q.to_json(), "dot": t.dot_scheme(q.codes is not None)} for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"],
-                 **({"budget": tune_info["budget"]} if "budget" in tune_info else {})},
+                 **({"budget": tune_info["budget"]} if "budget" in tune_info else {}),
+                 # tune keys built without a pick, the store's timings of them (this many) being
+                 # for other versions of their source (store.other_versions)
+                 **({"stale": tune_info["stale"]} if tune_info.get("stale") else {})},
         "exports": {e.name: _export_entry(e) for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel.job, "quant": j.quant.name if j.quant else None,
                           "args": _params(j), "tuned": tune_info["pool"].get(j.kernel.job),
@@ -180,6 +183,7 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             mine.setdefault(r.kernel, []).append(r)
     sources: dict[str, str] = {}
     upgrades: list[Upgrade] = []
+    stale: dict[str, int] = {}  # tune keys left unpicked whose store timings are all of other versions
     for name, k in checked.kernels.items():
         if not k.ast.exported or not k.ast.tunes:
             continue
@@ -187,8 +191,12 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
             sources[name] = "override"
             continue
         least = smallest(checked, name)
-        picks = {q: best for q in (checked.quants if k.ast.generics else (None,))
+        quants = checked.quants if k.ast.generics else (None,)
+        picks = {q: best for q in quants
                  if (best := best_tune(mine.get(name, []), checked, name, target, want, least, q)) is not None}
+        for q in quants:
+            if q not in picks and (n := other_versions(mine.get(name, []), checked, name, target, want, q)):
+                stale[tune_key(name, q) if q else name] = n
         if not picks:
             sources[name] = "default"
             continue
@@ -208,8 +216,11 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     for name in checked.jobs:
         if (best := best_tune(mine.get(name, []), checked, name, target, want)) is not None:
             pool[name] = best
+        elif n := other_versions(mine.get(name, []), checked, name, target, want):
+            stale[name] = n
     used_store = "store" in sources.values() or bool(pool)
-    return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades}
+    return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades,
+                    "stale": stale}
 
 
 def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, int]], info: dict, budget: int,

@@ -278,6 +278,21 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     return scores
 
 
+def other_versions(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+                   quant: str | None = ALL_QUANTS) -> int:
+    """How many successful timings of `kernel` (of one `quant` type, or of any) on `target` and
+    `want_host` are for another version of its source than `checked`'s (kernel_hash): timings a
+    build cannot use. An edit to a tuned kernel or to anything it calls, a comment or a renamed
+    local included, leaves its picks to the DSL's defaults until it is timed again; the build says
+    so (a rename once put matmul_f32_nt back on its 4 x 2 default, 1.2x slower than the timed pick,
+    with nothing printed)."""
+    hash_of = functools.cache(functools.partial(kernel_hash, checked, kernel))
+    hk = json.dumps(want_host, sort_keys=True)
+    return sum(1 for r in records
+               if r.kernel == kernel and r.target == target and quant in (ALL_QUANTS, r.quant) and r.status == "ok"
+               and json.dumps(r.host, sort_keys=True) == hk and r.dsl_hash != hash_of(r.quant))
+
+
 def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
               baseline: dict | None = None, quant: str | None = ALL_QUANTS) -> dict | None:
     """The variant to build for `kernel` (for one `quant` type, or over every type's timings) on
