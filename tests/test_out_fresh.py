@@ -50,3 +50,13 @@ def test_committed_out_is_fresh(fresh: Path, target: str, name: str) -> None:
     want, got = committed.read_bytes(), (fresh / target / name).read_bytes()
     assert got == want, f"out/{target}/{name} differs from a fresh build ({_first_difference(want, got)}); {HOW}"
 
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+def test_committed_out_uses_the_timings_of_every_kernel_the_store_times(target: str) -> None:
+    """No tuned kernel of the committed build fell back to its defaults because the store times only
+    older versions of it (an edit since its tuning: a rename in ftile_nt once did so unnoticed)."""
+    manifest = json.loads((ROOT / "out" / target / "kernels.json").read_text(encoding="utf-8"))
+    stale = manifest["tune"].get("stale", {})
+    assert not stale, (f"out/{target} was built without the timings of {', '.join(stale)}: the store times other "
+                       f"versions of their source; run `kernelgen tune --kernel NAME` for each, then build")
