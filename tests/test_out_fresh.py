@@ -51,7 +51,6 @@ def test_committed_out_is_fresh(fresh: Path, target: str, name: str) -> None:
     assert got == want, f"out/{target}/{name} differs from a fresh build ({_first_difference(want, got)}); {HOW}"
 
 
-
 @pytest.mark.parametrize("target", TARGET_NAMES)
 def test_committed_out_uses_the_timings_of_every_kernel_the_store_times(target: str) -> None:
     """No tuned kernel of the committed build fell back to its defaults because the store times only
