@@ -20,7 +20,7 @@ from .errors import DslError, KernelgenError
 from .compiler.parse import parse
 from .tuning.budget import CODE_BUDGET, dropped_text
 from .tuning.store import STORE, StoreWarning, load_store
-from .tuning.timing import ENGINE_CHOICES
+from .tuning.timing import BENCH_ENGINES, ENGINE_CHOICES
 
 DEFAULT_DSL = Path("kernels.dsl")
 EXIT_USER = 2
@@ -172,7 +172,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tuning.tune import SPECS, parse_shape, tune
+    from .tuning.tune import SPECS, parse_shape, tune, unfit_cases
 
     source = _read(args.dsl)
     checked = check(parse(source, str(args.dsl)))
@@ -195,6 +195,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for q in args.quant or []:
         if q not in checked.quants:
             raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
+    try:
+        unfit_cases(checked, kernels, shapes, args.quant)
+    except ValueError as e:
+        raise KernelgenError(f"--shape: {e}") from None
     store = args.store or STORE
     if store.exists() and not store.is_file():
         raise KernelgenError(f"--store {store}: not a file")
@@ -229,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))
     store = _store(args)
-    engines = ("wasmtime", "node") if args.engine == "both" else (args.engine,)
+    engines = BENCH_ENGINES[args.engine]
     report = run(source, args.target, load_store(store) if store else None, args.repeat,
                  progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True),
                  engines=engines)
@@ -341,8 +345,9 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--repeat", type=_positive, default=1, metavar="N",
                     help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
-    be.add_argument("--engine", choices=ENGINE_CHOICES, default="wasmtime",
-                    help="run in wasmtime, or the mat-vec and GEMM rows in Node (V8) through the JS runtime, or both")
+    be.add_argument("--engine", choices=tuple(BENCH_ENGINES), default="wasmtime",
+                    help="run in wasmtime, or the mat-vec and GEMM rows through the JS runtime in Node (V8) or in"
+                         " headless Chromium (/usr/bin/chromium); both: wasmtime and Node; all: the three")
     be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")

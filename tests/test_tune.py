@@ -11,6 +11,7 @@ import io
 import json
 import math
 import shutil
+import time
 import types
 import warnings
 from pathlib import Path
@@ -34,7 +35,7 @@ from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash
 from kernelgen.tuning.timing import measure
 from kernelgen.tuning.tune import SPECS, parse_shape, tune
 
-from helpers import random_blocks
+from helpers import CHROMIUM, need, random_blocks
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 SOURCE = DSL_PATH.read_text(encoding="utf-8")
@@ -739,6 +740,9 @@ def test_tune_records_a_wrong_variant_as_failed_and_never_picks_it(tmp_path: Pat
     (("--kernel", "dot_f32", "--shape", "big"), "write N, NxK or MxNxK"),
     (("--kernel", "qmatmul", "--shape", "64x64"), "qmatmul takes shapes of 3 dimension(s) (MxNxK)"),
     (("--kernel", "qmatvec", "--quant", "nope"), "--quant nope"),
+    (("--kernel", "qmatmul", "--quant", "q4_k", "--shape", "4x64x384"),
+     "no shape asked for fits the quant types asked for: K (the last dimension) must be a multiple of the type's"
+     " block (qmatmul q4_k 4x64x384)"),
 ])
 def test_cli_tune_bad_options_exit_2(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:
     store = tmp_path / "store.jsonl"
@@ -1035,14 +1039,24 @@ def _small_matvec_cases() -> list[Case]:
     ]
 
 
+def _roofline_cases() -> list[Case]:
+    """The bench's compute rooflines, which run in Node and Chromium too (the bench module's loops)."""
+    return [c for c in bench.CASES if "roofline (registers)" in c.name]
+
+
+def _quick_js(monkeypatch) -> None:
+    """The bench's runs in Node and Chromium with 5 ms per timing instead of 300."""
+    monkeypatch.setattr(bench, "js_timings", lambda built, keys, min_ms=5, engine="node", f=bench.js_timings:
+                        f(built, keys, min_ms, engine))
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
 def test_bench_runs_the_mat_vec_rows_in_wasmtime_and_node(tmp_path: Path, monkeypatch) -> None:
     """--engine both: the mat-vec cases also run in V8 through the JS runtime (node_bench.mjs), as
     rows on "<target> node"; ratios on every target pair rows of the same engine; the seed-style
     peer is checked before it is timed in both; the roofline chart draws every engine's rows."""
     from kernelgen.tuning.bench import plot
-    monkeypatch.setattr(bench, "node_timings",
-                        lambda built, keys, min_ms=5, f=bench.node_timings: f(built, keys, min_ms))
+    _quick_js(monkeypatch)
     shape = f"{MV_SMALL[0]}x{MV_SMALL[1]}"
     ratios = [Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}", at_least=0.01),
               Ratio(f"qmatvec q4_0 {shape}", f"qmatvec q8_0 {shape}"),
@@ -1067,24 +1081,26 @@ def test_bench_runs_the_mat_vec_rows_in_wasmtime_and_node(tmp_path: Path, monkey
     assert (tmp_path / "roof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no mat-vec rows"):
         plot(Report([r for r in report.rows if not r.nbytes], [], [], 1), tmp_path / "none.png")
-    with pytest.raises(ValueError, match="engines must be"):
+    with pytest.raises(ValueError, match="engines must be some of wasmtime, node, chromium"):
         bench.run(SOURCE, ("simd128",), engines=("v8",))
+    with pytest.raises(ValueError, match="one of node, chromium"):
+        bench.js_timings(bench.bench_built(SOURCE, ("simd128",), None)[0], [], 5, engine="wasmtime")
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")
 def test_bench_runs_the_gemm_rows_in_node_too(monkeypatch) -> None:
     """--engine both: qmatmul and matmul_f32 (both forms) run in V8 too, on the calling thread and
     through the pool on each thread count their cases name, as rows on "<target> node" beside
-    wasmtime's; a ratio between two of them is formed per engine."""
-    monkeypatch.setattr(bench, "node_timings",
-                        lambda built, keys, min_ms=5, f=bench.node_timings: f(built, keys, min_ms))
+    wasmtime's, and so do the compute rooflines they are measured against; a ratio between two of
+    them is formed per engine."""
+    _quick_js(monkeypatch)
     q, f32 = (8, 64, 128), (16, 8, 32)
     cases = [Case("qmatmul q8_0", "s", 1, "MACs", bench.qmatmul("q8_0", *q), node=("qmatmul", "q8_0", q, 1)),
              *[Case(f"qmatmul q8_0 pool, {t}", "s", 1, "MACs", bench.qmatmul("q8_0", *q, t),
                     node=("qmatmul pool", "q8_0", q, t)) for t in (1, 2)],
              *[Case(f"matmul_f32_{form}{label}", "s", 1, "MACs", bench.matmul_f32(form, *f32, t),
                     node=(f"matmul_f32_{form}" + (" pool" if t else ""), "", f32, max(t, 1)))
-               for form in ("nt", "nn") for label, t in (("", 0), (" pool, 2", 2))]]
+               for form in ("nt", "nn") for label, t in (("", 0), (" pool, 2", 2))], *_roofline_cases()]
     ratios = [Ratio("qmatmul q8_0 pool, 2 s", "qmatmul q8_0 pool, 1 s")]
     report = bench.run(SOURCE, ("simd128",), cases=cases, ratios=ratios, limits=[], engines=("wasmtime", "node"))
     rows = {(r.key, r.target): r for r in report.rows}
@@ -1095,7 +1111,48 @@ def test_bench_runs_the_gemm_rows_in_node_too(monkeypatch) -> None:
                                                                         ("simd128 node", "simd128 node")]
     built = bench.bench_built(SOURCE, ("simd128",), None)[0]
     with pytest.raises(KernelgenError, match="no GEMM case matmul_f32_tt"):
-        bench.node_timings(built, [("matmul_f32_tt", "", f32, 1)], 5)
+        bench.js_timings(built, [("matmul_f32_tt", "", f32, 1)], 5)
+
+
+def test_bench_runs_the_mat_vec_and_gemm_rows_in_chromium(monkeypatch) -> None:
+    """--engine chromium: the cases that run in Node run in a page of headless Chromium too (the V8
+    browsers ship), through the same runtime and script: the seed-style peer checked against
+    qmatvec first, the pool's two threads (the page is cross-origin isolated), a GEMM; rows on
+    "<target> chromium", ratios per engine, the browser's version in the report."""
+    need(shutil.which("node"), "needs Node.js")
+    need(CHROMIUM.is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((DSL_PATH.parent / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    _quick_js(monkeypatch)
+    shape = f"{MV_SMALL[0]}x{MV_SMALL[1]}"
+    q = (8, 64, 128)
+    cases = [*_small_matvec_cases()[:-1],
+             Case("qmatmul q8_0", "s", 1, "MACs", bench.qmatmul("q8_0", *q), node=("qmatmul", "q8_0", q, 1)),
+             Case("qmatmul q8_0 pool, 2", "s", 1, "MACs", bench.qmatmul("q8_0", *q, 2), node=("qmatmul pool", "q8_0", q, 2)),
+             *_roofline_cases()]
+    ratios = [Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}"),
+              Ratio(f"qmatvec q8_0 pool, 2 {shape}", f"qmatvec q8_0 pool, 1 {shape}")]
+    report = bench.run(SOURCE, ("relaxed-simd",), cases=cases, ratios=ratios, limits=[], engines=("chromium",))
+    rows = {(r.key, r.target): r for r in report.rows}
+    assert {t for (_, t), r in rows.items() if not r.figure} == {"relaxed-simd chromium"}
+    for c in cases:
+        assert rows[(c.key, "relaxed-simd chromium")].value.median > 0, c.key
+    assert [(r.row.target, r.versus.target) for r in report.ratios] == [("relaxed-simd chromium",) * 2] * 2
+    assert report.machine["chromium"].startswith("chromium ") and "node" not in report.machine
+    assert "relaxed-simd chromium" in format_table(report) and report.machine["chromium"] in format_table(report)
+
+
+def test_a_js_engine_that_overruns_is_stopped_with_its_children() -> None:
+    """The bench's Node and Chromium runs are bounded: past the limit the whole process group goes
+    (a browser is the script's child, not Python's), and the run reports the overrun."""
+    code, out, _ = bench._run_group(["sh", "-c", "sleep 600 & echo $!; wait"], 1)
+    assert code is None
+    child = Path(f"/proc/{int(out.split()[0])}")
+    for _ in range(100):  # reaped by init a moment after the kill
+        if not child.exists() or child.joinpath("stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the child of the timed-out script still runs")
 
 
 def test_best_tune_keeps_the_smallest_variant_unless_a_larger_one_is_size_margin_faster(checked) -> None:
@@ -1264,6 +1321,25 @@ def test_tune_verifies_super_block_and_exponent_types_against_numpy(checked, qua
                                        ("qmatmul", (3, 8, 512), {"tokens": 1, "rows": 2})):
         seconds, status = run_case(SOURCE, checked, "relaxed-simd", kernel, quant, shape, tune_values, 1e-4, 1)
         assert status == "ok" and seconds > 0, (kernel, status)
+
+
+def test_tune_leaves_out_shapes_whose_rows_are_not_whole_blocks_of_a_type(checked, tmp_path: Path, fast) -> None:
+    """A default shape with K = 384 holds no 256-value super-block: the tuner says it does not time
+    those (kernel, type, shape) and times the rest (it used to fill the rows with one 256-value block,
+    misread them, and stop the whole run with an internal error at the first K-quant); a case asked
+    for directly is refused."""
+    from kernelgen.tuning.tune import run_case
+    out, store = io.StringIO(), tmp_path / "store.jsonl"
+    new = tune(SOURCE, ["simd128"], ["qmatmul"], {"qmatmul": [(2, 8, 384), (2, 8, 512)]}, ["q8_0", "q6_k"], store,
+               budget=120.0, out=out, retime=0)
+    assert "not timed, their rows not whole blocks of the type: qmatmul q6_k 2x8x384" in out.getvalue()
+    timed = {(r.quant, r.shape) for r in new}
+    assert timed == {("q8_0", "2x8x384"), ("q8_0", "2x8x512"), ("q6_k", "2x8x512")}
+    assert all(r.status == "ok" for r in new)
+    with pytest.raises(ValueError, match="no shape asked for fits"):
+        tune(SOURCE, ["simd128"], ["qmatmul"], {"qmatmul": [(2, 8, 384)]}, ["q6_k"], store, 120.0, out=out)
+    with pytest.raises(ValueError, match="q6_k: rows of 384 values are not whole 256-value blocks"):
+        run_case(SOURCE, checked, "simd128", "qmatmul", "q6_k", (2, 8, 384), {"tokens": 1, "rows": 2}, 1e-4, 1)
 
 
 def test_pool_jobs_are_tuned_for_threads_and_chunk(tmp_path: Path, fast) -> None:

@@ -15,19 +15,22 @@ The bench is three small tables of data, read by one loop:
 a goal is judged on the median. Adding a row or a goal is one entry in these tables.
 
 `--engine node` (or `both`) runs the mat-vec and GEMM cases again in Node (V8) through the JS
-runtime (`node_bench.mjs`), as rows on the targets "simd128 node" and "relaxed-simd node"; a case
-names its Node timing with `node`. `plot` draws the mat-vec rows as a roofline chart.
+runtime (`bench_rows.mjs`), as rows on the targets "simd128 node" and "relaxed-simd node";
+`--engine chromium` (or `all`) runs them in a page of headless Chromium, whose V8 is the one
+browsers ship (rows "<target> chromium"). A case names its timing there with `node`. `plot` draws
+the mat-vec rows as a roofline chart.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -47,15 +50,21 @@ from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
-from .timing import (COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK,
-                     STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source, roof_name,
-                     stream_name)
+from .timing import (BENCH_ENGINES, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
+                     STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source,
+                     roof_name, stream_name)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
 SAME = "="  # a ratio's versus row on the same target as its row
 NODE = " node"  # suffix of a target run in Node (V8) through the JS runtime
-NODE_BENCH = Path(__file__).with_name("node_bench.mjs")
+CHROMIUM = " chromium"  # suffix of a target run in a page of headless Chromium through the JS runtime
+# The engines beside wasmtime that run the cases naming a `node` timing: the target suffix of their
+# rows, and the script that times them (bench_rows.mjs in Node, or in Chromium's page)
+JS_ENGINES = {"node": (NODE, Path(__file__).with_name("node_bench.mjs")),
+              "chromium": (CHROMIUM, Path(__file__).with_name("chromium_bench.mjs"))}
+ENGINES = BENCH_ENGINES["all"]
+CHROMIUM_PATH = Path("/usr/bin/chromium")  # Debian's (.ci/run installs it), driven by playwright-core
 
 
 class Bench:
@@ -86,6 +95,7 @@ def bench_built(source: str, targets: tuple[str, ...], records: list[Record] | N
 NodeKey = tuple[str, str, tuple[int, ...], int]
 MATVEC_KERNELS = ("qmatvec", "qmatvec pool", "seed", "stream")
 POOL = " pool"
+ROOFLINE = "roofline"  # (ROOFLINE, op, (iters,), 1): a compute roofline's loops (timing.ROOF_ACCS), the fastest
 
 
 @dataclass(frozen=True)
@@ -388,8 +398,10 @@ def _mnk(m: int, n: int, kk: int) -> str:
 
 
 PREFILL_CASES: list[Case] = [
-    Case("integer dot roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 16, "MACs", roofline("idot")),
-    Case("f32 madd roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 4, "MACs", roofline("madd")),
+    Case("integer dot roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 16, "MACs", roofline("idot"),
+         node=(ROOFLINE, "idot", (ROOF_ITERS,), 1)),
+    Case("f32 madd roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 4, "MACs", roofline("madd"),
+         node=(ROOFLINE, "madd", (ROOF_ITERS,), 1)),
     *(Case(f"qmatmul {q}{label}", _mnk(m, n, kk), m * n * kk, "MACs", qmatmul(q, m, n, kk, threads),
            node=("qmatmul" + (POOL if threads else ""), q, (m, n, kk), max(threads, 1)))
       for q in ("q8_0", "q4_0") for m, n, kk in PREFILL
@@ -420,26 +432,33 @@ PEER_GOAL = {"simd128": 1.15, "relaxed-simd": 1.2}
 ROOFLINE_GOAL = {"4096x4096": 0.60, "8192x8192": 0.80}
 
 
+def _on_each_engine(ratio: Ratio) -> list[Ratio]:
+    """A ratio of named targets on wasmtime's and on each JS engine's (both its rows in one engine)."""
+    return [replace(ratio, target=ratio.target + e,
+                    versus_target=ratio.versus_target if ratio.versus_target in (SAME, NUMPY) else ratio.versus_target + e)
+            for e in ("", *(suffix for suffix, _ in JS_ENGINES.values()))]
+
+
 def _matvec_ratios() -> list[Ratio]:
     out = []
-    for engine in ("", NODE):
-        for r, c in MATVEC_SHAPES:
-            shape = f"{r}x{c}"
-            for t in TARGET_NAMES:
-                out.append(Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}", t + engine,
-                                 at_least=PEER_GOAL[t] if (r, c) != BIG else None))
-                out.append(Ratio(f"qmatvec q8_0 {shape}", f"stream of q8_0's packed bytes {shape}", t + engine,
-                                 at_least=ROOFLINE_GOAL.get(shape) if t == "relaxed-simd" else None))
-    return out
+    for r, c in MATVEC_SHAPES:
+        shape = f"{r}x{c}"
+        for t in TARGET_NAMES:
+            out.append(Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}", t,
+                             at_least=PEER_GOAL[t] if (r, c) != BIG else None))
+            out.append(Ratio(f"qmatvec q8_0 {shape}", f"stream of q8_0's packed bytes {shape}", t,
+                             at_least=ROOFLINE_GOAL.get(shape) if t == "relaxed-simd" else None))
+    return [on[i] for i in range(1 + len(JS_ENGINES)) for on in map(_on_each_engine, out)]  # by engine
 
 
 _BIG = _mnk(*PREFILL[0])
 PREFILL_RATIOS: list[Ratio] = [
-    Ratio(f"qmatmul q8_0 {_BIG}", "integer dot roofline (registers)", "simd128"),
-    Ratio(f"qmatmul q8_0 {_BIG}", "integer dot roofline (registers)", "relaxed-simd", at_least=0.60),
-    Ratio(f"qmatmul q8_0 {_BIG}", "qmatvec q8_0 4096x4096", "simd128"),
-    Ratio(f"qmatmul q8_0 {_BIG}", "qmatvec q8_0 4096x4096", "relaxed-simd", at_least=4.0),
-    Ratio(f"qmatmul q8_0 {_BIG}", f"qmatmul q8_0 {_BIG}", "relaxed-simd", "simd128", at_least=1.5),
+    *(e for r in (Ratio(f"qmatmul q8_0 {_BIG}", "integer dot roofline (registers)", "simd128"),
+                  Ratio(f"qmatmul q8_0 {_BIG}", "integer dot roofline (registers)", "relaxed-simd", at_least=0.60),
+                  Ratio(f"qmatmul q8_0 {_BIG}", "qmatvec q8_0 4096x4096", "simd128"),
+                  Ratio(f"qmatmul q8_0 {_BIG}", "qmatvec q8_0 4096x4096", "relaxed-simd", at_least=4.0),
+                  Ratio(f"qmatmul q8_0 {_BIG}", f"qmatmul q8_0 {_BIG}", "relaxed-simd", "simd128", at_least=1.5))
+      for e in _on_each_engine(r)),
     Ratio(f"qmatmul q4_0 {_BIG}", f"qmatmul q8_0 {_BIG}"),
     *(Ratio(f"qmatmul {q} pool, 2 threads {_mnk(*s)}", f"qmatmul {q} pool, 1 thread {_mnk(*s)}",
             at_least=1.8 if (q, s) == ("q8_0", PREFILL[0]) else None) for q in ("q8_0", "q4_0") for s in PREFILL),
@@ -454,8 +473,8 @@ PREFILL_RATIOS: list[Ratio] = [
 
 RATIOS: list[Ratio] = [
     *_matvec_ratios(),
-    Ratio("qmatvec q8_0 4096x4096", "qmatvec q8_0 4096x4096", "relaxed-simd", "simd128"),
-    Ratio("qmatvec q8_0 256x4096", "qmatvec q8_0 256x4096", "relaxed-simd", "simd128", at_least=1.4),
+    *_on_each_engine(Ratio("qmatvec q8_0 4096x4096", "qmatvec q8_0 4096x4096", "relaxed-simd", "simd128")),
+    *_on_each_engine(Ratio("qmatvec q8_0 256x4096", "qmatvec q8_0 256x4096", "relaxed-simd", "simd128", at_least=1.4)),
     Ratio("qmatvec q4_0 8192x8192", "qmatvec q8_0 8192x8192", at_least=1.6),
     *(Ratio(f"qmatvec {q} 8192x8192", "qmatvec q8_0 8192x8192", at_least=goal) for q, goal in K_QUANT_GOAL.items()),
     *(Ratio(f"qmatvec {q} 256x4096", "qmatvec q4_0 256x4096", at_least=1 / 1.3) for q in GGUF_TYPES),
@@ -547,9 +566,9 @@ class Report:
     ratios: list[RatioRow]
     limits: list[LimitRow]
     repeat: int
-    # What ran it (store.host(): CPU model and ISA features, cores, versions; "node": V8's version when
-    # Node ran) and the 1-minute load average before and after: on a shared machine whose CPU changes
-    # between sessions, a figure means nothing without them.
+    # What ran it (store.host(): CPU model and ISA features, cores, versions; "node" and "chromium":
+    # the version of each that ran) and the 1-minute load average before and after: on a shared
+    # machine whose CPU changes between sessions, a figure means nothing without them.
     machine: dict = field(default_factory=dict)
     # Per target, the picks the default all-types build leaves out for its byte budget (the manifest's
     # tune.budget.dropped: variant left out and its speedup); the rows time them as single-type builds do.
@@ -565,12 +584,12 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
         cases: list[Case] | None = None, ratios: list[Ratio] | None = None,
         limits: list[Limit] | None = None, engines: tuple[str, ...] = ("wasmtime",)) -> Report:
     """Time every case on every target `repeat` times (the whole table per run), then the ratios
-    and limits from the same runs. `engines`: "wasmtime" and/or "node" (the cases that name a
-    Node timing, on the targets "<target> node")."""
+    and limits from the same runs. `engines`: some of ENGINES (wasmtime, and node or chromium: the
+    cases that name a `node` timing, on the targets "<target> node" or "<target> chromium")."""
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
-    if not engines or set(engines) - {"wasmtime", "node"}:
-        raise ValueError(f"engines must be wasmtime and/or node, got {engines}")
+    if not engines or set(engines) - set(ENGINES):
+        raise ValueError(f"engines must be some of {', '.join(ENGINES)}, got {engines}")
     cases = CASES if cases is None else cases
     ratios = RATIOS if ratios is None else ratios
     limits = LIMITS if limits is None else limits
@@ -578,13 +597,14 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     budget: dict[str, dict] = {}
     bench = Bench(source, targets, records)
     wasm_targets = targets if "wasmtime" in engines else ()
-    node_targets = tuple(t + NODE for t in targets) if "node" in engines else ()
+    js_targets = {t + JS_ENGINES[e][0]: (e, t) for e in ENGINES[1:] if e in engines for t in targets}
+    node_targets = tuple(js_targets)
     node_cases = [c for c in cases if c.node is not None]
     rows: dict[tuple[str, str], Row] = {}
     for c in cases:
         on = [*_targets_of(c, wasm_targets), *(node_targets if c.node is not None else ())]
         for t in on:
-            nbytes = _packed_bytes(bench.kernels[t.removesuffix(NODE)], *c.weights) if c.weights else 0
+            nbytes = _packed_bytes(bench.kernels[js_targets.get(t, (0, t))[1]], *c.weights) if c.weights else 0
             rows[(c.key, t)] = Row(c.key, t, Cell(), c.work, c.unit, nbytes=nbytes)
     for name, unit in FIGURES.items():  # (each quant type's row is added by the first run's build)
         for t in (("-",) if unit == "s" else targets):
@@ -597,9 +617,9 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
                 rows[(c.key, t)].value.samples.append(c.time(k))
                 if k is not None:
                     k.reset()
-        for t in node_targets:
+        for t, (engine, target) in js_targets.items():
             progress(f"run {i + 1}/{repeat}: the mat-vec and GEMM cases in {t}")
-            machine["node"], times = node_timings(bench.built[t.removesuffix(NODE)], [c.node for c in node_cases])
+            machine[engine], times = js_timings(bench.built[target], [c.node for c in node_cases], engine=engine)
             for c in node_cases:
                 rows[(c.key, t)].value.samples.append(times[c.node])
         progress(f"run {i + 1}/{repeat}: build")
@@ -621,7 +641,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
             if not {t, vt} <= benched:
                 continue  # a target not benched in this run
             if t in node_targets and not {(r.row, t), (r.versus, vt)} <= rows.keys():
-                continue  # Node runs the mat-vec and GEMM cases only
+                continue  # Node and Chromium run the mat-vec and GEMM cases only
             a, b = _row(rows, r.row, t), _row(rows, r.versus, vt)
             cell = Cell([(a.work / x) / (b.work / y) for x, y in zip(a.value.samples, b.value.samples)])
             out_ratios.append(RatioRow(a, b, cell, r.at_least))
@@ -634,18 +654,25 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     return Report(list(rows.values()), out_ratios, out_limits, repeat, machine, budget)
 
 
-def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tuple[str, dict[NodeKey, float]]:
-    """Time `keys` in Node (V8) through the JS runtime on `built` (a bench module): (engine, seconds
-    per call by key). A q8_0 mat-vec shape times the seed-style peer too, checked against qmatvec
-    first; a "qmatvec pool" key runs its shape on the pool's one and two threads. A GEMM key's case
-    is timed on the calling thread and on the pool's thread counts its keys name."""
+def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
+               engine: str = "node") -> tuple[str, dict[NodeKey, float]]:
+    """Time `keys` through the JS runtime on `built` (a bench module) in `engine` (JS_ENGINES: V8 in
+    Node, or in a page of headless Chromium): (engine and version, seconds per call by key). A q8_0
+    mat-vec shape times the seed-style peer too, checked against qmatvec first; a "qmatvec pool" key
+    runs its shape on the pool's one and two threads. A GEMM key's case is timed on the calling
+    thread and on the pool's thread counts its keys name."""
+    if engine not in JS_ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(JS_ENGINES)}")
     node = node_path()
+    if engine == "chromium" and not CHROMIUM_PATH.is_file():
+        raise KernelgenError(f"--engine chromium needs {CHROMIUM_PATH} (Debian: apt-get install chromium)")
     matvec = [key for key in keys if key[0] in MATVEC_KERNELS]
+    roofs = sorted({(op, shape[0]) for kernel, op, shape, _ in keys if kernel == ROOFLINE})
     shapes = list(dict.fromkeys((q, shape) for _, q, shape, _ in matvec))
     pooled = {(q, shape) for kernel, q, shape, _ in matvec if kernel == "qmatvec pool"}
     gemms: dict[tuple[str, str, tuple[int, ...]], set[int]] = {}
     for kernel, q, shape, threads in keys:
-        if kernel not in MATVEC_KERNELS:
+        if kernel not in (*MATVEC_KERNELS, ROOFLINE):
             pool = gemms.setdefault((kernel.removesuffix(POOL), q, shape), set())
             if kernel.endswith(POOL):
                 pool.add(threads)
@@ -655,23 +682,47 @@ def node_timings(built: Built, keys: list[NodeKey], min_ms: float = 300) -> tupl
         (out / "kernels.wasm").write_bytes(built.wasm)
         (out / "kernels.json").write_text(json.dumps(built.manifest), encoding="utf-8")
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
-        config = {"out": tmp, "target": built.target, "seed": str(Path(tmp, "seed.wasm")), "minMs": min_ms,
-                  "streams": [stream_name(ways, pool=True) for ways in STREAM_WAYS],
-                  "runtime": (library.runtime() / "kernelgen.mjs").as_uri(),
+        config = {"out": Path(tmp).as_uri() + "/", "target": built.target, "seed": Path(tmp, "seed.wasm").as_uri(),
+                  "minMs": min_ms, "streams": [stream_name(ways, pool=True) for ways in STREAM_WAYS],
+                  "runtime": (library.runtime() / "kernelgen.mjs").as_uri(), "chromium": str(CHROMIUM_PATH),
                   "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes],
                   "gemms": [{"kernel": kernel, "quant": q, "shape": list(shape), "pool": sorted(pool)}
-                            for (kernel, q, shape), pool in gemms.items()]}
-        proc = subprocess.run([node, *NODE_FLAGS, str(NODE_BENCH),
-                               json.dumps(config)], capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise KernelgenError(f"node bench failed: {proc.stderr.strip()[-2000:]}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
+                            for (kernel, q, shape), pool in gemms.items()],
+                  "rooflines": [{"op": op, "iters": iters, "seed": 1, "exports": [roof_name(op, a) for a in ROOF_ACCS]}
+                                for op, iters in roofs]}
+        flags = NODE_FLAGS if engine == "node" else ()  # (Chromium gets its V8 flags from chromium_bench.mjs)
+        code, stdout, stderr = _run_group([node, *flags, str(JS_ENGINES[engine][1]), json.dumps(config)], JS_SECONDS)
+    if code is None:
+        raise KernelgenError(f"{engine} bench did not finish within {JS_SECONDS} s; stopped it")
+    if code != 0:
+        raise KernelgenError(f"{engine} bench failed: {stderr.strip()[-2000:]}")
+    data = json.loads(stdout.strip().splitlines()[-1])
     times = {(r["kernel"], r["quant"], tuple(int(v) for v in r["shape"].split("x")), r["threads"]): r["seconds"]
              for r in data["rows"]}
     missing = [k for k in keys if k not in times]
     if missing:
-        raise KernelgenError(f"node bench did not time {missing}")
+        raise KernelgenError(f"{engine} bench did not time {missing}")
     return data["engine"], times
+
+
+JS_SECONDS = 3600  # one engine's run of every case: minutes in practice
+
+
+def _run_group(argv: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """Run `argv` in a process group of its own: (exit code, stdout, stderr), the code None if it
+    ran past `timeout` seconds, when the whole group is killed (Chromium and its helpers with it:
+    they are the script's children, not Python's)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, *proc.communicate()
+    except BaseException:  # Ctrl-C: nothing of the run is left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc.returncode, stdout, stderr
 
 
 def _row(rows: dict[tuple[str, str], Row], key: str, target: str) -> Row:
@@ -737,7 +788,8 @@ def _machine_lines(m: dict) -> list[str]:
     if not m:
         return []
     what = f"{m['cpu']} [{' '.join(m['isa']) or 'no SIMD flags read'}], {m['cores']} cores, wasmtime {m['wasmtime']}"
-    node = f", {m['node']}" if "node" in m else ""  # node_timings' engine: "node <version> (V8 <version>)"
+    # js_timings' engines: "node <version> (V8 <version>)", "chromium <version>"
+    node = "".join(f", {m[e]}" for e in JS_ENGINES if e in m)
     load = " -> ".join(f"{x:.2f}" for x in m.get("load", []))
     return [f"machine: {what}{node}; load average {load}", ""]
 

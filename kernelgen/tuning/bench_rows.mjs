@@ -1,26 +1,23 @@
-// `kernelgen bench --engine node`: the mat-vec rows run in V8 through the JS runtime, as a browser
-// runs them. Started by kernelgen/tuning/bench.py as
-//   node --experimental-wasm-relaxed-simd --no-liftoff node_bench.mjs CONFIG_JSON
-// with CONFIG_JSON {out, target, seed, runtime, cases: [{quant, shape: [rows, cols], twoThreads}],
-// gemms: [{kernel, quant, shape: [m, n, k], pool: [threads...]}], streams: [job...], minMs}:
-// `out` a build directory holding the bench module (the library plus the streaming reads' pool jobs,
-// `streams`: one per interleaved-stream count), `seed` the
-// seed-style peer's wasm, `runtime` the URL of runtime/kernelgen.mjs (kernelgen.library.runtime():
-// the checkout's, or the copy an installed wheel carries). Prints one JSON object: {engine, rows: [{kernel, quant, shape, threads, seconds}]},
+// `kernelgen bench --engine node|chromium`: the mat-vec and GEMM rows run in V8 through the JS
+// runtime, as a model runs them. benchRows(config) runs them in Node (node_bench.mjs) or in a page of
+// headless Chromium (chromium_bench.mjs), with config {out, target, seed, runtime, cases: [{quant,
+// shape: [rows, cols], twoThreads}], gemms: [{kernel, quant, shape: [m, n, k], pool: [threads...]}],
+// rooflines: [{op, iters, seed, exports}], streams: [job...], minMs}: `out` the URL of a build directory holding the bench module (the library
+// plus the streaming reads' pool jobs, `streams`: one per interleaved-stream count), `seed` the URL
+// of the seed-style peer's wasm, `runtime` the URL of runtime/kernelgen.mjs (kernelgen.library.runtime():
+// the checkout's, or the copy an installed wheel carries; file: URLs in Node, the page's server's in
+// Chromium). Resolves to {target, rows: [{kernel, quant, shape, threads, seconds}]},
 // kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream, and
 // for each GEMM case (qmatmul: Y = A W^T of m tokens; matmul_f32_nt: a b^T, b n x k; matmul_f32_nn:
-// a b, b k x n) the kernel on the calling thread and "<kernel> pool" on each of its thread counts.
+// a b, b k x n) the kernel on the calling thread and "<kernel> pool" on each of its thread counts;
+// "roofline" (quant: its op, shape: [iters]) the fastest of a compute roofline's register-only loops
+// (`exports`, one per accumulator count), each called as export(iters, seed).
 //
 // Every time is per call of the runtime's API (Kernels.bench: activations copied in, y copied out,
 // as a model runs it), except the peer's, which is called directly on a memory laid out as the
 // runtime's: its weights at the addresses the runtime packed them (seedPeer).
 
-import { readFile } from 'node:fs/promises';
-
 const STREAM_CHUNK = 1 << 16; // the streaming reads' item, bytes (kernelgen/tuning/timing.py)
-const config = JSON.parse(process.argv[2]);
-const { loadKernels, packPlanes } = await import(config.runtime);
-const minMs = config.minMs ?? 300;
 
 /** A seeded generator (xorshift32): the same inputs every run. */
 function generator(seed) {
@@ -35,7 +32,7 @@ function generator(seed) {
 
 /** Stored blocks of `quant` with random codes, every f16 scale field 0.01 and every byte field of the scale the
  * value whose scale is nearest 0.01 (as bench.py makes them). */
-function blocksOf(spec, rows, cols, rand) {
+function blocksOf(spec, rows, cols, rand, packPlanes) {
   const nblocks = rows * (cols / spec.block);
   const bytes = new Uint8Array(nblocks * spec.stored_bytes);
   for (let i = 0; i < bytes.length; i += 4) {
@@ -88,7 +85,7 @@ function normals(n, rand) {
  * pages), the q8_0 planes at the very addresses the runtime packed them (`w.planes`): the same bytes
  * at the same placement, so a ratio against it measures the kernels, not where each buffer sits.
  * Its own buffers follow the planes. */
-async function seedPeer(wasmBytes, manifest, spec, w, blocks, x) {
+async function seedPeer(wasmBytes, manifest, spec, w, blocks, x, packPlanes) {
   const { rows, k: cols } = w;
   const planes = packPlanes(spec, blocks, rows * (cols / 32));
   let top = Math.max(...Object.entries(planes).map(([n, p]) => w.planes[n] + p.byteLength));
@@ -118,7 +115,7 @@ async function seedPeer(wasmBytes, manifest, spec, w, blocks, x) {
 }
 
 /** Milliseconds per call of fn: a warm-up, then calls for about minMs. */
-function timeIt(fn) {
+function timeIt(fn, minMs) {
   const loop = (ms) => {
     const start = performance.now();
     let n = 0, now = start;
@@ -129,77 +126,97 @@ function timeIt(fn) {
   return loop(minMs);
 }
 
-const k = await loadKernels({ dir: config.out, target: config.target, threads: 2 });
-const seedWasm = await readFile(config.seed);
-const rows = [];
-const row = (kernel, quant, shape, threads, seconds) => rows.push({ kernel, quant, shape: shape.join('x'), threads, seconds });
-for (const { quant, shape, twoThreads } of config.cases) {
-  const spec = k.manifest.quants[quant];
-  const [r, c] = shape;
-  const rand = generator(r * 31 + c);
-  const blocks = blocksOf(spec, r, c, rand);
-  const x = normals(c, rand);
-  const w = await k.pack(quant, blocks, r, c);
-  const act = await k.quantizeAct(x);
-  await k.setThreads(1);
-  row('qmatvec', quant, shape, 1, (await k.bench('qmatvec', [w, act], { minMs })).msPerCall / 1e3);
-  const nbytes = Object.values(spec.planes).reduce((s, p) => s + p.bytes_per_block, 0) * r * (c / 32);
-  if (nbytes < STREAM_CHUNK) throw new RangeError(`${quant} ${r}x${c}: the streaming read needs at least ${STREAM_CHUNK} bytes of planes`);
-  const chunks = Math.floor(nbytes / STREAM_CHUNK);
-  const scale = nbytes / (chunks * STREAM_CHUNK); // the planes lie one after another from planes.q
-  const streamArgs = [Object.values(w.planes)[0], chunks * STREAM_CHUNK];
-  // the fastest of the read's interleaved-stream counts (config.streams: one pool job each, timing.STREAM_WAYS)
-  const stream = async () => {
-    let best = Infinity;
-    for (const job of config.streams) {
-      best = Math.min(best, (await k.bench('run', [job, null, streamArgs, { threads: true, chunk: 1 }], { minMs })).msPerCall);
+/** The rows `config` asks for (see the top of this file), timed in this engine. */
+export async function benchRows(config) {
+  const { loadKernels, packPlanes } = await import(config.runtime);
+  const { readBytes } = await import(new URL('./platform.mjs', config.runtime));
+  const minMs = config.minMs ?? 300;
+  const k = await loadKernels({ baseUrl: config.out, target: config.target, threads: 2 });
+  const seedWasm = await readBytes(new URL(config.seed));
+  try {
+    const rows = [];
+    const row = (kernel, quant, shape, threads, seconds) => rows.push({ kernel, quant, shape: shape.join('x'), threads, seconds });
+    for (const { quant, shape, twoThreads } of config.cases) {
+      const spec = k.manifest.quants[quant];
+      const [r, c] = shape;
+      const rand = generator(r * 31 + c);
+      const blocks = blocksOf(spec, r, c, rand, packPlanes);
+      const x = normals(c, rand);
+      const w = await k.pack(quant, blocks, r, c);
+      const act = await k.quantizeAct(x);
+      await k.setThreads(1);
+      row('qmatvec', quant, shape, 1, (await k.bench('qmatvec', [w, act], { minMs })).msPerCall / 1e3);
+      const nbytes = Object.values(spec.planes).reduce((s, p) => s + p.bytes_per_block, 0) * r * (c / 32);
+      if (nbytes < STREAM_CHUNK) throw new RangeError(`${quant} ${r}x${c}: the streaming read needs at least ${STREAM_CHUNK} bytes of planes`);
+      const chunks = Math.floor(nbytes / STREAM_CHUNK);
+      const scale = nbytes / (chunks * STREAM_CHUNK); // the planes lie one after another from planes.q
+      const streamArgs = [Object.values(w.planes)[0], chunks * STREAM_CHUNK];
+      // the fastest of the read's interleaved-stream counts (config.streams: one pool job each, timing.STREAM_WAYS)
+      const stream = async () => {
+        let best = Infinity;
+        for (const job of config.streams) {
+          best = Math.min(best, (await k.bench('run', [job, null, streamArgs, { threads: true, chunk: 1 }], { minMs })).msPerCall);
+        }
+        return best / 1e3 * scale;
+      };
+      row('stream', quant, shape, 1, await stream());
+      if (quant === 'q8_0') {
+        const peer = await seedPeer(seedWasm, k.manifest, spec, w, blocks, x, packPlanes);
+        peer.call();
+        const want = await k.qmatvec(w, act);
+        const got = peer.y();
+        let err = 0, mag = 0;
+        for (let i = 0; i < r; i++) { err = Math.max(err, Math.abs(got[i] - want[i])); mag = Math.max(mag, Math.abs(want[i])); }
+        if (!(err <= 0.03 * mag)) throw new Error(`seed-style peer differs from qmatvec at ${r}x${c}: ${err} of ${mag}`);
+        row('seed', quant, shape, 1, timeIt(peer.call, minMs) / 1e3);
+      }
+      if (twoThreads) { // the pool's job on one thread, then on two
+        for (const threads of [1, 2]) {
+          await k.setThreads(threads);
+          row('qmatvec pool', quant, shape, threads, (await k.bench('qmatvec', [w, act, { threads: true, chunk: 16 }], { minMs })).msPerCall / 1e3);
+          row('stream', quant, shape, threads, await stream());
+        }
+      }
+      await k.reset();
     }
-    return best / 1e3 * scale;
-  };
-  row('stream', quant, shape, 1, await stream());
-  if (quant === 'q8_0') {
-    const peer = await seedPeer(seedWasm, k.manifest, spec, w, blocks, x);
-    peer.call();
-    const want = await k.qmatvec(w, act);
-    const got = peer.y();
-    let err = 0, mag = 0;
-    for (let i = 0; i < r; i++) { err = Math.max(err, Math.abs(got[i] - want[i])); mag = Math.max(mag, Math.abs(want[i])); }
-    if (!(err <= 0.03 * mag)) throw new Error(`seed-style peer differs from qmatvec at ${r}x${c}: ${err} of ${mag}`);
-    row('seed', quant, shape, 1, timeIt(peer.call) / 1e3);
-  }
-  if (twoThreads) { // the pool's job on one thread, then on two
-    for (const threads of [1, 2]) {
-      await k.setThreads(threads);
-      row('qmatvec pool', quant, shape, threads, (await k.bench('qmatvec', [w, act, { threads: true, chunk: 16 }], { minMs })).msPerCall / 1e3);
-      row('stream', quant, shape, threads, await stream());
+    /** A timer of GEMM case `kernel` (qmatmul, matmul_f32_nt or matmul_f32_nn): opts -> seconds per API
+     * call, its inputs made (and the weights packed) once. */
+    async function gemmTimer(kernel, quant, [m, n, kk]) {
+      const rand = generator(m * 31 + n * 7 + kk);
+      if (kernel === 'qmatmul') {
+        const w = await k.pack(quant, blocksOf(k.manifest.quants[quant], n, kk, rand, packPlanes), n, kk);
+        const act = await k.quantizeAct(normals(m * kk, rand), m);
+        return async (opts) => (await k.bench('qmatmul', [w, act, opts], { minMs })).msPerCall / 1e3;
+      }
+      const form = { matmul_f32_nt: 'nt', matmul_f32_nn: 'nn' }[kernel];
+      if (!form) throw new RangeError(`bench: no GEMM case ${kernel}`);
+      const a = normals(m * kk, rand), b = normals(n * kk, rand);
+      return async (opts) => (await k.bench('matmulF32', [a, b, m, n, { ...opts, bTransposed: form === 'nt' }], { minMs })).msPerCall / 1e3;
     }
-  }
-  await k.reset();
-}
-/** A timer of GEMM case `kernel` (qmatmul, matmul_f32_nt or matmul_f32_nn): opts -> seconds per API
- * call, its inputs made (and the weights packed) once. */
-async function gemmTimer(kernel, quant, [m, n, kk]) {
-  const rand = generator(m * 31 + n * 7 + kk);
-  if (kernel === 'qmatmul') {
-    const w = await k.pack(quant, blocksOf(k.manifest.quants[quant], n, kk, rand), n, kk);
-    const act = await k.quantizeAct(normals(m * kk, rand), m);
-    return async (opts) => (await k.bench('qmatmul', [w, act, opts], { minMs })).msPerCall / 1e3;
-  }
-  const form = { matmul_f32_nt: 'nt', matmul_f32_nn: 'nn' }[kernel];
-  if (!form) throw new RangeError(`node bench: no GEMM case ${kernel}`);
-  const a = normals(m * kk, rand), b = normals(n * kk, rand);
-  return async (opts) => (await k.bench('matmulF32', [a, b, m, n, { ...opts, bTransposed: form === 'nt' }], { minMs })).msPerCall / 1e3;
-}
 
-for (const { kernel, quant, shape, pool } of config.gemms ?? []) {
-  const time = await gemmTimer(kernel, quant, shape);
-  await k.setThreads(1);
-  row(kernel, quant, shape, 1, await time({}));
-  for (const threads of pool) {
-    await k.setThreads(threads);
-    row(`${kernel} pool`, quant, shape, threads, await time({ threads: true }));
+    for (const { kernel, quant, shape, pool } of config.gemms ?? []) {
+      const time = await gemmTimer(kernel, quant, shape);
+      await k.setThreads(1);
+      row(kernel, quant, shape, 1, await time({}));
+      for (const threads of pool) {
+        await k.setThreads(threads);
+        row(`${kernel} pool`, quant, shape, threads, await time({ threads: true }));
+      }
+      await k.reset();
+    }
+    if (config.rooflines?.length) {
+      // the bench module's own loops, called directly (nothing of the runtime's in the way)
+      const { min_pages: initial, max_pages: maximum } = k.manifest.memory;
+      const memory = new WebAssembly.Memory({ initial, maximum, shared: true });
+      const wasm = await readBytes(new URL(`${config.target}/kernels.wasm`, config.out));
+      const { instance } = await WebAssembly.instantiate(wasm, { env: { memory } });
+      for (const { op, iters, seed, exports } of config.rooflines) {
+        const ms = Math.min(...exports.map((name) => timeIt(() => instance.exports[name](iters, seed), minMs)));
+        row('roofline', op, [iters], 1, ms / 1e3);
+      }
+    }
+    return { target: k.info.target, rows };
+  } finally {
+    await k.terminate();
   }
-  await k.reset();
 }
-console.log(JSON.stringify({ engine: `node ${process.versions.node} (V8 ${process.versions.v8})`, target: k.info.target, rows }));
-await k.terminate();

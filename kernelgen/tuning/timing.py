@@ -17,7 +17,10 @@ from ..compiler import ast as A
 from ..compiler.check import Checked
 
 STREAM_CHUNK = 1 << 16  # bytes per item of the threaded streaming read
-ENGINE_CHOICES = ("wasmtime", "node", "both")  # --engine of tune and bench: wasmtime, V8 through Node, or both
+ENGINE_CHOICES = ("wasmtime", "node", "both")  # kernelgen tune --engine: wasmtime, V8 through Node, or both
+# kernelgen bench --engine: the engines each choice runs (Chromium's V8 is the one browsers ship)
+BENCH_ENGINES = {"wasmtime": ("wasmtime",), "node": ("node",), "chromium": ("chromium",), "both": ("wasmtime", "node"),
+                 "all": ("wasmtime", "node", "chromium")}
 
 # The streaming read runs as 1, 2, 4 or 8 interleaved streams (the buffer's parts read side by side,
 # as a mat-vec tile reads its rows); the roofline is the fastest. One stream is not the most wasm can

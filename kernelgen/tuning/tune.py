@@ -49,6 +49,8 @@ class Case:
 def _weights(k: Kernels, quant: str, n: int, kk: int, rng: np.random.Generator) -> tuple[np.ndarray, Packed]:
     """n random rows of `quant` blocks (small scales and zero points), and them packed."""
     q = k.quants[quant]
+    if kk % q.block:
+        raise ValueError(f"{quant}: rows of {kk} values are not whole {q.block}-value blocks")
     raw = rng.integers(0, 256, (n, kk // q.block * q.stored_bytes), dtype=np.uint8)
     blocks = raw.view(q.dtype).copy()
     for f in q.fields:
@@ -280,6 +282,31 @@ def engine_names(engine: str) -> list[str]:
     return ([WASMTIME] if engine != "node" else []) + ([engine_name()] if engine != "wasmtime" else [])
 
 
+def _fits(checked: Checked, quant: str | None, shape: tuple[int, ...]) -> bool:
+    """Whether rows of `shape` (K, the last dimension) are whole blocks of `quant`."""
+    return quant is None or shape[-1] % checked.quants[quant].block == 0
+
+
+def unfit_cases(checked: Checked, kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
+                quants: list[str] | None) -> list[str]:
+    """The "kernel type shape" cases asked for whose rows are not whole blocks of the type (the
+    default qmatmul shape with K = 384 holds no 256-value super-block): tune leaves them out. A
+    ValueError if no case is left, before anything is timed."""
+    unfit, left = [], False
+    for kernel in kernels:
+        generic = (checked.jobs.get(kernel) or checked.kernels[kernel]).ast.generics
+        for q in (quants or list(checked.quants)) if generic else [None]:
+            for shape in shapes.get(kernel) or SPECS[kernel][1]:
+                if _fits(checked, q, shape):
+                    left = True
+                else:
+                    unfit.append(f"{kernel} {q} {'x'.join(map(str, shape))}")
+    if unfit and not left:
+        raise ValueError(f"no shape asked for fits the quant types asked for: K (the last dimension) must be a"
+                         f" multiple of the type's block ({', '.join(unfit)})")
+    return unfit
+
+
 def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
          quants: list[str] | None, store: Path, budget: float, strategy: str = "exhaustive", seed: int = 0,
          retime: int = 3, out=sys.stderr, remeasure: bool = False, engine: str = "wasmtime") -> list[Record]:
@@ -295,6 +322,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine)
         for r in stored if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant)}
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
+    unfit = unfit_cases(checked, kernels, shapes, quants)
     plans: list[tuple[str, Plan]] = []
     for target in targets:
         for kernel in kernels:
@@ -303,8 +331,13 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             on = [WASMTIME] if kernel in checked.jobs else engines
             for q in qs:
                 for shape in shapes.get(kernel) or SPECS[kernel][1]:
+                    if not _fits(checked, q, shape):
+                        continue
                     for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
                         plans += [(target, Plan(kernel, q, shape, t, e)) for e in on]
+    if unfit:
+        print(f"not timed, their rows not whole blocks of the type: {', '.join(unfit)}", file=out)
+
     def key(target: str, p: Plan) -> tuple:
         return p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True), p.engine
 
