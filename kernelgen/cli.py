@@ -20,7 +20,7 @@ from .errors import DslError, KernelgenError
 from .compiler.parse import parse
 from .tuning.budget import CODE_BUDGET, dropped_text
 from .tuning.store import STORE, StoreWarning, load_store
-from .tuning.timing import BENCH_ENGINES, ENGINE_CHOICES
+from .tuning.timing import ENGINE_CHOICES, ENGINES
 
 DEFAULT_DSL = Path("kernels.dsl")
 EXIT_USER = 2
@@ -233,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))
     store = _store(args)
-    engines = BENCH_ENGINES[args.engine]
+    engines = ENGINES[args.engine]
     report = run(source, args.target, load_store(store) if store else None, args.repeat,
                  progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True),
                  engines=engines)
@@ -337,15 +337,16 @@ def parser() -> argparse.ArgumentParser:
                    help="time again what the store already holds for this host (default: skip it)")
     t.add_argument("--plot", type=Path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
     t.add_argument("--engine", choices=ENGINE_CHOICES, default="both",
-                   help="time variants in wasmtime, in V8 through Node (what browsers run), or both (default; "
-                        "the build's pick weighs both; pool jobs are timed in wasmtime)")
+                   help="time variants in wasmtime, in V8 through Node, in headless Chromium's V8 (what browsers"
+                        " run; /usr/bin/chromium), both (wasmtime and Node: the default) or all three; the build's"
+                        " pick weighs every engine timed; pool jobs are timed in wasmtime")
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     be.add_argument("--repeat", type=_positive, default=1, metavar="N",
                     help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
-    be.add_argument("--engine", choices=tuple(BENCH_ENGINES), default="wasmtime",
+    be.add_argument("--engine", choices=ENGINE_CHOICES, default="wasmtime",
                     help="run in wasmtime, or the mat-vec and GEMM rows through the JS runtime in Node (V8) or in"
                          " headless Chromium (/usr/bin/chromium); both: wasmtime and Node; all: the three")
     be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")

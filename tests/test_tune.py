@@ -1236,8 +1236,27 @@ def test_tune_engine_both_times_each_variant_in_wasmtime_and_v8(checked, tmp_pat
         assert all(r.status == "ok" and r.seconds > 0 for r in timed)
     assert load_store(store) == new
     assert S.best_tune(new, checked, "qmatvec", "relaxed-simd", S.host(), quant="q4_0") in every
-    with pytest.raises(ValueError, match="engine 'spidermonkey': one of wasmtime, node, both"):
+    with pytest.raises(ValueError, match="engine 'spidermonkey': one of wasmtime, node, chromium, both, all"):
         tune(SOURCE, ["simd128"], ["qmatvec"], {}, None, store, 1.0, out=io.StringIO(), engine="spidermonkey")
+
+
+def test_tune_engine_chromium_times_each_variant_in_the_browsers_v8(checked, tmp_path: Path) -> None:
+    """--engine chromium: every variant is verified under wasmtime, then timed in a page of headless
+    Chromium on a copy of the same memory (the V8 browsers ship); its records name the browser's
+    version, a pool job is timed in wasmtime still, and the pick reads the browser's timings."""
+    from kernelgen.tuning.v8 import engine_name
+    need(shutil.which("node"), "needs Node.js")
+    need(CHROMIUM.is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((DSL_PATH.parent / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    store = tmp_path / "store.jsonl"
+    new = tune(SOURCE, ["relaxed-simd"], ["qmatvec"], {"qmatvec": [(8, 256)]}, ["q4_0"], store, budget=300.0,
+               out=io.StringIO(), retime=0, engine="chromium")
+    browser = engine_name(browser=True)
+    assert browser.startswith("chromium ") and browser.split()[1][0].isdigit()
+    assert {r.engine for r in new} == {browser}
+    every = variants(checked, "qmatvec")
+    assert [r.tune for r in new] == every and all(r.status == "ok" and r.seconds > 0 for r in new)
+    assert S.best_tune(new, checked, "qmatvec", "relaxed-simd", S.host(), quant="q4_0") in every
 
 
 def test_best_tune_per_quant_type_reads_only_that_types_timings(checked) -> None:

@@ -45,12 +45,12 @@ from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
 from .store import Record, host
-from .v8 import NODE_FLAGS, node_path
+from .v8 import NODE_FLAGS, chromium_path, node_path
 from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
-from .timing import (BENCH_ENGINES, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
+from .timing import (ENGINES as ENGINE_SETS, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
                      STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source,
                      roof_name, stream_name)
 
@@ -63,8 +63,7 @@ CHROMIUM = " chromium"  # suffix of a target run in a page of headless Chromium 
 # rows, and the script that times them (bench_rows.mjs in Node, or in Chromium's page)
 JS_ENGINES = {"node": (NODE, Path(__file__).with_name("node_bench.mjs")),
               "chromium": (CHROMIUM, Path(__file__).with_name("chromium_bench.mjs"))}
-ENGINES = BENCH_ENGINES["all"]
-CHROMIUM_PATH = Path("/usr/bin/chromium")  # Debian's (.ci/run installs it), driven by playwright-core
+ENGINES = ENGINE_SETS["all"]
 
 
 class Bench:
@@ -664,8 +663,7 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
     if engine not in JS_ENGINES:
         raise ValueError(f"engine {engine!r}: one of {', '.join(JS_ENGINES)}")
     node = node_path()
-    if engine == "chromium" and not CHROMIUM_PATH.is_file():
-        raise KernelgenError(f"--engine chromium needs {CHROMIUM_PATH} (Debian: apt-get install chromium)")
+    chromium = str(chromium_path()) if engine == "chromium" else None
     matvec = [key for key in keys if key[0] in MATVEC_KERNELS]
     roofs = sorted({(op, shape[0]) for kernel, op, shape, _ in keys if kernel == ROOFLINE})
     shapes = list(dict.fromkeys((q, shape) for _, q, shape, _ in matvec))
@@ -684,7 +682,7 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
         config = {"out": Path(tmp).as_uri() + "/", "target": built.target, "seed": Path(tmp, "seed.wasm").as_uri(),
                   "minMs": min_ms, "streams": [stream_name(ways, pool=True) for ways in STREAM_WAYS],
-                  "runtime": (library.runtime() / "kernelgen.mjs").as_uri(), "chromium": str(CHROMIUM_PATH),
+                  "runtime": (library.runtime() / "kernelgen.mjs").as_uri(), "chromium": chromium,
                   "cases": [{"quant": q, "shape": list(shape), "twoThreads": (q, shape) in pooled} for q, shape in shapes],
                   "gemms": [{"kernel": kernel, "quant": q, "shape": list(shape), "pool": sorted(pool)}
                             for (kernel, q, shape), pool in gemms.items()],

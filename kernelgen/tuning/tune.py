@@ -30,8 +30,8 @@ from ..names import variant_name
 from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
 from .store import WASMTIME, Record, append_record, host, kernel_hash, load_store, usable
-from .timing import ENGINE_CHOICES, POOL_REPEAT, measure, repeat_name, repeat_source
-from .v8 import engine_name, measure_v8
+from .timing import ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source
+from .v8 import engine_name, in_browser, measure_v8
 
 
 # ---- what is tuned: inputs, a numpy check, and the timed call per kernel ---------------------------
@@ -267,8 +267,8 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
             timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
         else:
             try:
-                timing = measure_v8(built.wasm, k, bench, list(case.args), min_batch, samples)
-            except KernelgenError as e:  # Node stopped or hung on this variant: the others still count
+                timing = measure_v8(built.wasm, k, bench, list(case.args), min_batch, samples, in_browser(engine))
+            except KernelgenError as e:  # Node or Chromium stopped or hung on this variant: the others still count
                 return None, f"failed: in {engine} ({e})"
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         return None, f"failed: trapped ({str(e).splitlines()[0]})"
@@ -276,10 +276,11 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
 
 
 def engine_names(engine: str) -> list[str]:
-    """The engines (Record.engine) --engine names: wasmtime, V8 through Node, or both."""
-    if engine not in ENGINE_CHOICES:
-        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINE_CHOICES)}")
-    return ([WASMTIME] if engine != "node" else []) + ([engine_name()] if engine != "wasmtime" else [])
+    """The engines (Record.engine) --engine names (timing.ENGINES): wasmtime, V8 through Node, V8 in
+    Chromium, or a set of them."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    return [WASMTIME if e == "wasmtime" else engine_name(browser=e == "chromium") for e in ENGINES[engine]]
 
 
 def _fits(checked: Checked, quant: str | None, shape: tuple[int, ...]) -> bool:
@@ -310,7 +311,7 @@ def unfit_cases(checked: Checked, kernels: list[str], shapes: dict[str, list[tup
 def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
          quants: list[str] | None, store: Path, budget: float, strategy: str = "exhaustive", seed: int = 0,
          retime: int = 3, out=sys.stderr, remeasure: bool = False, engine: str = "wasmtime") -> list[Record]:
-    """Tune `kernels` on `targets`, timed on `engine` (ENGINE_CHOICES; pool jobs in wasmtime only: their
+    """Tune `kernels` on `targets`, timed on `engine` (timing.ENGINES; pool jobs in wasmtime only: their
     threads are the Python host's); every result is appended to `store` as it comes. What `store`
     already holds for this host and DSL is skipped, unless `remeasure`."""
     checked = check(parse(source))

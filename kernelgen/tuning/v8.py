@@ -1,15 +1,20 @@
-"""Timing a kernel in V8 (Node), the engine browsers run, for the tuner: the same wasm bytes and the
-same memory contents the tuner verified under wasmtime, one batch of calls at a time (the batches,
-warm-up and median are timing.measure's, so both engines are timed by one protocol).
+"""Timing a kernel in V8, the engine browsers run, for the tuner: in Node, or in a page of headless
+Chromium (the V8 browsers ship). The same wasm bytes and the same memory contents the tuner
+verified under wasmtime, one batch of calls at a time (the batches, warm-up and median are
+timing.measure's, so every engine is timed by one protocol).
 
 V8 compiles the code shapes kernelgen emits differently from cranelift (register allocation, which
 loads it merges): a variant that ties under wasmtime was 1.56x faster in V8, so a pick made from
-wasmtime alone can cost browsers that much.
+wasmtime alone can cost browsers that much. And Node 20's V8 is not the browsers': Chromium's
+lowers the relaxed integer dot to one vpdpbusd on AVX-VNNI (a register-only loop of it ran 71 G
+MACs/s there, 31 in Node 20, on one AMD EPYC).
 """
 from __future__ import annotations
 
 import json
+import os
 import select
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -19,11 +24,14 @@ from typing import Iterator
 
 import numpy as np
 
+from .. import library
 from ..errors import KernelgenError
 from ..host.api import Kernels
 from .timing import Timing, measure
 
 V8_TIME = Path(__file__).with_name("v8_time.mjs")
+CHROMIUM_TIME = Path(__file__).with_name("chromium_time.mjs")
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's (.ci/run installs it), driven by playwright-core (npm ci)
 # relaxed SIMD (Node 20); optimized code from the first call (Node 20's Liftoff also doubles relaxed dots)
 NODE_FLAGS = ("--experimental-wasm-relaxed-simd", "--no-liftoff")
 STARTUP_SECONDS = 120  # instantiating a module and copying its memory; far less in practice
@@ -37,18 +45,35 @@ def node_path() -> str:
     return node
 
 
-def engine_name() -> str:
-    """'v8 <version>' of the Node on PATH: V8 versions compile differently, so timings keep it."""
-    out = subprocess.run([node_path(), "-p", "process.versions.v8"], capture_output=True, text=True, timeout=60)
+def chromium_path() -> Path:
+    if not CHROMIUM.is_file():
+        raise KernelgenError(f"timing in Chromium needs {CHROMIUM} (Debian: apt-get install chromium)")
+    return CHROMIUM
+
+
+def engine_name(browser: bool = False) -> str:
+    """'v8 <version>' of the Node on PATH, or (`browser`) 'chromium <version>' of CHROMIUM: V8
+    versions compile differently, so timings keep it (a Record's engine)."""
+    argv = [str(chromium_path()), "--version"] if browser else [node_path(), "-p", "process.versions.v8"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
-        raise KernelgenError(f"node -p process.versions.v8 failed: {out.stderr.strip()[-500:]}")
+        raise KernelgenError(f"{' '.join(argv[1:])} failed: {out.stderr.strip()[-500:]}")
+    if browser:  # "Chromium 150.0.7871.100 built on Debian ..."
+        return f"chromium {out.stdout.split()[1]}"
     return f"v8 {out.stdout.strip()}"
 
 
+def in_browser(engine: str) -> bool:
+    """Whether a Record's engine (engine_name) is Chromium's."""
+    return engine.startswith("chromium ")
+
+
 @contextmanager
-def _node_batches(wasm_bytes: bytes, k: Kernels, export: str, args: list[int]) -> Iterator[subprocess.Popen]:
+def _node_batches(wasm_bytes: bytes, k: Kernels, export: str, args: list[int],
+                  browser: bool) -> Iterator[subprocess.Popen]:
     """A Node process holding the module `wasm_bytes` (`k`'s) over a copy of `k`'s memory, running
-    batches on request."""
+    batches on request: itself, or (`browser`) in a page of the headless Chromium it starts. Its
+    own process group, killed if it outlives the timing (a browser is Node's child, not ours)."""
     info = k.manifest["memory"]
     with tempfile.TemporaryDirectory(prefix="kernelgen-v8-") as tmp:
         wasm, image = Path(tmp, "kernels.wasm"), Path(tmp, "memory.bin")
@@ -56,8 +81,13 @@ def _node_batches(wasm_bytes: bytes, k: Kernels, export: str, args: list[int]) -
         image.write_bytes(k.module.get(0, np.uint8, k.module.memory.data_len()).tobytes())
         config = {"wasm": str(wasm), "image": str(image), "minPages": info["min_pages"],
                   "maxPages": info["max_pages"], "export": export, "args": args}
-        proc = subprocess.Popen([node_path(), *NODE_FLAGS, str(V8_TIME), json.dumps(config)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if browser:
+            config.update(chromium=str(chromium_path()), runtimeDir=str(library.runtime()))
+            argv = [node_path(), str(CHROMIUM_TIME), json.dumps(config)]
+        else:
+            argv = [node_path(), *NODE_FLAGS, str(V8_TIME), json.dumps(config)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
             yield proc
         finally:
@@ -65,16 +95,26 @@ def _node_batches(wasm_bytes: bytes, k: Kernels, export: str, args: list[int]) -
             try:
                 proc.wait(timeout=STARTUP_SECONDS)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Stop `proc`, and every process it started when it leads a group of its own (start_new_session)."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except ProcessLookupError:  # it has exited already
+        pass
+    proc.wait()
 
 
 def _line(proc: subprocess.Popen, timeout: float) -> str:
     """Node's next line of output, waiting at most `timeout` seconds (then Node is stopped)."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     if not ready:
-        proc.kill()
-        proc.wait()
+        _kill(proc)
         raise KernelgenError(f"node did not answer within {timeout:g} s; stopped it")
     line = proc.stdout.readline()
     if not line:
@@ -84,12 +124,13 @@ def _line(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def measure_v8(wasm_bytes: bytes, k: Kernels, export: str, args: list[int], min_batch: float = 0.02,
-               samples: int = 5) -> Timing:
+               samples: int = 5, browser: bool = False) -> Timing:
     """Seconds per call of `export(reps, *args)` of the module `wasm_bytes` (the one `k` runs) in V8,
-    on a copy of `k`'s memory: timing.measure's protocol, each batch timed in Node by its CPU time."""
-    with _node_batches(wasm_bytes, k, export, args) as proc:
+    on a copy of `k`'s memory: timing.measure's protocol, each batch timed in Node by its CPU time,
+    or (`browser`) in a page of headless Chromium by the page's clock."""
+    with _node_batches(wasm_bytes, k, export, args, browser) as proc:
         if _line(proc, STARTUP_SECONDS) != "ready":
-            raise KernelgenError("node did not start the kernel module")
+            raise KernelgenError(f"{'chromium' if browser else 'node'} did not start the kernel module")
 
         def batch(reps: int) -> float:
             proc.stdin.write(f"{reps}\n")
