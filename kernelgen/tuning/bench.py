@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -45,7 +44,7 @@ from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
 from .store import Record, host
-from .v8 import NODE_FLAGS, chromium_path, node_path
+from .v8 import NODE_FLAGS, chromium_path, node_path, stop
 from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
@@ -714,11 +713,10 @@ def _run_group(argv: list[str], timeout: float) -> tuple[int | None, str, str]:
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         return None, *proc.communicate()
     except BaseException:  # Ctrl-C: nothing of the run is left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        stop(proc)
         raise
     return proc.returncode, stdout, stderr
 

@@ -46,6 +46,7 @@ def node_path() -> str:
 
 
 def chromium_path() -> Path:
+    """CHROMIUM, or a clear error where it is missing."""
     if not CHROMIUM.is_file():
         raise KernelgenError(f"timing in Chromium needs {CHROMIUM} (Debian: apt-get install chromium)")
     return CHROMIUM
@@ -95,11 +96,12 @@ def _node_batches(wasm_bytes: bytes, k: Kernels, export: str, args: list[int],
             try:
                 proc.wait(timeout=STARTUP_SECONDS)
             except subprocess.TimeoutExpired:
-                _kill(proc)
+                stop(proc)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """Stop `proc`, and every process it started when it leads a group of its own (start_new_session)."""
+def stop(proc: subprocess.Popen) -> None:
+    """Stop `proc`, and every process it started when it leads a group of its own (start_new_session:
+    a browser is its child, not ours), and reap it."""
     try:
         if os.getpgid(proc.pid) == proc.pid:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -114,7 +116,7 @@ def _line(proc: subprocess.Popen, timeout: float) -> str:
     """Node's next line of output, waiting at most `timeout` seconds (then Node is stopped)."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     if not ready:
-        _kill(proc)
+        stop(proc)
         raise KernelgenError(f"node did not answer within {timeout:g} s; stopped it")
     line = proc.stdout.readline()
     if not line:
