@@ -10,11 +10,9 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 
+import { CHROMIUM, LAUNCH_ARGS } from '../chromium.mjs';
 import { startServer } from '../serve.mjs';
 
-const CHROMIUM = '/usr/bin/chromium';
-const LAUNCH_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
-  '--disable-component-update', '--disable-sync', '--no-first-run'];
 const VECTORS = process.env.KERNELGEN_VECTORS;
 const SCREENSHOT = process.env.KERNELGEN_SCREENSHOT ?? join(tmpdir(), 'kernelgen-demo.png');
 const THREADS = 2;
