@@ -841,24 +841,183 @@ kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr,
     }
 }
 
+# ---- the grouped layout: relaxed SIMD's i7 types, Q.group rows side by side ----------------------
+#
+# Where a target packs a type in groups (Q.group > 1: quantformat's grouped layout, Target.layout),
+# lane group j of a group's block holds values 4j .. 4j + 3 of each of its rows, row r in lanes
+# 4r .. 4r + 3: one relaxed i16 dot against those four activations in every lane (alanes) leaves
+# row r's products in i16 lanes 2r, 2r + 1, and pairsum turns them into i32 lane r. The rows' dots
+# come out side by side, ready for their scales (also side by side: Q.rowscale): no lane folds per
+# row, where rows one by one fold each block's lanes. Each row's float sum takes its blocks in order.
+
+# i32 lane C of v in all four lanes, as bytes: activations 4C .. 4C + 3 of a 16 for every row of a group.
+inline kernel alanes[C: i32](v: i32x4) -> i8x16 {
+    return i8x16.bits(i32x4.shuffle(v, v, C, C, C, C));
+}
+
+# The rows' exact dots from their code dots: the zero of a Q.block_zero type off, as zero * sum(a)
+# (s: the address of the activation block's sum).
+inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
+    static if Q.block_zero {
+        return dot - i32x4.splat(Q.zero * i32.load(s));
+    } else {
+        return dot;
+    }
+}
+
+# The M x G group dots of tokens t0, t0 + ts, .., t0 + (M - 1) * ts with row groups g0, g0 + gs, ..,
+# g0 + (G - 1) * gs of W (gs: qgtiles' slab length), row r of group g into y[t, Q.group * g + r]
+# where below n. A stride of 0 repeats a token or group: the tails take the tile the build holds.
+# Per block and lane group j: each group's codes unpacked once for the M tokens and each token's
+# four activations spread once for the G groups (the tile's work sharing); hdot7 adds their pairs in
+# i16 lanes, Q.u16 lane groups at a time (exact: Q.u16 bounds the sums), and pairsum widens them to
+# i32 (for sub-block scales, each row's in its lane: Q6_K). Then per block and row, in the order of
+# every grouped type's dots:
+#   acc = madd(f32(dot - zero * sum(a)), scale * d_a, acc) (+ madd(sum(a) * d_a, offset, acc)),
+# A accumulators taking the blocks in turn (block b into the one that held block b - A), added at
+# the end (two at most, so their sum does not depend on which holds which). No result depends on M,
+# G or the rows a thread takes: row t of qmatmul is qmatvec of token t, bit for bit.
+#   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
+#   blocks' sums as + t * nb * 4
+kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, ts: i32, g0: i32, gs: i32, nb: i32, n: i32) {
+    var acc[M * G * A]: f32x4 = f32x4.splat(0.0);
+    var wg[G]: ptr = 0;  # block b of group g at wg[g] + b * Q.bytes
+    unroll g in 0..G {
+        wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
+    }
+    var arow[M]: ptr = 0;
+    unroll t in 0..M {
+        arow[t] = aq + (t0 + t * ts) * nb * Q.block * ACT_BYTES;
+    }
+    var dot[M * G]: i32x4 = i32x4.splat(0);  # a block's dot i = t * G + g: token t with group g's rows
+    var part[M * G]: i16x8 = i16x8.splat(0);  # its pairs of the lane groups since the last widening
+    var u[G]: i8x16 = i8x16.splat(0);  # a lane group's codes of each group
+    for b in 0..nb {
+        unroll j in 0..Q.units {
+            unroll g in 0..G {
+                u[g] = Q.codes(wg[g] + b * Q.bytes, j);
+            }
+            unroll t in 0..M {
+                let av = alanes[j % 4](i32x4.load(arow[t] + b * Q.block * ACT_BYTES, j / 4 * 16));
+                unroll g in 0..G {
+                    let i = t * G + g;
+                    static if j % Q.u16 == 0 {  # the first of a widening's lane groups starts its sum
+                        static if Q.has_zero > Q.block_zero {
+                            part[i] = hdot7z(i16x8.splat(0), u[g], Q.zeros(wg[g] + b * Q.bytes, j), av);
+                        } else {
+                            part[i] = hdot7(i16x8.splat(0), u[g], av);
+                        }
+                    } else static if Q.has_zero > Q.block_zero {
+                        part[i] = hdot7z(part[i], u[g], Q.zeros(wg[g] + b * Q.bytes, j), av);
+                    } else {
+                        part[i] = hdot7(part[i], u[g], av);
+                    }
+                }
+            }
+            static if j % Q.u16 == Q.u16 - 1 {
+                unroll i in 0..M * G {
+                    var x: i32x4 = i32x4.splat(0);
+                    static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane
+                        x = pairsum(part[i], i16x8.load(wg[i % G] + b * Q.bytes, Q.sub_scales_at + j / 4 * 16));
+                    } else {
+                        x = pairsum(part[i]);
+                    }
+                    static if j < Q.u16 {
+                        dot[i] = x;
+                    } else {
+                        dot[i] = dot[i] + x;
+                    }
+                }
+            }
+        }
+        unroll t in 0..M {
+            let blk = (t0 + t * ts) * nb + b;
+            let da = f32x4.splat(f32.load(ad + blk * 4));
+            unroll g in 0..G {
+                let i = t * G + g;
+                let wb = (g0 + g * gs) * nb + b;  # the block in the planes' order: group-major
+                var r: f32x4 = madd(f32x4.convert(qgexact[Q](dot[i], as + blk * 4)), Q.rowscale(w, wb) * da, acc[i * A]);
+                static if Q.has_offset {
+                    r = madd(f32x4.splat(f32(i32.load(as + blk * 4)) * f32.load(ad + blk * 4)), Q.rowoffset(w, wb), r);
+                }
+                unroll s in 1..A {
+                    acc[i * A + s - 1] = acc[i * A + s];
+                }
+                acc[i * A + A - 1] = r;
+            }
+        }
+    }
+    unroll i in 0..M * G {
+        unroll s in 1..A {
+            acc[i * A] = acc[i * A] + acc[i * A + s];
+        }
+        let row = Q.group * (g0 + i % G * gs);
+        let out = y + ((t0 + i / G * ts) * n + row) * 4;
+        if row + Q.group <= n {
+            f32x4.store(out, acc[i * A]);
+        } else {  # the last group's rows below n, each alone (a vector store would write the next token's)
+            unroll r in 0..Q.group {
+                if row + r < n {
+                    f32.store(out + r * 4, extract(acc[i * A], r));
+                }
+            }
+        }
+    }
+}
+
+# Tokens 0 .. m - 1 against the NR row groups g, g + gs, ..: tiles of MR tokens, then each token
+# left over alone in the same tile with a token stride of 0 (its MR copies computed alike).
+inline kernel qgtokens[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, m: i32, g: i32, gs: i32, nb: i32, n: i32) {
+    let tfull = m - m % MR;
+    for t in 0..tfull step MR {
+        qgtile[Q, MR, NR, A](w, aq, ad, as, y, t, 1, g, gs, nb, n);
+    }
+    for t in tfull..m {
+        qgtile[Q, MR, NR, A](w, aq, ad, as, y, t, 0, g, gs, nb, n);
+    }
+}
+
+# Row groups g0 .. g1 - 1 of W against tokens 0 .. m - 1, as qtiles does rows: tiles of MR tokens x
+# NR groups, the groups of a tile one slab apart (NR streams through the weights); each group past
+# the slabs (fewer than NR) in the same tile with a group stride of 0. One tile per type and kernel
+# in the module (the rows layout's single-dot tails cost a type 1.2-1.7 KB each), at MR or NR times
+# the work of those few tokens and groups.
+kernel qgtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, g0: i32, g1: i32, nb: i32, n: i32) {
+    let as = act_sums(ad, m * nb);
+    let slab = (g1 - g0) / NR;
+    for g in g0..g0 + slab {
+        qgtokens[Q, MR, NR, A](w, aq, ad, as, y, m, g, slab, nb, n);
+    }
+    for g in g0 + slab * NR..g1 {
+        qgtokens[Q, MR, NR, A](w, aq, ad, as, y, m, g, 0, nb, n);
+    }
+}
+
 # y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-#   w: packed matrix, n rows of k / Q.block blocks
+#   w: packed matrix, n rows of k / Q.block blocks (in groups of Q.group rows where the target
+#      packs the type so)
 #   aq: activations from quantize_act, k of ACT_BYTES each
 #   ad: activation scales and sums from quantize_act, k / 32 f32 then k / 32 i32
 #   y: f32[n], written
 #   n: row count
 #   k: row length, a multiple of Q.block
 export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
-    tune rows: i32 in {1, 2, 4} = 2;  # 2: the fastest in both wasmtime and V8 (qtile)
+    tune rows: i32 in {1, 2, 4} = 2;  # rows (row groups in the grouped layout) per tile
     tune accs: i32 in {1, 2} = 1;
     restrict rows * accs <= 4;  # accumulators in flight: 16 vector registers on x86-64 hold no more
-    parallel rows r0..r1 in 0..n;
-    qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
+    parallel groups r0..r1 in 0..(n + Q.group - 1) / Q.group;  # of Q.group rows: 1, or the grouped layout's
+    static if Q.group > 1 {
+        qgtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
+    } else {
+        qtiles[Q, 1, rows, accs](w, aq, ad, y, 1, r0, r1, k / Q.block, n);
+    }
 }
 
 # Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
-# of `tokens` x `rows` dots. The dots' accumulators take qmatvec's `accs` (the summation order).
-#   w: packed matrix, n rows of k / Q.block blocks
+# of `tokens` x `rows` dots (row groups in the grouped layout). The dots' accumulators take
+# qmatvec's `accs` (the summation order).
+#   w: packed matrix, n rows of k / Q.block blocks (in groups of Q.group rows where the target
+#      packs the type so)
 #   aq: activations from quantize_act of an [m, k] array, m * k of ACT_BYTES each
 #   ad: activation scales and sums, m * k / 32 f32 then m * k / 32 i32
 #   y: f32[m, n], written
@@ -869,8 +1028,12 @@ export kernel qmatmul[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n
     tune tokens: i32 in {1, 2, 4} = 1;  # 1 x 2: as fast as 2 x 1, and qmatvec's own tile (no more code)
     tune rows: i32 in {1, 2, 4} = 2;
     restrict tokens * rows <= 4;  # a tile's integer dots and float sums (x qmatvec's accs <= 2) in registers
-    parallel rows r0..r1 in 0..n;  # rows of W, each read by one thread, every token passing over it there
-    qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
+    parallel groups r0..r1 in 0..(n + Q.group - 1) / Q.group;  # of W's rows, each read by one thread, every token passing over it there
+    static if Q.group > 1 {
+        qgtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
+    } else {
+        qtiles[Q, tokens, rows, qmatvec.accs](w, aq, ad, y, m, r0, r1, k / Q.block, n);
+    }
 }
 
 # ---- exp, softmax, SiLU ------------------------------------------------------------------------

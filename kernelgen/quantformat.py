@@ -19,6 +19,15 @@ Packing turns a matrix of stored blocks into planes the kernels read (each conti
           super-block type whose S (and M) are F * I, an f16 field times a byte-sized integer of
           s, one record per super-block instead (QuantFormat.record): F as f32, I as bytes
   offset  M per block as f32, only for types with `+ M` (a super-block's record holds it)
+
+A type packed with `group` GROUP_ROWS (QuantFormat.group: the grouped layout, Target.layout picks it
+per target and type) holds the same planes with every GROUP_ROWS rows side by side: rows padded
+with zero blocks to a multiple of GROUP_ROWS, each plane's per-row bytes of one block (one record of
+a super-block) cut into granules and the group's rows interleaved granule by granule, group-major
+then block-major. Granules are GRANULE bytes (a plane's f32s, the codes), or one byte for a
+record's integers, so that a 16-byte vector holds granule j of each of the four rows (codes 4j ..
+4j + 3 of a kernel block, or its f32 scale) and a kernel's i32 lane r is row r: no lane folds per
+row. A scalar byte value field (q4_onnx's zero point) takes a whole granule, its byte four times.
 """
 from __future__ import annotations
 
@@ -401,6 +410,8 @@ class FieldInfo:
 
 
 KERNEL_BLOCK = 32  # values per block in the kernels (one activation block)
+GROUP_ROWS = 4  # rows of one group in the grouped layout: one i32 lane of a vector each
+GRANULE = 4  # bytes of a row that sit together in a group's vector (codes 4j .. 4j + 3, an f32)
 SUB_SCALE_MAX = 1 << 13  # |integer sub-block scale|: 16 * 128 * 127 * 2^13 < 2^31 (sub_scales)
 # An integer sub-block scale s is stored as an i32 holding s in both of its i16 halves: one 32-bit
 # splat gives relaxed SIMD's i16 lanes of s (idot7zs; an i16 splat of a load ran Q6_K mat-vec at
@@ -466,6 +477,7 @@ class QuantFormat:
     value_fields: tuple[str, ...]  # fields `unpack` reads, stored in plane q in this order
     interleaved: tuple[str, ...]  # nibble fields read with nibi(): repacked to split order in plane q
     sub: int | None = None  # a super-block's sub-block size: scale and offset are formulas of s
+    group: int = 1  # rows per group of the packed planes: 1, or GROUP_ROWS (the grouped layout)
 
     # ---- the blocks kernels see (cached: each folds the formulas, and lowering reads them at every Q.<attr>)
     @functools.cached_property
@@ -567,9 +579,14 @@ class QuantFormat:
         return None
 
     @functools.cached_property
+    def value_range(self) -> tuple[int, int]:
+        """The least and largest value `unpack` can give (from the fields' types)."""
+        return fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
+
+    @functools.cached_property
     def encoding(self) -> tuple[str, int]:
         """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
-        lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
+        lo, hi = self.value_range
         width = (hi - lo).bit_length()
         # (5-bit values take bytes: a bit plane's unpack costs 4-6x the nibbles' time, measured)
         return ("nib" if width <= 4 else "byte"), lo
@@ -585,7 +602,7 @@ class QuantFormat:
         u = kb.unpack
         if self.reencoded:  # encoded per kernel block as the integers minus the zero (lo)
             kind, lo = self.encoding
-            hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))[1]
+            hi = self.value_range[1]
             return (ENCODINGS[kind].unpack, Int(-lo)) if 0 <= -lo <= 127 and hi - lo <= 127 else None
         if isinstance(u, Lookup):
             codes, zero = Lookup(tuple(v - min(u.values) for v in u.values), u.code), Int(-min(u.values))
@@ -611,7 +628,7 @@ class QuantFormat:
         if self.codes is None:
             return None
         if self.reencoded:
-            lo, hi = fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
+            lo, hi = self.value_range
             return hi - lo
         kb = self.kernel
         return fold(self.codes[0], IntRange(kb.block, {f.name: f.type for f in kb.fields}))[1]
@@ -623,20 +640,30 @@ class QuantFormat:
 
     @property
     def bytes(self) -> int:
-        """Bytes per block in the packed value plane (Q.bytes in kernels)."""
-        return sum(self.field(n).nbytes for n in self.value_fields)
+        """Bytes per block and row in the packed value plane (Q.bytes in kernels, times the group)."""
+        return sum(self.value_width(n) for n in self.value_fields)
 
     def field(self, name: str) -> FieldInfo:
         return next(f for f in self.fields if f.name == name)
 
+    def value_width(self, name: str) -> int:
+        """Bytes of value field `name` in a row's block of plane q: as stored, but a granule for a
+        scalar byte field in the grouped layout (its byte repeated: the lanes of its row)."""
+        f = self.field(name)
+        return GRANULE if self.group > 1 and f.count is None else f.nbytes
+
     def value_offset(self, name: str) -> int:
-        """Byte offset of value field `name` within a block of plane q."""
+        """Byte offset of value field `name` within a row's block of plane q."""
         off = 0
         for n in self.value_fields:
             if n == name:
                 return off
-            off += self.field(n).nbytes
+            off += self.value_width(n)
         raise KeyError(name)
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows the planes of a rows-row matrix hold: a whole number of groups."""
+        return -(-rows // self.group) * self.group
 
     @property
     def planes(self) -> dict[str, tuple[str, int]]:
@@ -650,7 +677,7 @@ class QuantFormat:
 
     def packed_bytes(self, rows: int, cols: int) -> int:
         """Bytes of the planes of a packed rows x cols matrix (cols a multiple of the block)."""
-        return sum(n for _, n in self.planes.values()) * rows * (cols // self.kernel.block)
+        return sum(n for _, n in self.planes.values()) * self.padded_rows(rows) * (cols // self.kernel.block)
 
     @property
     def dtype(self) -> np.dtype:
@@ -663,6 +690,8 @@ class QuantFormat:
         return {
             "block": self.block,
             **({"sub": self.sub} if self.sub else {}),
+            # rows per group of the planes (the grouped layout: the module docstring), 1 for rows
+            "group": self.group,
             **({"kernel_block": KERNEL_BLOCK, "encoding": dict(zip(("kind", "zero"), self.encoding))}
                if self.reencoded else {}),
             # the scale's factors: plane scale (per super-block) and the i32 after each kernel block's codes
@@ -693,7 +722,9 @@ class QuantFormat:
             f = d["formulas"]
             q = cls(name, d["block"], tuple(FieldInfo(x["name"], x["type"], x["count"], x["offset"]) for x in d["fields"]),
                     from_json(f["unpack"]), from_json(f["scale"]), from_json(f["offset"]) if f["offset"] else None,
-                    tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"))
+                    tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"), d["group"])
+            if q.group not in (1, GROUP_ROWS):
+                raise ValueError(f"group {q.group}: this kernelgen packs rows one by one or in groups of {GROUP_ROWS}")
             planes = {n: (p["dtype"], p["bytes_per_block"]) for n, p in d["planes"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None
@@ -783,6 +814,10 @@ class QuantFormat:
                 bad = np.argwhere((zero < 0) | (zero > 127))[0]
                 raise ValueError(f"{self.name}: block {tuple(bad)} has {text(self.codes[1])} = {zero[tuple(bad)]}, outside"
                                  f" 0..127: not a valid {self.name} block (the relaxed dot's 7-bit operand takes it)")
+        if blocks.shape[0] % self.group:  # whole groups: zero blocks (scale 0) in the rows past the matrix
+            pad = np.zeros((self.padded_rows(blocks.shape[0]) - blocks.shape[0], blocks.shape[1]), blocks.dtype)
+            blocks = np.concatenate([blocks, pad])
+            values = np.concatenate([values, self.unpack_ref(pad)])
         rows = blocks.shape[0]
         per_kernel_block = values.reshape(rows, -1, KERNEL_BLOCK if self.reencoded else self.block)
         if self.reencoded:
@@ -796,20 +831,38 @@ class QuantFormat:
                 q = np.concatenate([q, mult.astype(np.uint32).reshape(rows, -1, KERNEL_BLOCK // self.sub).view(np.uint8)], axis=-1)
         else:
             raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
-            q = np.concatenate([self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)
-                                for f in (self.field(n) for n in self.value_fields)], axis=-1)
-        planes = {"q": np.ascontiguousarray(q).reshape(-1)}
+            q = np.concatenate([np.repeat(part, self.value_width(f.name) // f.nbytes, axis=-1)
+                                for f in (self.field(n) for n in self.value_fields)
+                                for part in [self._packed_field(raw[..., f.offset:f.offset + f.nbytes], f.name)]], axis=-1)
+        planes = {"q": q}
         if self.record is not None:
-            planes["scale"] = self._records(blocks).reshape(-1)
-            return planes
-        planes["scale"] = self.scale_ref(blocks).reshape(-1)
-        if self.offset is not None:
-            planes["offset"] = self.offset_ref(blocks).reshape(-1)
-        if self.sub_scales:
-            planes["scale"] = np.repeat(np.broadcast_to(fold(self.sub_scales[0], NumpyEval(blocks)),
-                                                        blocks.shape).astype(np.float32),
-                                        self.block // KERNEL_BLOCK, axis=-1).reshape(-1)
-        return planes
+            planes["scale"] = self._records(blocks)
+        else:
+            planes["scale"] = self.scale_ref(blocks)
+            if self.offset is not None:
+                planes["offset"] = self.offset_ref(blocks)
+            if self.sub_scales:
+                planes["scale"] = np.repeat(np.broadcast_to(fold(self.sub_scales[0], NumpyEval(blocks)),
+                                                            blocks.shape).astype(np.float32),
+                                            self.block // KERNEL_BLOCK, axis=-1)
+        return {name: self._grouped(name, np.ascontiguousarray(a)).reshape(-1).view(a.dtype) for name, a in planes.items()}
+
+    def _grouped(self, plane: str, a: np.ndarray) -> np.ndarray:
+        """A plane's per-row array (rows, units[, bytes]) in the layout of `group`: unchanged for
+        rows one by one; else each group's rows side by side granule by granule (the module
+        docstring), a record's integers (past its f32s) a byte at a time."""
+        if self.group == 1:
+            return a
+        if a.dtype != np.uint8:  # one f32 per block and row: a granule
+            a = a[..., None].view(np.uint8)
+        rows, units, nbytes = a.shape
+        split = 4 * len(self.record.factors) if plane == "scale" and self.record is not None else nbytes
+        parts = []
+        for part, granule in ((a[..., :split], GRANULE), (a[..., split:], 1)):
+            if part.shape[-1]:
+                x = part.reshape(rows // self.group, self.group, units, -1, granule)
+                parts.append(x.transpose(0, 2, 3, 1, 4).reshape(rows // self.group, units, -1))
+        return np.concatenate(parts, axis=-1)
 
     def _records(self, blocks: np.ndarray) -> np.ndarray:
         """Plane scale of a `record` type: one record per stored block, shape blocks.shape + (bytes,)."""

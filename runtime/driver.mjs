@@ -5,7 +5,7 @@
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
 import { I32_MAX, MAX_THREADS, loadBuild } from './manifest.mjs';
-import { packInto, planeLayout } from './pack.mjs';
+import { packInto, paddedRows, planeLayout } from './pack.mjs';
 import { hardwareThreads, isNode } from './platform.mjs';
 import { Pool } from './pool.mjs';
 
@@ -425,12 +425,13 @@ export class Driver {
     }
     const planes = {};
     const views = {};
+    const held = paddedRows(spec, rows) * (k / spec.block); // blocks the planes hold: whole groups of rows
     try {
       for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {
-        planes[name] = this.#alloc(perBlock * nblocks * Array.BYTES_PER_ELEMENT, `pack('${quant}') of ${rows} rows, plane '${name}',`);
-        views[name] = new Array(this.#memory.buffer, planes[name], perBlock * nblocks);
+        planes[name] = this.#alloc(perBlock * held * Array.BYTES_PER_ELEMENT, `pack('${quant}') of ${rows} rows, plane '${name}',`);
+        views[name] = new Array(this.#memory.buffer, planes[name], perBlock * held);
       }
-      packInto(spec, blocks, nblocks, views);
+      packInto(spec, blocks, rows, k, views);
     } catch (e) {
       for (const addr of Object.values(planes)) this.#free(addr); // the planes are packed in place: give them back
       throw e instanceof RangeError && e.message.startsWith('out of memory') ? e : new RangeError(`pack(${quant}): ${e.message}`);

@@ -9,6 +9,10 @@
 //           whose scale and offset are F * I), one record of "record.bytes" per stored block: each
 //           factor's F as f32 at f_at, its I as a byte per kernel block from i_at
 //   offset  f32: the "offset" formula, only for flat types that have one
+// A type whose "group" is more than 1 (the grouped layout: quantformat.py's docstring) has its rows
+// padded with zero blocks to whole groups and each group's rows interleaved granule by granule: the
+// f32s and codes GRANULE bytes at a time, a record's integers (past its f32s) a byte at a time; a
+// scalar byte value field takes a granule, its byte four times.
 
 const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantFormat.pack checks the same)
 const INT8_MAX = 127;
@@ -25,6 +29,7 @@ const FIELD_READERS = {
 };
 
 const PLANE_ARRAYS = { '|u1': Uint8Array, '<f4': Float32Array, '<i4': Int32Array };
+const GRANULE = 4; // bytes of a row side by side with its group's other rows (quantformat.GRANULE)
 
 /** IEEE binary16 bits -> the number (exact: every half is a float32). */
 export function halfToFloat(h) {
@@ -120,8 +125,14 @@ const ENCODERS = {
 
 // ---- packing -----------------------------------------------------------------------------------
 
-/** Plane name -> {Array: typed array constructor, perBlock: elements per stored block}, in the
- * order the kernels take the planes as arguments (a super-block holds several kernel blocks). */
+/** Rows the planes of a `rows`-row matrix hold: whole groups (QuantFormat.padded_rows). */
+export function paddedRows(spec, rows) {
+  return Math.ceil(rows / spec.group) * spec.group;
+}
+
+/** Plane name -> {Array: typed array constructor, perBlock: elements per stored block and row}, in
+ * the order the kernels take the planes as arguments (a super-block holds several kernel blocks);
+ * a plane of a rows x k matrix holds perBlock * paddedRows(spec, rows) * k / spec.block. */
 export function planeLayout(spec) {
   const kernelBlocks = spec.block / (spec.kernel_block ?? spec.block);
   const out = {};
@@ -134,10 +145,54 @@ export function planeLayout(spec) {
 }
 
 /**
- * Pack `nblocks` stored blocks (bytes, `spec.stored_bytes` each) into `planes`, typed arrays of
- * planeLayout(spec)'s types with room for `nblocks` blocks each (e.g. views of wasm memory).
+ * Pack `rows` rows of k values in stored blocks (bytes, `spec.stored_bytes` each) into `planes`,
+ * typed arrays of planeLayout(spec)'s types and lengths (e.g. views of wasm memory).
  */
-export function packInto(spec, blocks, nblocks, planes) {
+export function packInto(spec, blocks, rows, k, planes) {
+  if (spec.group === 1) {
+    packRows(spec, blocks, rows * (k / spec.block), planes);
+    return;
+  }
+  const padded = paddedRows(spec, rows);
+  const perRow = (k / spec.block) * spec.stored_bytes;
+  const all = new Uint8Array(padded * perRow); // zero blocks past the rows: whole groups
+  all.set(blocks.subarray(0, rows * perRow));
+  const byRow = {};
+  for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) byRow[name] = new Array(perBlock * padded * (k / spec.block));
+  packRows(spec, all, padded * (k / spec.block), byRow);
+  const kernelBlocks = k / (spec.kernel_block ?? spec.block);
+  for (const [name, plane] of Object.entries(planes)) {
+    const record = name === 'scale' && spec.record;
+    const units = record ? k / spec.block : kernelBlocks;
+    const src = new Uint8Array(byRow[name].buffer);
+    const bytes = src.length / (padded * units);
+    const dst = new Uint8Array(plane.buffer, plane.byteOffset, plane.byteLength);
+    grouped(src, dst, padded, units, bytes, spec.group, record ? GRANULE * Object.keys(spec.record.factors).length : bytes);
+  }
+}
+
+/** `src`, a plane packed row by row (rows x units records of `bytes` bytes), into `dst` in the
+ * grouped layout: group-major, then unit-major, each record's granules with the group's rows side
+ * by side, `split` bytes in granules of GRANULE and the rest a byte at a time. */
+function grouped(src, dst, rows, units, bytes, group, split) {
+  let o = 0;
+  for (let g = 0; g < rows / group; g++) {
+    for (let u = 0; u < units; u++) {
+      for (const [from, to, granule] of [[0, split, GRANULE], [split, bytes, 1]]) {
+        for (let c = from; c < to; c += granule) {
+          for (let r = 0; r < group; r++) {
+            const at = ((g * group + r) * units + u) * bytes + c;
+            dst.set(src.subarray(at, at + granule), o);
+            o += granule;
+          }
+        }
+      }
+    }
+  }
+}
+
+/** packInto for rows one by one: `nblocks` stored blocks, each row's in turn. */
+function packRows(spec, blocks, nblocks, planes) {
   const fields = Object.fromEntries(spec.fields.map((f) => [f.name, { ...f, count: f.count ?? 1 }]));
   const consumer = formulaConsumer(fields);
   const { unpack, scale, offset } = spec.formulas;
@@ -156,6 +211,9 @@ export function packInto(spec, blocks, nblocks, planes) {
   const interleaved = new Set(spec.interleaved);
   const valueFields = spec.value_fields.map((n) => fields[n]);
   const qBytes = spec.planes.q.bytes_per_block;
+  // a scalar byte field takes a granule in the grouped layout (QuantFormat.value_width)
+  const widths = Object.fromEntries(valueFields.map((f) => [f.name, spec.group > 1 && spec.fields.find((x) => x.name === f.name).count === null
+    ? GRANULE : f.count * FIELD_BYTES[f.type]]));
   const record = spec.record && {
     ...spec.record,
     factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: fold(x.f, consumer).at, i: x.i && fold(x.i, consumer).at })),
@@ -183,8 +241,8 @@ export function packInto(spec, blocks, nblocks, planes) {
         const nbytes = f.count * FIELD_BYTES[f.type];
         const src = blocks.subarray(o + f.offset, o + f.offset + nbytes);
         if (interleaved.has(f.name)) splitNibbles(src, planes.q.subarray(at, at + nbytes));
-        else planes.q.set(src, at);
-        at += nbytes;
+        else for (let c = 0; c < widths[f.name]; c += nbytes) planes.q.set(src, at + c);
+        at += widths[f.name];
       }
     }
     if (record) writeRecord(record, view, o, new DataView(planes.scale.buffer, planes.scale.byteOffset + b * record.bytes, record.bytes),
@@ -233,12 +291,12 @@ function splitNibbles(src, dst) {
   for (let j = 0; j < n; j++) dst[j] = elem(j) | (elem(j + n) << 4);
 }
 
-/** Pack into fresh typed arrays: {q, scale, offset?}. */
-export function packPlanes(spec, blocks, nblocks) {
+/** Pack `rows` rows of k values into fresh typed arrays: {q, scale, offset?}. */
+export function packPlanes(spec, blocks, rows, k) {
   const planes = {};
   for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {
-    planes[name] = new Array(perBlock * nblocks);
+    planes[name] = new Array(perBlock * paddedRows(spec, rows) * (k / spec.block));
   }
-  packInto(spec, blocks, nblocks, planes);
+  packInto(spec, blocks, rows, k, planes);
   return planes;
 }

@@ -330,11 +330,27 @@ def test_manifest(built: tuple[Path, str], target: str) -> None:
 
 def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     a, b = (manifest(built[0], t) for t in TARGETS)
-    assert a["exports"] == b["exports"]
-    # the same types; only how their integer dots run differs (Target.dot_scheme)
-    assert {n: {**q, "dot": None} for n, q in a["quants"].items()} == {n: {**q, "dot": None} for n, q in b["quants"].items()}
-    assert {q["dot"] for q in a["quants"].values()} == {"i16"}
+    # the same types; only how their integer dots run and how they are packed differ (Target.dot_scheme,
+    # Target.layout): relaxed SIMD packs its i7 types in groups of 4 rows (a scalar byte field then
+    # takes a granule: q4_onnx's plane q 20 bytes a row's block, not 17)
+    how = ("dot", "group", "planes")
+    assert ({n: {**q, **dict.fromkeys(how)} for n, q in a["quants"].items()}
+            == {n: {**q, **dict.fromkeys(how)} for n, q in b["quants"].items()})
+    assert {q["dot"] for q in a["quants"].values()} == {"i16"} and {q["group"] for q in a["quants"].values()} == {1}
     assert {n for n, q in b["quants"].items() if q["dot"] == "i16"} == {"q8_0", "iq4_nl"}
+    grouped = {n for n, q in b["quants"].items() if q["group"] == 4}
+    assert grouped == {n for n, q in b["quants"].items() if q["dot"] == "i7"}
+    assert [n for n, q in b["quants"].items() if q["planes"] != a["quants"][n]["planes"]] == ["q4_onnx"]
+    # the same exports but for their item counts (a grouped type's jobs take groups of rows) and plane sizes
+    def shown(m: dict) -> dict:
+        return {name: {**e, "parallel": e.get("parallel") and {**e["parallel"], "count": None},
+                       "params": [{**p, "meaning": re.sub(r" \[q4_onnx plane 'q'[^]]*\]", "", p["meaning"])} for p in e["params"]]}
+                for name, e in m["exports"].items()}
+    assert shown(a) == shown(b)
+    for name, e in b["exports"].items():
+        if "parallel" in e and e["quant"] is not None:
+            want = ["/", ["+", "n", 3], 4] if e["quant"] in grouped else "n"
+            assert e["parallel"]["count"] == want and a["exports"][name]["parallel"]["count"] == "n", name
     assert a["inputs_sha256"] != b["inputs_sha256"]  # the target is an input
 
 

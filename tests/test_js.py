@@ -153,7 +153,7 @@ def write_vectors(root: Path) -> None:
     v.case("quantize_act", "quantizeAct", [args["x_act"]])
     v.case("quantize_act_special", "quantizeAct", [args["x_special"]])
     for q in blocks:
-        v.case(f"pack_{q}", "packPlanes", [q, {"array": f"blocks_{q}"}, ROWS * k_of(first.quants[q]) // first.quants[q].block])
+        v.case(f"pack_{q}", "packPlanes", [q, {"array": f"blocks_{q}"}, ROWS, k_of(first.quants[q])])
         v.case(f"qdot_{q}", "qdot", [{"packed": f"row_{q}"}, {"act": act_name(q)}])
         v.case(f"qmatvec_{q}", "qmatvec", [{"packed": f"w_{q}"}, {"act": act_name(q)}], {}, threaded=True)
         v.case(f"qmatmul_{q}", "qmatmul", [{"packed": f"w_{q}"}, {"act": f"x_tokens_{k_of(first.quants[q])}",

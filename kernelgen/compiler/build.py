@@ -112,8 +112,10 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
         # values (act_sums in kernels.dsl).
         "activation": {"block": 32, "zero": t.constants["ACT_ZERO"], "max": t.constants["ACT_MAX"],
                        "dtype": _act_dtype(t.constants), "split": bool(t.constants["ACT_SPLIT"]), "sums": "int32"},
-        # each type's integer-dot scheme on this target (Target.dot_scheme): "i7" or "i16"
-        "quants": {name: {**q.to_json(), "dot": t.dot_scheme(q.codes is not None)} for name, q in checked.quants.items()},
+        # each type as this target packs it (Target.layout: "group") and its integer-dot scheme
+        # here (Target.dot_scheme): "i7" or "i16"
+        "quants": {name: {**t.layout(q).to_json(), "dot": t.dot_scheme(q.codes is not None)}
+                   for name, q in checked.quants.items()},
         "tune": {"values": tune, "source": tune_info["source"], "host": tune_info["host"],
                  **({"budget": tune_info["budget"]} if "budget" in tune_info else {}),
                  # tune keys built without a pick, the store's timings of them (this many) being

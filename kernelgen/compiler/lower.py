@@ -9,7 +9,7 @@ WAT. Types are computed here as the code is built; the rules for ops live in ops
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,7 +27,10 @@ from .wat import Block, Comment, Func, I, If, Instr, Stmt, number, share_vector_
 _QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
                 "shuffle", "iota"}
 _ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
-_SCALE_OPS = ("scale4", "scale1", "offset4", "offset1")  # Q.<op>(w, blk): lower_scales
+# Q.<op>(w, blk): lower_scales's what and lanes, and whether the op reads the grouped layout (the
+# rows' f32s of one block) or rows one by one (four blocks', or one block's)
+_SCALE_OPS = {"scale4": ("scale", 4, False), "scale1": ("scale", 1, False), "offset4": ("offset", 4, False),
+              "offset1": ("offset", 1, False), "rowscale": ("scale", 4, True), "rowoffset": ("offset", 4, True)}
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,32 @@ def _walk(code: Instr) -> Iterator[Instr]:
 # reads) may be dropped when its value cannot matter (x * 0).
 _PURE_INT = {f"{t}.{op}" for t in ("i32", "i64") for op in ("const", "add", "sub", "mul", "and", "or", "xor", "shl",
                                                           "shr_s", "shr_u")}
+
+
+def _i16_units(q: QuantFormat, act_max: int) -> int:
+    """Q.u16: how many lane groups' products hdot7 may add in one i16 lane (two products each,
+    |activation| <= act_max), a power of two up to a block's lane groups, or a sub-block's where
+    each has its own integer scale (pairsum multiplies a sub-block's sums by it): the codes' largest
+    where the zero comes off with the activations' sums (Q.block_zero's types), else the largest
+    |code - zero| (hdot7z's difference; Q6_K's -32..31). 0 for a type without codes."""
+    if q.codes is None:
+        return 0
+    lo, hi = q.value_range
+    largest = max(-lo, hi) if q.sub_scales is not None or not isinstance(q.codes[1], Int) else q.code_max
+    n = max(1, 32767 // (2 * max(largest, 1) * act_max))
+    span = q.group * (q.sub if q.sub_scales is not None else q.kernel.block) // 16
+    return min(1 << (n.bit_length() - 1), span)
+
+
+def _simplified(tree: list) -> int | str | list:
+    """An item count's [op, left, right] without the identities a quant type's constants leave
+    ((n + Q.group - 1) / Q.group with a group of 1: n), so the manifest says what hosts compute."""
+    op, a, b = tree
+    if op in ("+", "-") and b == 0 or op in ("*", "/") and b == 1:
+        return a
+    if op == "-" and isinstance(b, int) and isinstance(a, list) and a[0] == "+" and isinstance(a[2], int):
+        return _simplified(["+", a[1], a[2] - b])  # (x + c) - d
+    return tree
 
 
 def _int_identity(op: str, a: Val, b: Val) -> Val | None:
@@ -511,7 +540,7 @@ class Lowerer:
         if isinstance(e, A.Name):
             return e.id
         assert isinstance(e, A.Binary), e
-        return [e.op, self._count_tree(e.left), self._count_tree(e.right)]
+        return _simplified([e.op, self._count_tree(e.left), self._count_tree(e.right)])
 
     def _quant_of(self, p: A.Param) -> QuantFormat:
         b = self._lookup(p.type)
@@ -857,14 +886,22 @@ class Lowerer:
                 codes = b.codes
                 zero = codes[1] if codes is not None else Int(0)
                 dot7 = int(self.target.dot_scheme(codes is not None) == "i7")
-                props = {"block": b.kernel.block, "bytes": b.kernel.bytes, "has_offset": int(b.offset is not None),
+                act_max = self.target.constants["ACT_MAX"]
+                g = b.group
+                props = {"block": b.kernel.block, "bytes": g * b.kernel.bytes, "has_offset": int(b.offset is not None),
                          "has_sub_scales": int(b.sub_scales is not None),
-                         "sub_scales_at": b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
+                         "sub_scales_at": g * b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
                          "dot7": dot7,
+                         # the grouped layout (quantformat): rows per group, 1 for rows one by one;
+                         # lane groups of a block (unpack's j: 16 values of a row, or 4 of each of
+                         # the group's rows); and how many of those hdot7 may add in one i16 lane
+                         "group": g,
+                         "units": g * b.kernel.block // 16,
+                         "u16": _i16_units(b, act_max),
                          # a 32-block's two halves of code products add in i16 lanes (idot7p): pairs
                          # of both halves at most 4 * code_max * ACT_MAX in magnitude
                          "pair16": int(bool(dot7) and b.sub_scales is None and b.kernel.block == 32
-                                       and 4 * b.code_max * self.target.constants["ACT_MAX"] <= 32767),
+                                       and 4 * b.code_max * act_max <= 32767),
                          "has_zero": int(codes is not None and codes[1] != Int(0)),
                          # a constant zero that multiplies whole kernel blocks (no sub-block scales
                          # between), removed per block as zero * sum(a) where that saves work: on
@@ -909,7 +946,8 @@ class Lowerer:
             if f.name not in ("unpack", "codes", "zeros") or len(e.args) != 2:
                 raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j),"
                                  f" {f.base.id}.codes(ptr, j), {f.base.id}.zeros(ptr, j) or"
-                                 f" {f.base.id}.scale4(w, blk) (scale1, offset4, offset1)")
+                                 f" {f.base.id}.scale4(w, blk) (scale1, offset4, offset1; rowscale, rowoffset in"
+                                 " the grouped layout)")
             base = self.materialize(self._coerce(self._expr(e.args[0]), "i32"), "i32")
             j = self._const_int(e.args[1], f"the lane group of {f.name}()")
             return Val(unpack_lanes(q, base, j, self.error, f.name, "relaxed-simd" in self.target.features,
@@ -935,7 +973,11 @@ class Lowerer:
         w = self._lookup(args[0].id) if isinstance(args[0], A.Name) else None
         if not isinstance(w, Packed) or w.quant.name != q.name:
             raise self.error(f"{q.name}.{name}(w, blk): w must be a packed {q.name} matrix")
-        what, lanes = name[:-1], int(name[-1])
+        what, lanes, grouped = _SCALE_OPS[name]
+        if grouped != (q.group > 1):
+            raise self.error(f"{q.name}.{name}(w, blk) reads {'the grouped layout' if grouped else 'rows one by one'};"
+                             f" this target packs {q.name} {'in groups of ' + str(q.group) + ' rows' if q.group > 1 else 'by rows'}"
+                             f" (Q.group is {q.group}): use {'rowscale and rowoffset' if q.group > 1 else 'scale4, scale1, offset4, offset1'}")
         if what == "offset" and q.offset is None:
             raise self.error(f"{q.name} has no offset (Q.has_offset is 0): {q.name}.{name} reads nothing")
         blk = self.materialize(self._coerce(self._expr(args[1]), "i32"), "i32")
@@ -1096,7 +1138,8 @@ def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]],
     """Lower `checked` for a target with these tune values. `memo` (a dict kept across builds of
     this one checked program, filled here) lets another build reuse each function it has in
     common: a build in within_budget lowers only the functions its values change."""
-    lw = Lowerer(checked, TARGETS[target_name], tune, memo)
+    target = TARGETS[target_name]
+    lw = Lowerer(replace(checked, quants={n: target.layout(q) for n, q in checked.quants.items()}), target, tune, memo)
     try:
         funcs = lw.run()
     except DslError as e:

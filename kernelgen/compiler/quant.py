@@ -405,18 +405,24 @@ def _shl8(x: Instr, n: int) -> Instr:
 
 
 class _LowerUnpack:
-    """i8x16 of elements 16j..16j+15 of the block whose packed values (plane q) start at `base`;
-    `relaxed`: the target has relaxed SIMD; `load(op, offset, addr)` emits the plane's vector loads
-    (the compiler's load_once: V8 does not merge the equal loads of a block's two nibble halves)."""
+    """i8x16 of lane group j of the block whose packed values (plane q) start at `base`: elements
+    16j..16j+15 of a row's block, or in the grouped layout (qf.group rows) elements 4j..4j+3 of
+    each of the group's rows (lanes 4r..4r+3: row r), the fields' offsets and sizes then counted in
+    the group's interleaved bytes (qf.group times a row's). `relaxed`: the target has relaxed SIMD;
+    `load(op, offset, addr)` emits the plane's vector loads (the compiler's load_once: V8 does not
+    merge the equal loads of a block's two nibble halves)."""
 
     def __init__(self, qf: QuantFormat, base: Instr, j: int, relaxed: bool, load: Loader = _plain_load) -> None:
         self.qf, self.base, self.j, self.relaxed, self.load = qf, base, j, relaxed, load
+        self.g = qf.group
 
     def on_int(self, n: Int) -> Instr:
         return _splat8(n.value)
 
-    def on_field(self, n: Field) -> Instr:  # a per-block byte field: the same value in every lane
+    def on_field(self, n: Field) -> Instr:  # a per-block byte field: the same value in every lane of a row
         f = self.qf.field(n.field)
+        if self.g > 1:  # a granule per row: its byte in each of the row's four lanes
+            return self.load("v128.load", self.g * self.qf.value_offset(f.name), self.base)
         load = I(f"i32.load8_{'s' if f.type == 'i8' else 'u'}", *_off(self.qf.value_offset(f.name)), self.base)
         return I("i8x16.splat", load)
 
@@ -424,17 +430,18 @@ class _LowerUnpack:
         return None  # f[i] is the only use (on_index)
 
     def on_index(self, n: Index, _: None) -> Instr:
-        return self.load("v128.load", self.qf.value_offset(n.field) + LANES * self.j, self.base)
+        return self.load("v128.load", self.g * self.qf.value_offset(n.field) + LANES * self.j, self.base)
 
     def on_call(self, n: Call) -> Instr:
         f = self.qf.field(n.field)
         if n.func in ("nib", "nibi"):  # plane q holds both in split order
-            count = f.count or 0
+            count = self.g * (f.count or 0)
             first = LANES * self.j
-            load = self.load("v128.load", self.qf.value_offset(f.name) + first % count, self.base)
+            load = self.load("v128.load", self.g * self.qf.value_offset(f.name) + first % count, self.base)
             if first // count == 0:
                 return I("v128.and", load, _splat8(0x0F))
             return _shr_u8(load, 4)
+        assert self.g == 1, "bit masks are re-encoded: no grouped type reads one"
         # bit: lanes 16j..16j+15 read bits of the two mask bytes 2j and 2j+1: put byte 2j in lanes
         # 0-7 and byte 2j+1 in lanes 8-15, keep each lane's own bit, then turn "bit set" into 1.
         both = I("v128.load16_splat", *_off(self.qf.value_offset(f.name) + 2 * self.j), self.base)
@@ -462,8 +469,8 @@ def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Ex
     values, or (`what` "codes") the unsigned codes of QuantFormat.codes; `relaxed`: for a target
     with relaxed SIMD."""
     kb = qf.kernel
-    if not 0 <= j < kb.block // LANES:
-        raise error(f"{qf.name}.{what}: lane group {j} is out of range 0..{kb.block // LANES - 1}")
+    if not 0 <= j < qf.group * kb.block // LANES:
+        raise error(f"{qf.name}.{what}: lane group {j} is out of range 0..{qf.group * kb.block // LANES - 1}")
     if what == "unpack":
         return fold(kb.unpack, _LowerUnpack(kb, base, j, relaxed, load))
     if qf.codes is None:
@@ -477,20 +484,30 @@ def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Ex
 def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: str, lanes: int,
                  reuse: Callable[[Instr], tuple[Instr, Instr]]) -> Instr:
     """The f32 `what` ("scale" or "offset") of kernel block blk (lanes 1) or of blocks blk .. blk + 3
-    (lanes 4, blk a multiple of 4) as an f32 or f32x4: `planes` reads each plane's pointer, `reuse`
-    gives code for an i32 twice (code that evaluates it, then code that reads it again). A per-block plane
-    is loaded as is; a super-block record (QuantFormat.record) gives F * I, F splat to the lanes
-    and I a byte per block widened: the same f32 product pack's reference computes. Four blocks
-    at a multiple of 4 lie in one record (a super-block holds 8)."""
-    rec = qf.record
+    (lanes 4, blk a multiple of 4) as an f32 or f32x4, or in the grouped layout (qf.group > 1, lanes
+    4) of the group's rows for its block blk (blk counting blocks group by group: its rows' f32s
+    side by side): `planes` reads each plane's pointer, `reuse` gives code for an i32 twice (code
+    that evaluates it, then code that reads it again). A per-block plane is loaded as is; a
+    super-block record (QuantFormat.record) gives F * I, F splat to the lanes (or each row's) and I a
+    byte per block (per row) widened: the same f32 product pack's reference computes. Four blocks at a
+    multiple of 4 lie in one record (a super-block holds 8)."""
+    rec, g = qf.record, qf.group
     if rec is None:
         op = "v128.load" if lanes == 4 else "f32.load"
-        return I(op, I("i32.add", planes[what], I("i32.shl", blk, I("i32.const", "2"))))
+        return I(op, I("i32.add", planes[what], I("i32.shl", blk, I("i32.const", str(2 + (g > 1) * 2)))))
     x = rec.factors[what]
     shift = rec.blocks.bit_length() - 1  # kernel blocks per record: a power of two (256 / 32)
     blk = reuse(blk) if x.i is not None else (blk, blk)
     at = I("i32.add", planes["scale"], I("i32.mul", I("i32.shr_u", blk[0], I("i32.const", str(shift))),
-                                           I("i32.const", str(rec.bytes))))
+                                           I("i32.const", str(g * rec.bytes))))
+    if g > 1:  # the rows' F side by side; their I of block blk side by side (QuantFormat._grouped)
+        if x.i is None:
+            return I("v128.load", *_off(g * x.f_at), at)
+        first, again = reuse(at)
+        sign = "s" if x.signed else "u"
+        ints = I("i32.add", first, I("i32.shl", I("i32.and", blk[1], I("i32.const", str(rec.blocks - 1))), I("i32.const", str(g.bit_length() - 1))))
+        widened = I(f"i32x4.extend_low_i16x8_{sign}", I(f"i16x8.extend_low_i8x16_{sign}", I("v128.load32_zero", *_off(g * x.i_at), ints)))
+        return I("f32x4.mul", I("f32x4.convert_i32x4_s", widened), I("v128.load", *_off(g * x.f_at), again))
     if x.i is None:
         f = I("f32.load", *_off(x.f_at), at)
         return I("f32x4.splat", f) if lanes == 4 else f

@@ -54,7 +54,7 @@ function blocksOf(spec, rows, cols, rand, packPlanes) {
       trial.set(bytes.subarray(0, spec.stored_bytes), v * spec.stored_bytes);
       trial[v * spec.stored_bytes + f.offset] = v;
     }
-    const { scale } = packPlanes(spec, trial, 256);
+    const { scale } = packPlanes(spec, trial, 256, spec.block); // 256 rows of one block: row v's scale first of its per
     const per = scale.length / 256;
     const off = (v) => Math.abs(Math.log2(Math.abs(scale[v * per])) - Math.log2(0.01));
     let best = 0;
@@ -87,7 +87,7 @@ function normals(n, rand) {
  * Its own buffers follow the planes. */
 async function seedPeer(wasmBytes, manifest, spec, w, blocks, x, packPlanes) {
   const { rows, k: cols } = w;
-  const planes = packPlanes(spec, blocks, rows * (cols / 32));
+  const planes = packPlanes(spec, blocks, rows, cols);
   let top = Math.max(...Object.entries(planes).map(([n, p]) => w.planes[n] + p.byteLength));
   const bytes = top + cols * 3 + (cols / 32) * 4 + rows * 4 + 1024;
   const { min_pages: initial, max_pages: maximum } = manifest.memory;

@@ -106,7 +106,7 @@ export async function runVectors(kernels, index, read) {
       const name = `${target} ${c.name}${threads ? ' threaded' : ''}${held ? ' held' : ''}`;
       try {
         let value;
-        if (c.call === 'packPlanes') value = packPlanes(kernels.manifest.quants[args[0]], args[1], args[2]);
+        if (c.call === 'packPlanes') value = packPlanes(kernels.manifest.quants[args[0]], args[1], args[2], args[3]);
         else if (held) value = await heldCall(kernels, c.call, args, { ...c.opts, threads });
         else value = await kernels[c.call](...args, ...(c.opts ? [{ ...c.opts, threads }] : []));
         const got = outputs(value);
