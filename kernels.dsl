@@ -465,7 +465,9 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
 # super-block instead (its f16 factors and byte-sized sub-block integers: Q4_K 3 bytes per 32
 # values, not 8). Q.scale4(w, blk) and Q.offset4 read the f32s of four blocks from a multiple of 4,
 # Q.scale1 and Q.offset1 of one, from either layout. Activations come in blocks of 32
-# (quantize_act), so these kernels take quant types whose block is 32.
+# (quantize_act), so these kernels take quant types whose block is 32. This section's kernels read
+# rows one by one (Q.group 1); where a target packs a type in groups of rows (Q.group > 1: relaxed
+# SIMD's i7 types), qmatvec and qmatmul take the grouped section's kernels below instead.
 #
 # The integer dots are exact on both targets, with the same int8 activations: on relaxed SIMD a
 # type whose values are codes - zero with codes and zero in [0, 127] (Q.dot7: every 4-, 5- and

@@ -1,0 +1,88 @@
+"""The packed layouts (README, "Packed layouts"): which types each target packs in groups of four
+rows, and the grouped planes byte for byte against a reference written here from the layout's
+definition (rows padded with zero blocks; per block, granule c of each row in turn), not from
+QuantFormat._grouped. The kernels on these planes are checked against float64 throughout the
+suite (every type, both targets, odd row counts); here the bytes themselves."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kernelgen.compiler.ops import TARGETS
+from kernelgen.quantformat import GRANULE, GROUP_ROWS
+
+from helpers import random_blocks, rng_for
+
+
+@pytest.fixture(scope="module")
+def quants(module_cache) -> dict:
+    return module_cache.get("relaxed-simd").quants
+
+
+def test_each_target_groups_exactly_its_i7_types(module_cache) -> None:
+    for target in TARGETS:
+        m = module_cache.get(target).manifest["quants"]
+        for name, q in m.items():
+            assert q["group"] == (GROUP_ROWS if q["dot"] == "i7" else 1), (target, name)
+    assert {n for n, q in module_cache.get("relaxed-simd").manifest["quants"].items() if q["group"] == 1} == {"q8_0", "iq4_nl"}
+
+
+def _by_hand(rows_planes: dict[str, np.ndarray], q, rows: int) -> dict[str, np.ndarray]:
+    """The grouped planes from the rows layout's, one granule at a time."""
+    padded = -(-rows // GROUP_ROWS) * GROUP_ROWS
+    out = {}
+    for name, plane in rows_planes.items():
+        b = plane.view(np.uint8).reshape(padded, -1)  # each row's bytes in block order
+        rec = q.record if name == "scale" else None
+        unit = rec.bytes if rec else (q.kernel.bytes if name == "q" else 4)  # bytes of one block (record) of a row
+        split = 4 * len(rec.factors) if rec else unit  # f32s in granules, a record's integers byte by byte
+        got = bytearray()
+        for g in range(padded // GROUP_ROWS):
+            for u in range(b.shape[1] // unit):
+                for c in range(0, split, GRANULE):
+                    for r in range(GROUP_ROWS):
+                        got += bytes(b[g * GROUP_ROWS + r, u * unit + c:u * unit + c + GRANULE])
+                for c in range(split, unit):
+                    for r in range(GROUP_ROWS):
+                        got += bytes(b[g * GROUP_ROWS + r, u * unit + c:u * unit + c + 1])
+        out[name] = np.frombuffer(bytes(got), np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_grouped_planes_are_the_rows_planes_interleaved_by_granule(quants, rows) -> None:
+    rng = rng_for("grouped-planes", rows)
+    for name, q in quants.items():
+        if q.group == 1:
+            continue
+        b = random_blocks(q, rows, 2 * 256 // q.block if q.sub else 3, rng)
+        flat = dataclasses.replace(q, group=1)
+        padded = np.concatenate([b, np.zeros((-rows % GROUP_ROWS, b.shape[1]), b.dtype)])
+        rows_planes = flat.pack(padded)
+        if q.kernel.bytes != flat.kernel.bytes:  # a scalar byte field (q4_onnx's zero point) takes a granule
+            assert name == "q4_onnx" and q.kernel.bytes == flat.kernel.bytes + GRANULE - 1
+            z = padded["z"].reshape(padded.shape[0], -1, 1)
+            qs = rows_planes["q"].reshape(padded.shape[0], -1, flat.kernel.bytes)[..., 1:]
+            rows_planes["q"] = np.concatenate([np.repeat(z, GRANULE, axis=-1), qs], axis=-1).reshape(-1)
+        want = _by_hand(rows_planes, q, rows)
+        got = q.pack(b)
+        assert list(got) == list(want), name
+        for plane in got:
+            assert got[plane].dtype == rows_planes[plane].dtype, (name, plane)
+            np.testing.assert_array_equal(got[plane].view(np.uint8), want[plane], err_msg=f"{name} plane {plane}")
+        assert sum(p.nbytes for p in got.values()) == q.packed_bytes(rows, b.shape[1] * q.block)
+
+
+def test_a_lane_group_of_a_grouped_block_holds_four_values_of_each_row(quants) -> None:
+    """What the kernels read (Q.codes(p, j): values 4j..4j+3 of each row): Q4_0's nibble vectors
+    give codes 4j.. of the low halves for j < 4 and 16 + 4(j - 4).. of the high ones after."""
+    q = quants["q4_0"]
+    rng = rng_for("grouped-lanes")
+    b = random_blocks(q, 4, 1, rng)
+    codes = (q.unpack_ref(b)[:, 0] + 8).astype(np.uint8)  # (4 rows, 32): the codes, value + 8
+    vectors = q.pack(b)["q"].reshape(4, 16)  # one group, one block: four vectors of nibbles
+    for j in range(8):
+        lanes = (vectors[j % 4] & 15) if j < 4 else (vectors[j % 4] >> 4)
+        np.testing.assert_array_equal(lanes.reshape(4, 4), codes[:, 4 * j:4 * j + 4], err_msg=f"lane group {j}")
