@@ -73,7 +73,10 @@ STREAM_SOURCE = f"\nconst STREAM_CHUNK: i32 = {STREAM_CHUNK};\n" + "".join(_stre
 
 
 # The compute rooflines the matrix products are measured against: the target's integer dot (idot7:
-# the relaxed dot on relaxed SIMD, the i16 dot on simd128) and the
+# the relaxed dot on relaxed SIMD; on simd128 the i16 dot as its kernels use it, two
+# i32x4.dot_i16x8_s per 16 products on operands already i16 - idot7's register form adds four
+# sign-extends, which Chromium 156 ran at 12 G MACs/s against Node 20's 19-21, below what its
+# GEMMs reached) and the
 # f32 multiply-add in registers only, as loops of ROOF_ACCS[u] independent accumulators. The fastest
 # count is the roofline: too few leave the operation's latency exposed, too many spill. (Twelve dots
 # with their seven operand vectors need 19 of x86-64's 16 vector registers: wasmtime's code then
@@ -101,7 +104,12 @@ export kernel {roof_name("idot", accs)}(iters: i32, seed: i32) -> i32 {{
     var a[{na}]: i8x16 = i8x16.splat(seed + 1);
     for i in 0..iters * {groups} {{
         unroll u in 0..{accs} {{
-            acc[u] = idot7(acc[u], w[u % {nw}], a[u / {nw}]);
+            static if ACT_SPLIT == 1 {{
+                acc[u] = acc[u] + pairsum(i16x8.bits(w[u % {nw}]), i16x8.bits(a[u / {nw}]))
+                    + pairsum(i16x8.bits(w[(u + 1) % {nw}]), i16x8.bits(a[u / {nw}]));
+            }} else {{
+                acc[u] = idot7(acc[u], w[u % {nw}], a[u / {nw}]);
+            }}
         }}
         unroll j in 0..{nw} {{
             w[j] = w[j] + i8x16.splat(1);
