@@ -72,11 +72,10 @@ export kernel {chunks}(p: ptr, nbytes: i32) {{
 STREAM_SOURCE = f"\nconst STREAM_CHUNK: i32 = {STREAM_CHUNK};\n" + "".join(_stream_source(w) for w in STREAM_WAYS)
 
 
-# The compute rooflines the matrix products are measured against: the target's integer dot (idot7:
-# the relaxed dot on relaxed SIMD; on simd128 the i16 dot as its kernels use it, two
-# i32x4.dot_i16x8_s per 16 products on operands already i16 - idot7's register form adds four
-# sign-extends, which Chromium 156 ran at 12 G MACs/s against Node 20's 19-21, below what its
-# GEMMs reached) and the
+# The compute rooflines the matrix products are measured against: the target's integer dot as its
+# kernels use it (on relaxed SIMD idot7, the relaxed dot; on simd128 two i32x4.dot_i16x8_s per 16
+# products on operands already i16 - idot7's simd128 register form adds four sign-extends, which
+# Chromium 156 ran at 12 G MACs/s against Node 20's 19-21, below what its GEMMs reached) and the
 # f32 multiply-add in registers only, as loops of ROOF_ACCS[u] independent accumulators. The fastest
 # count is the roofline: too few leave the operation's latency exposed, too many spill. (Twelve dots
 # with their seven operand vectors need 19 of x86-64's 16 vector registers: wasmtime's code then
