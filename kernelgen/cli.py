@@ -339,7 +339,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--engine", choices=ENGINE_CHOICES, default="both",
                    help="time variants in wasmtime, in V8 through Node, in headless Chromium's V8 (what browsers"
                         " run; /usr/bin/chromium), both (wasmtime and Node: the default) or all three; the build's"
-                        " pick weighs every engine timed; pool jobs are timed in wasmtime")
+                        " pick weighs every engine timed; pool jobs are timed in wasmtime, and with wasmtime a"
+                        " kernel that has a pool job is timed on it on every core too")
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")

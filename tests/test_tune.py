@@ -1192,6 +1192,61 @@ def test_best_tune_weighs_v8_timings_beside_wasmtime_ones(checked) -> None:
     assert pick(wasmtime + v8[:1]) == small  # rows 2 not timed in V8: only variants timed everywhere count
 
 
+def test_best_tune_weighs_timings_on_every_core_as_much_as_one_thread(checked) -> None:
+    """A tile that loses a little on one thread and wins on the pool is picked: timings on every core
+    weigh as much as those on one thread, however many engines timed the one-thread case (relaxed
+    Q8_0 qmatmul's 2 x 1 tile against 2 x 2)."""
+    t21, t22 = {"tokens": 2, "rows": 1}, {"tokens": 2, "rows": 2}
+
+    def r(tune: dict, seconds: float, threads: int = 1, engine: str = "wasmtime") -> Record:
+        out = rec(checked, tune, seconds, "64x1536x384", kernel="qmatmul", quant="q8_0")
+        out.threads, out.engine = threads, engine
+        return out
+
+    one = [r(t, s, engine=e) for e in ("wasmtime", "v8 11.3", "chromium 156") for t, s in ((t21, 1.0), (t22, 1.1))]
+    two = [r(t21, 0.75, 2), r(t22, 0.6, 2)]
+    pick = functools.partial(S.best_tune, checked=checked, kernel="qmatmul", target="simd128", want_host=HOST_A)
+    assert pick(one) == t21
+    # 1.1 ** 0.5 against 1.25 ** 0.5; counting each timing once, 1.1 ** 0.75 against 1.25 ** 0.25 picked 2 x 1
+    assert pick(one + two) == t22
+    scores = S.variant_scores(one + two, checked, "qmatmul", "simd128", HOST_A)
+    assert scores[json.dumps(t22, sort_keys=True)] == pytest.approx(1.1 ** 0.5)
+    assert pick(one + two[:1]) == t21  # 2 x 2 not timed on two threads: only variants timed everywhere count
+
+
+def test_tune_times_a_kernel_with_a_pool_job_on_every_core_too(checked, tmp_path: Path, monkeypatch) -> None:
+    """Every variant of a kernel with a pool job is also timed on its job on every core (in wasmtime,
+    the pool's default chunk), recorded with that thread count; a kernel without a job is not."""
+    from kernelgen.tuning import tune as T
+    monkeypatch.setattr(T.os, "cpu_count", lambda: 2)
+    assert T.threaded(checked, "qmatmul") == 2 and T.threaded(checked, "dot_f32") == 0
+    store = tmp_path / "store.jsonl"
+    new = tune(SOURCE, ["relaxed-simd"], ["qmatmul", "dot_f32"], {"qmatmul": [(3, 8, 64)], "dot_f32": [(64,)]},
+               ["q8_0"], store, budget=300.0, out=io.StringIO(), retime=0, engine="wasmtime")
+    every = variants(checked, "qmatmul")
+    for threads in (1, 2):
+        timed = [r for r in new if r.kernel == "qmatmul" and r.threads == threads]
+        assert [r.tune for r in timed] == every
+        assert all(r.status == "ok" and r.seconds > 0 and r.engine == "wasmtime" for r in timed)
+    assert {r.threads for r in new if r.kernel == "dot_f32"} == {1}
+    assert load_store(store) == new
+    with pytest.raises(ValueError, match="on 2 threads: timed in wasmtime only"):
+        T.run_case(SOURCE, checked, "simd128", "qmatmul", "q8_0", (3, 8, 64), every[0], engine="v8 11.3", threads=2)
+
+
+def test_a_store_line_from_before_threads_reads_as_one_thread(checked, tmp_path: Path) -> None:
+    path = tmp_path / "store.jsonl"
+    line = rec(checked, {"unroll": 2}, 1e-6).stored()
+    del line["threads"]
+    path.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    (got,) = load_store(path)
+    assert got.threads == 1 and got == rec(checked, {"unroll": 2}, 1e-6)
+    for bad in (0, True, 2.0, 10**6):
+        path.write_text(json.dumps({**line, "threads": bad}) + "\n", encoding="utf-8")
+        with pytest.warns(S.StoreWarning, match="bad threads"):
+            assert load_store(path) == []
+
+
 def test_a_store_line_from_before_engines_reads_as_wasmtime(checked, tmp_path: Path) -> None:
     path = tmp_path / "store.jsonl"
     line = rec(checked, {"unroll": 2}, 1e-6).stored()
@@ -1231,7 +1286,7 @@ def test_tune_engine_both_times_each_variant_in_wasmtime_and_v8(checked, tmp_pat
     assert v8.startswith("v8 ")
     every = variants(checked, "qmatvec")
     for engine in ("wasmtime", v8):
-        timed = [r for r in new if r.engine == engine]
+        timed = [r for r in new if r.engine == engine and r.threads == 1]
         assert [r.tune for r in timed] == every
         assert all(r.status == "ok" and r.seconds > 0 for r in timed)
     assert load_store(store) == new

@@ -127,6 +127,7 @@ class Record:
     retimed: bool = False
     when: float = field(default_factory=time.time)
     engine: str = WASMTIME  # what ran it: wasmtime (its version is in host), or "v8 <version>" (tuning/v8.py)
+    threads: int = 1  # 1: the kernel called on one thread; more: its pool job on that many (tune.threaded)
     origin: str = field(default="", compare=False, repr=False)  # file:line it was read from; not stored
 
     def stored(self) -> dict:
@@ -135,14 +136,15 @@ class Record:
 
     def key(self) -> tuple:
         return (self.kernel, self.quant, self.target, self.shape, self.dsl_hash, json.dumps(self.host, sort_keys=True),
-                self.engine)
+                self.engine, self.threads)
 
 
 def _check_record(data: object) -> Record:
     """A Record from one parsed JSON line, every field of the type it must have; ValueError else."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not a kernelgen tuning record of this format")
-    fields = {"engine": WASMTIME, **{k: v for k, v in data.items() if k != "format"}}  # lines before engines: wasmtime
+    # lines from before engines were timed in wasmtime, and those from before threaded timings on one thread
+    fields = {"engine": WASMTIME, "threads": 1, **{k: v for k, v in data.items() if k != "format"}}
     if set(fields) != set(Record.__dataclass_fields__) - {"origin"}:
         raise ValueError("not a kernelgen tuning record of this format")
 
@@ -158,6 +160,8 @@ def _check_record(data: object) -> Record:
         "seconds": fields["seconds"] is None or (number(fields["seconds"]) and fields["seconds"] > 0),
         "status": isinstance(fields["status"], str), "retimed": isinstance(fields["retimed"], bool),
         "when": number(fields["when"]), "engine": isinstance(fields["engine"], str),
+        "threads": isinstance(fields["threads"], int) and not isinstance(fields["threads"], bool)
+                   and 1 <= fields["threads"] <= MAX_THREADS,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -255,12 +259,15 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     `target` (keyed by its tune values as sorted JSON): among successful timings on `want_host` for the
     current DSL, the geometric mean of time / best time over the shapes measured (a shape timed in
     wasmtime and in V8 counts once per engine: the pick serves Python hosts and browsers alike),
-    counting only variants timed on every shape. The latest timing of a (variant, shape) wins
-    (re-timings replace first timings). 1.0 is the fastest; empty when nothing matches."""
-    latest: dict[tuple[str, str], float] = {}
+    counting only variants timed on every shape. Timings on the pool on every core (tune.threaded)
+    weigh as much as those on one thread, whatever the count of each: the geometric mean of the two
+    means (pages and the Pool run a GEMM on every core; a lone wasmtime timing among three engines'
+    would otherwise count a quarter). The latest timing of a (variant, shape) wins (re-timings
+    replace first timings). 1.0 is the fastest; empty when nothing matches."""
+    latest: dict[tuple[str, tuple], float] = {}
     for r, current in sorted(_on_host(records, checked, kernel, target, want_host, quant), key=lambda p: p[0].when):
         if current:
-            key = (json.dumps(r.tune, sort_keys=True), f"{r.quant}:{r.shape}:{r.engine}")
+            key = (json.dumps(r.tune, sort_keys=True), (r.threads, r.quant, r.shape, r.engine))
             if r.seconds is not None and r.status == "ok":
                 latest[key] = r.seconds
             else:
@@ -269,9 +276,12 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     best_per_shape = {s: min(t for (_, s2), t in latest.items() if s2 == s) for s in shapes}
     scores = {}
     for tune in {t for t, _ in latest}:
-        ratios = [latest.get((tune, s)) for s in shapes]
-        if all(r is not None for r in ratios):
-            scores[tune] = math.exp(sum(math.log(r / best_per_shape[s]) for r, s in zip(ratios, shapes)) / len(shapes))
+        if any((tune, s) not in latest for s in shapes):
+            continue
+        logs: dict[int, list[float]] = {}  # threads -> log(time / best) of each of its shapes
+        for s in shapes:
+            logs.setdefault(s[0], []).append(math.log(latest[tune, s] / best_per_shape[s]))
+        scores[tune] = math.exp(sum(sum(v) / len(v) for v in logs.values()) / len(logs))
     return scores
 
 

@@ -177,17 +177,29 @@ def job_variants() -> list[dict[str, int]]:
 
 def _run_job(k: Kernels, kernel: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
              samples: int) -> tuple[float | None, str]:
-    """Time parallel `kernel` on the pool with `tune`'s threads and chunk."""
+    """Time parallel `kernel` on the pool with `tune`'s threads and chunk (None: the pool's default
+    for the call, Pool.default_chunk)."""
     export = k.export_name(kernel, quant)
     call = job_call(k.manifest, export, case.args)
     with Pool(k, tune["threads"]) as pool:
-        pool.call(export, case.args, tune["chunk"])
+        chunk = tune.get("chunk") or pool.default_chunk(call)
+        pool.call(export, case.args, chunk)
         problem = case.verify(None)
         if problem:
             return None, f"failed: wrong results ({problem})"
         index = pool.job_index(call.job)
-        timing = measure(lambda reps: k.call("bench_par_for", reps, index, call.count, tune["chunk"]), min_batch, samples)
+        timing = measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk), min_batch, samples)
     return timing.seconds, "ok"
+
+
+def threaded(checked: Checked, kernel: str) -> int:
+    """The thread count `kernel`'s variants are also timed at, on its pool job in wasmtime: every
+    core, as pages and the Pool run it; 0 on one core or for a kernel with no job. Why: a tile's
+    speed on one thread does not rank it on two (relaxed Q8_0 qmatmul 2 x 1 ran 1.29-1.60x faster
+    on two threads than on one, 2 x 2 1.83-2.07x, Zen 4, 64 and 256 x 1536 x 384), and the
+    single-thread picks left MiniLM's two-thread GEMMs on the 2 x 1 tile."""
+    cores = os.cpu_count() or 1
+    return cores if cores > 1 and any(j.name == kernel for j in checked.jobs.values()) else 0
 
 
 MAX_SHAPE_VALUES = 2**28  # a tuning case's f32 weights fill 1 GiB at this size
@@ -225,6 +237,7 @@ class Plan:
     shape: tuple[int, ...]
     tune: dict[str, int]
     engine: str = WASMTIME
+    threads: int = 1  # more: timed on the kernel's pool job on that many threads (threaded)
 
 
 def variant_table(checked: Checked, target: str, kernel: str, tune: dict[str, int], records: list[Record] | None,
@@ -244,12 +257,23 @@ def variant_table(checked: Checked, target: str, kernel: str, tune: dict[str, in
 
 def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
              tune: dict[str, int], min_batch: float = 0.02, samples: int = 5,
-             engine: str = WASMTIME, records: list[Record] | None = None) -> tuple[float | None, str]:
+             engine: str = WASMTIME, records: list[Record] | None = None, threads: int = 1) -> tuple[float | None, str]:
     """Build one variant (variant_table: the other kernels as the build picks them from `records`),
     verify it once under wasmtime, then time it inside wasm on `engine` (wasmtime, or V8 on a copy
-    of the verified memory: not pool jobs): (seconds per call, status)."""
+    of the verified memory: not pool jobs), or with `threads` > 1 its pool job in wasmtime on that
+    many threads: (seconds per call, status)."""
     maker, _ = SPECS[kernel]
     table = variant_table(checked, target, kernel, tune, records)
+    if threads > 1:
+        if engine != WASMTIME:
+            raise ValueError(f"{kernel} on {threads} threads: timed in wasmtime only, not {engine}")
+        (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table)
+        k = from_built(built)
+        case = maker(k, quant, shape, np.random.default_rng(0))
+        try:
+            return _run_job(k, kernel, quant, case, {"threads": threads}, min_batch, samples)
+        except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
+            return None, f"failed: trapped ({str(e).splitlines()[0]})"
     if kernel in checked.jobs:
         (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table)
     else:
@@ -320,7 +344,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     stored = load_store(store)
     hash_of = functools.cache(functools.partial(kernel_hash, checked))  # 1-2 ms each: once per kernel and type
     done = set() if remeasure else {
-        (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine)
+        (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine, r.threads)
         for r in stored if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant)}
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     unfit = unfit_cases(checked, kernels, shapes, quants)
@@ -336,11 +360,14 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
                         continue
                     for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
                         plans += [(target, Plan(kernel, q, shape, t, e)) for e in on]
+                        if WASMTIME in on and threaded(checked, kernel):
+                            plans.append((target, Plan(kernel, q, shape, t, WASMTIME, threaded(checked, kernel))))
     if unfit:
         print(f"not timed, their rows not whole blocks of the type: {', '.join(unfit)}", file=out)
 
     def key(target: str, p: Plan) -> tuple:
-        return p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True), p.engine
+        return (p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True), p.engine,
+                p.threads)
 
     if all(key(t, p) in done for t, p in plans):
         print(f"nothing to do: all {len(plans)} variant(s) asked for are already recorded in {store} for this"
@@ -361,12 +388,12 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
                 print(f"\ntime budget of {budget:.0f} s used; {len(plans) - i + 1} variant(s) left", file=out)
                 break
             name = variant_name(p.kernel, p.quant, p.tune)
-            where = "" if p.engine == WASMTIME else f" in {p.engine}"
+            where = (f" in {p.engine}" if p.engine != WASMTIME else "") + (f" on {p.threads} threads" if p.threads > 1 else "")
             print(f"\r[{i}/{len(plans)}] {target} {name} {shape}{where} ...".ljust(79), end="", file=out, flush=True)
             seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine,
-                                       records=stored + new)
+                                       records=stored + new, threads=p.threads)
             rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel, p.quant), me, p.tune, seconds, status,
-                         engine=p.engine)
+                         engine=p.engine, threads=p.threads)
             append_record(store, rec)
             new.append(rec)
         new += _retime_best(source, checked, new, store, retime, out, stored)
@@ -378,20 +405,20 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
 
 def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path, n: int, out,
                  stored: list[Record]) -> list[Record]:
-    """Time the best few of each (kernel, quant, target, shape, engine) again before the pick."""
+    """Time the best few of each (kernel, quant, target, shape, engine, threads) again before the pick."""
     groups: dict[tuple, list[Record]] = {}
     for r in recs:
         if r.seconds is not None:
-            groups.setdefault((r.kernel, r.quant, r.target, r.shape, r.engine), []).append(r)
+            groups.setdefault((r.kernel, r.quant, r.target, r.shape, r.engine, r.threads), []).append(r)
     again = []
-    for (kernel, quant, target, shape, engine), rs in groups.items():
+    for (kernel, quant, target, shape, engine, threads), rs in groups.items():
         for r in sorted(rs, key=lambda r: r.seconds)[:n]:
-            print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape} {engine}".ljust(79), end="",
-                  file=out, flush=True)
+            print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape} {engine} x{threads}".ljust(79),
+                  end="", file=out, flush=True)
             seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune,
-                                       engine=engine, records=stored + recs)
+                                       engine=engine, records=stored + recs, threads=threads)
             rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True,
-                         engine=engine)
+                         engine=engine, threads=threads)
             append_record(store, rec)
             again.append(rec)
     return again
