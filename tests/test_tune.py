@@ -294,15 +294,19 @@ def test_best_tune_counts_only_variants_timed_on_every_shape(checked) -> None:
     assert best_tune(q, checked, "qmatvec", "simd128", HOST_A) == {"rows": 4, "accs": 1}
 
 
-def test_best_tune_later_timings_replace_earlier_ones(checked) -> None:
+def test_best_tune_counts_the_fastest_of_repeated_timings(checked) -> None:
+    """Noise on a shared machine only adds time: a variant timed twice counts its faster timing,
+    whichever came first."""
     base = [rec(checked, {"unroll": 2}, 2e-6, when=1.0)]
     slow_then_fast = [rec(checked, {"unroll": 4}, 9e-6, when=2.0),
                       rec(checked, {"unroll": 4}, 1e-6, when=3.0, retimed=True)]
     fast_then_slow = [rec(checked, {"unroll": 4}, 1e-6, when=2.0),
                       rec(checked, {"unroll": 4}, 9e-6, when=3.0, retimed=True)]
-    for order in (1, -1):  # `when` decides, not the order of the list
+    both_slow = [rec(checked, {"unroll": 4}, 9e-6, when=2.0), rec(checked, {"unroll": 4}, 3e-6, when=3.0)]
+    for order in (1, -1):
         assert best_tune((base + slow_then_fast)[::order], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 4}
-        assert best_tune((base + fast_then_slow)[::order], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 2}
+        assert best_tune((base + fast_then_slow)[::order], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 4}
+        assert best_tune((base + both_slow)[::order], checked, "dot_f32", "simd128", HOST_A) == {"unroll": 2}
 
 
 def test_best_tune_failed_records_never_win(checked) -> None:

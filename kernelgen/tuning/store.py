@@ -262,14 +262,16 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     counting only variants timed on every shape. Timings on the pool on every core (tune.threaded)
     weigh as much as those on one thread, whatever the count of each: the geometric mean of the two
     means (pages and the Pool run a GEMM on every core; a lone wasmtime timing among three engines'
-    would otherwise count a quarter). The latest timing of a (variant, shape) wins (re-timings
-    replace first timings). 1.0 is the fastest; empty when nothing matches."""
+    would otherwise count a quarter). A (variant, shape) timed more than once counts its fastest
+    timing: a shared machine's noise only ever adds time (one two-thread timing of relaxed Q8_0
+    mat-vec at 4096 x 4096 ran slower than the same variant on one thread), unless the latest
+    failed. 1.0 is the fastest; empty when nothing matches."""
     latest: dict[tuple[str, tuple], float] = {}
     for r, current in sorted(_on_host(records, checked, kernel, target, want_host, quant), key=lambda p: p[0].when):
         if current:
             key = (json.dumps(r.tune, sort_keys=True), (r.threads, r.quant, r.shape, r.engine))
             if r.seconds is not None and r.status == "ok":
-                latest[key] = r.seconds
+                latest[key] = min(r.seconds, latest.get(key, math.inf))
             else:
                 latest.pop(key, None)
     shapes = {s for _, s in latest}
