@@ -197,7 +197,8 @@ def threaded(checked: Checked, kernel: str) -> int:
     core, as pages and the Pool run it; 0 on one core or for a kernel with no job. Why: a tile's
     speed on one thread does not rank it on two (relaxed Q8_0 qmatmul 2 x 1 ran 1.29-1.60x faster
     on two threads than on one, 2 x 2 1.83-2.07x, Zen 4, 64 and 256 x 1536 x 384), and the
-    single-thread picks left MiniLM's two-thread GEMMs on the 2 x 1 tile."""
+    single-thread picks left relaxed SIMD's Q8_0 GEMM on 2 x 1 (all types) and 4 x 1 (MiniLM's
+    Q8_0-only build), which pages run on two threads."""
     cores = os.cpu_count() or 1
     return cores if cores > 1 and any(j.name == kernel for j in checked.jobs.values()) else 0
 
