@@ -51,7 +51,7 @@ from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
 from .timing import (ENGINES as ENGINE_SETS, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
                      STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source,
-                     roof_name, stream_name)
+                     roof_name, stream_name, time_job)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
@@ -186,12 +186,7 @@ def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Ker
         if not threads:
             fn = variant_name(repeat_name("qmatvec"), quant, {})
             return measure(lambda reps: k.call(fn, reps, *args)).seconds
-        export = k.export_name("qmatvec", quant)
-        call = job_call(k.manifest, export, args)
-        with Pool(k, threads) as pool:
-            pool.call(export, args, 16)  # publishes the arguments
-            index = pool.job_index(call.job)
-            return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 16)).seconds
+        return time_job(k, k.export_name("qmatvec", quant), args, threads, 16)[0]
     return run
 
 
@@ -228,17 +223,6 @@ def seed(rows: int, cols: int) -> Callable[[Kernels], float]:
     return run
 
 
-def _job(k: Kernels, threads: int, export: str, args: list) -> float:
-    """Seconds per run of parallel `export` with `args` on `threads` threads, through the pool's
-    par_for, the job's tuned chunk (or the API's default)."""
-    call = job_call(k.manifest, export, args)
-    with Pool(k, threads) as pool:
-        chunk = pool.default_chunk(call)
-        pool.call(export, args, chunk)  # publishes the arguments
-        index = pool.job_index(call.job)
-        return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk)).seconds
-
-
 def roofline(op: str) -> Callable[[Kernels], float]:
     """The register-only loops of `op` ("idot" or "madd"): seconds per ROOF_ITERS x ROOF_OPS ops of
     the fastest accumulator count (timing.ROOF_ACCS)."""
@@ -258,7 +242,7 @@ def qmatmul(quant: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[
         act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
         aq, ad, y = *k.put_act(act), k.module.alloc(4 * m * n)
         if threads:
-            return _job(k, threads, k.export_name("qmatmul", quant), [*w.args, aq, ad, y, m, n, kk])
+            return time_job(k, k.export_name("qmatmul", quant), [*w.args, aq, ad, y, m, n, kk], threads)[0]
         fn = variant_name(repeat_name("qmatmul"), quant, {})
         return measure(lambda reps: k.call(fn, reps, *w.args, aq, ad, y, m, n, kk)).seconds
     return run
@@ -276,7 +260,7 @@ def matmul_f32(form: str, m: int, n: int, kk: int, threads: int = 0) -> Callable
         a, b = _f32_operands(form, m, n, kk)
         pa, pb, py = k.module.put(a), k.module.put(b), k.module.alloc(4 * m * n)
         if threads:
-            return _job(k, threads, k.export_name(f"matmul_f32_{form}"), [pa, pb, py, m, n, kk])
+            return time_job(k, k.export_name(f"matmul_f32_{form}"), [pa, pb, py, m, n, kk], threads)[0]
         return measure(lambda reps: k.call(repeat_name(f"matmul_f32_{form}"), reps, pa, pb, py, m, n, kk)).seconds
     return run
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..compiler import ast as A
 from ..compiler.check import Checked
+from ..host.pool import Pool, job_call
 
 STREAM_CHUNK = 1 << 16  # bytes per item of the threaded streaming read
 # --engine of kernelgen tune and bench: the engines each choice runs (Node's V8, or Chromium's: the
@@ -205,6 +206,23 @@ def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: b
     call(reps)  # warm-up at the final size
     times = [timed(reps) / reps for _ in range(samples)]
     return Timing(statistics.median(times), tuple(times), reps)
+
+
+def time_job(k: Any, export: str, args: list, threads: int, chunk: int | None = None,
+             verify: Callable[[], str | None] = lambda: None, min_batch: float = 0.02,
+             samples: int = 5) -> tuple[float | None, str | None]:
+    """Parallel `export` with `args` on `threads` threads through the pool's par_for (POOL_REPEAT's
+    bench_par_for), `chunk` items per claim (None: Pool.default_chunk): (seconds per run, None), or
+    (None, the problem) when `verify` finds one in the first run's output."""
+    call = job_call(k.manifest, export, args)
+    with Pool(k, threads) as pool:
+        chunk = chunk or pool.default_chunk(call)
+        pool.call(export, args, chunk)  # runs it once and publishes the arguments
+        problem = verify()
+        if problem:
+            return None, problem
+        index = pool.job_index(call.job)
+        return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk), min_batch, samples).seconds, None
 
 
 def measure_python(fn: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:

@@ -28,9 +28,8 @@ from ..compiler.build import choose_tune, compile_source, from_built
 from ..compiler.check import Checked, check, tune_key, variants
 from ..names import variant_name
 from ..compiler.parse import parse
-from ..host.pool import Pool, job_call
 from .store import WASMTIME, Record, append_record, host, kernel_hash, load_store, usable
-from .timing import ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source
+from .timing import ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source, time_job
 from .v8 import engine_name, in_browser, measure_v8
 
 
@@ -177,19 +176,11 @@ def job_variants() -> list[dict[str, int]]:
 
 def _run_job(k: Kernels, kernel: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
              samples: int) -> tuple[float | None, str]:
-    """Time parallel `kernel` on the pool with `tune`'s threads and chunk (None: the pool's default
-    for the call, Pool.default_chunk)."""
-    export = k.export_name(kernel, quant)
-    call = job_call(k.manifest, export, case.args)
-    with Pool(k, tune["threads"]) as pool:
-        chunk = tune.get("chunk") or pool.default_chunk(call)
-        pool.call(export, case.args, chunk)
-        problem = case.verify(None)
-        if problem:
-            return None, f"failed: wrong results ({problem})"
-        index = pool.job_index(call.job)
-        timing = measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk), min_batch, samples)
-    return timing.seconds, "ok"
+    """Time parallel `kernel` on the pool with `tune`'s threads and chunk (none: the pool's default
+    for the call, Pool.default_chunk), after checking its output once."""
+    seconds, problem = time_job(k, k.export_name(kernel, quant), case.args, tune["threads"], tune.get("chunk"),
+                                lambda: case.verify(None), min_batch, samples)
+    return (None, f"failed: wrong results ({problem})") if problem else (seconds, "ok")
 
 
 def threaded(checked: Checked, kernel: str) -> int:
