@@ -408,6 +408,25 @@ def test_bench_script_runs_every_engine() -> None:
     assert "linear" in proc.stdout and "attention" in proc.stdout and "latency" in proc.stdout
 
 
+def test_bench_takes_each_ratio_within_a_round() -> None:
+    """bench.py's ratios pair the figures of one round (timed back to back), not the medians of
+    figures timed minutes apart; the goal line judges the median of the rounds' ratios and says in
+    how many rounds the goal held."""
+    need_parts()
+    import bench  # examples/minilm/bench.py
+
+    kg, ort = "kernelgen relaxed-simd (Chromium)", "onnxruntime-web 1.30.0 wasm (Chromium)"
+    stages = {"linear": 8.0, "attention": 1.0, "norm": 1.0}
+    runs = [bench.Run(name, 2, 32, rate, np.zeros(4, np.float32), stages if name == kg else None, k)
+            for k, rates in enumerate(((40.0, 20.0), (60.0, 50.0), (100.0, 40.0))) for name, rate in zip((kg, ort), rates)]
+    assert bench.ratios(runs, kg, ort, 2, 32) == [2.0, 1.2, 2.5]  # the medians' ratio would be 60 / 40 = 1.5
+    text = bench.table(runs, [32])
+    assert "2.00x [1.20..2.50] onnxruntime-web (goal >= 1.5): met (held in 2 of 3 rounds)" in text, text
+    assert "linear  80.0%" in text, text
+    one = bench.table(runs[:2], [32])
+    assert "2.00x onnxruntime-web (goal >= 1.5): met\n" in one, one
+
+
 @pytest.mark.parametrize("target, threads", (("simd128", 1), ("relaxed-simd", 2)))
 def test_chromium_bench_path_gives_pythons_bits(tmp_path, corpus, target, threads) -> None:
     """The benchmark's Chromium path (bench.mjs --browser: timing.mjs's engine and loop in a worker of
