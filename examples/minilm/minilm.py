@@ -159,7 +159,13 @@ def channel_order(w: dict[str, np.ndarray], layers: int) -> np.ndarray:
     each channel's size, so this order (from the weights, no data) puts the large ones in the same
     blocks. Measured on the corpus against the float64 reference (Q8_0, both targets): 1 - cosine
     3.37e-4 -> 2.48e-4 on average, the worst sentence's 2.2e-3 -> 1.6e-3, query-sentence scores off
-    by 1.73e-3 -> 1.46e-3 on average (README.md, "A real model")."""
+    by 1.73e-3 -> 1.46e-3 on average (README.md, "A real model").
+    Tried on top of it (float64 models as tests/minilm_table.py --budget's; 1 - cosine 2.21e-4 with
+    Q8_0 weights and int8 inputs), neither worth a kernel change: dividing the QKV and FFN1 inputs
+    per channel by size ** (alpha / 2) and multiplying the weights' columns by it (SmoothQuant's
+    move, data-free): alpha 0.25 2.10e-4, 0.5 2.35e-4, 1 2.78e-4; the least-squares activation
+    scale per block (amax / 127 times 0.7..1.05, as quantize_q8_0_searched does for weights):
+    2.13e-4."""
     norms = ["embeddings.LayerNorm."] + [f"encoder.layer.{i}.{p}" for i in range(layers)
                                         for p in ("attention.output.LayerNorm.", "output.LayerNorm.")]
     size = sum(w[p + "weight"].astype(np.float64) ** 2 + w[p + "bias"].astype(np.float64) ** 2 for p in norms)
