@@ -129,6 +129,24 @@ export kernel hsums_i32(p: ptr) {
     }
 }
 
+# Stores the emitter drops (wat.drop_dead_stores) beside the ones it must keep: a loop-carried
+# value, a zero a loop needs on every pass, a store read after a loop.
+export kernel stores(n: i32) -> i32 {
+    var total: i32 = 0;
+    var last: i32 = 7;
+    var dead: i32 = 0;
+    dead = n * 3;
+    for i in 0..n {
+        var acc: i32 = 0;
+        for j in 0..i {
+            acc = acc + 1;
+        }
+        total = total * 10 + acc + last;
+        last = i;
+    }
+    return total * 100 + last * 10 + dead;
+}
+
 export kernel atomics(p: ptr) -> i32 {
     atomic_store(p, 5);
     let old = atomic_add(p, 3);
@@ -228,6 +246,49 @@ def test_hsum_of_four_vectors_is_four_hsums_bit_for_bit(k, dtype) -> None:
         with np.errstate(all="ignore"):
             want = (v[:, 0] + v[:, 1]) + (v[:, 2] + v[:, 3])
         assert got[:4].tobytes() == got[4:].tobytes() == want.astype(dtype).tobytes(), (v, got, want)
+
+
+def test_dead_stores_go_and_live_ones_stay(k) -> None:
+    from kernelgen.compiler.build import compile_source
+    (built,) = compile_source(SOURCE, targets=("simd128",))
+    body = built.wat.split("(func $stores")[1].split("\n  (func ")[0]
+    assert "(local.set $dead (i32.const 0))" not in body and "(local.set $total (i32.const 0))" not in body, body
+    assert "(local.set $acc (i32.const 0))" in body and "(local.set $last (i32.const 7))" in body, body
+    # n = 4: passes add acc = 0, 1, 2, 3 and last = 7, 0, 1, 2; then last 3, dead 12
+    assert k.call("stores", 4) == 7135 * 100 + 3 * 10 + 12
+    assert k.call("stores", 0) == 7 * 10
+
+
+def test_drop_dead_stores_keeps_what_may_be_read() -> None:
+    from kernelgen.compiler.wat import Block, I, Writer, drop_dead_stores
+
+    def kept(body, params=frozenset()) -> list[str]:  # the statements left, each as WAT text
+        out = []
+        for st in drop_dead_stores(body, set(params)):
+            w = Writer()
+            w.stmts(0, [st])
+            out.append(" ".join(line.strip() for line in w.lines))
+        return out
+
+    zero, one = I("i32.const", "0"), I("i32.const", "1")
+    get = lambda x: I("local.get", x)  # noqa: E731
+    use = lambda x: I("call", "$f", get(x))  # noqa: E731
+    # a zero before anything names the local goes (locals start at zero); a parameter's stays
+    assert kept([I("local.set", "$x", zero), use("$x")]) == ["(call $f (local.get $x))"]
+    assert len(kept([I("local.set", "$p", zero), use("$p")], {"$p"})) == 2
+    # -0.0 is not the zero a local starts with; a zero after the local was named is a store
+    assert len(kept([I("local.set", "$f", I("f32.const", "-0.0")), use("$f")])) == 2
+    assert len(kept([use("$x"), I("local.set", "$x", zero), use("$x")])) == 3
+    # overwritten before any read: goes; read (or overwritten by a value that reads it) first: stays
+    body = [use("$y"), I("local.set", "$x", one), I("local.set", "$x", get("$z")), use("$x")]
+    assert len(kept(body)) == 3
+    assert len(kept([use("$y"), I("local.set", "$x", one), I("local.set", "$x", I("i32.add", get("$x"), one))])) == 3
+    # a branch or a nested block naming the local between them keeps it, inside a loop too
+    for between in (I("br_if", "$l", get("$c")), Block("block", "b", [use("$x")])):
+        inner = [I("local.set", "$x", one), between, I("local.set", "$x", zero), use("$x")]
+        assert len(kept([Block("loop", "l", inner)])[0].split("local.set $x")) == 3
+    # a store with no later overwrite in its own list stays (a loop's next pass may read it)
+    assert len(kept([Block("loop", "l", [use("$x"), I("local.set", "$x", one)])])[0].split("local.set")) == 2
 
 
 def test_atomics(k) -> None:

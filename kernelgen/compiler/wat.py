@@ -123,6 +123,89 @@ def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt
     return sets + _map_stmts(body, swap), [(name, "v128") for name in names.values()]
 
 
+_BRANCHES = frozenset({"br", "br_if", "br_table", "return", "unreachable"})
+_LOCAL_OPS = frozenset({"local.get", "local.set", "local.tee"})
+_PURE_VALUES = frozenset({"local.get", "i32.const", "i64.const", "f32.const", "f64.const", "v128.const"})
+
+
+def _uses(st: Stmt, memo: dict[int, tuple[frozenset[str], bool]]) -> tuple[frozenset[str], bool]:
+    """The locals `st` names (read or written, at any depth) and whether it can branch."""
+    known = memo.get(id(st))
+    if known is not None:
+        return known
+    names: set[str] = set()
+    branches = False
+    if isinstance(st, Instr):
+        if st.op in _LOCAL_OPS:
+            names.add(st.imms[0])
+        branches = st.op in _BRANCHES
+        parts: list[Stmt] = list(st.args)
+    elif isinstance(st, Block):
+        parts = st.body
+    elif isinstance(st, If):
+        parts = [st.cond, *st.then, *st.orelse]
+    else:
+        parts = []
+    for part in parts:
+        n, b = _uses(part, memo)
+        names |= n
+        branches |= b
+    memo[id(st)] = result = (frozenset(names), branches)
+    return result
+
+
+def _is_zero(x: Instr) -> bool:
+    """A constant whose bits are all zero (not -0.0): the value a wasm local starts with."""
+    if x.op == "v128.const":
+        return all(v.lstrip("+") in ("0", "0.0", "0x0") for v in x.imms[1:])
+    return x.op in ("i32.const", "i64.const", "f32.const", "f64.const") and x.imms[0] in ("0", "0.0")
+
+
+def _set_of(st: Stmt) -> str | None:
+    """The local a statement `(local.set $x value)` sets, if it is one."""
+    return st.imms[0] if isinstance(st, Instr) and st.op == "local.set" else None
+
+
+def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
+    """`body` (a function's) without the stores no one reads: a `local.set` of a constant or a local
+    whose local is set again, later in the same statement list, before anything reads it or any
+    branch; and, in the function's own list, a zero set before anything else names its local (locals
+    start at zero; `params` do not). What a `var` declaration's initial value and an assignment
+    right after it lower to: engines drop them as well, so the code runs the same, and the module
+    is smaller and reads as it would be written by hand. A comment left with no code under it goes
+    too."""
+    memo: dict[int, tuple[frozenset[str], bool]] = {}
+
+    def one(stmts: list[Stmt], top: bool) -> list[Stmt]:
+        stmts = [Block(s.kind, s.label, one(s.body, False)) if isinstance(s, Block)
+                 else If(s.cond, one(s.then, False), one(s.orelse, False)) if isinstance(s, If) else s
+                 for s in stmts]
+        named: set[str] = set()  # locals the statements before this one name (the function's list)
+        keep: list[Stmt] = []
+        for i, st in enumerate(stmts):
+            x = _set_of(st)
+            dead = False
+            if x is not None and st.args[0].op in _PURE_VALUES:
+                if top and x not in named and x not in params and _is_zero(st.args[0]):
+                    dead = True
+                else:
+                    for later in stmts[i + 1:]:
+                        names, branches = _uses(later, memo)
+                        if _set_of(later) == x and x not in _uses(later.args[0], memo)[0]:
+                            dead = True
+                            break
+                        if x in names or branches:
+                            break
+            if not dead:
+                keep.append(st)
+            if top:
+                named |= _uses(st, memo)[0]
+        return [s for i, s in enumerate(keep)
+                if not isinstance(s, Comment) or (i + 1 < len(keep) and not isinstance(keep[i + 1], Comment))]
+
+    return one(body, True)
+
+
 def number(x: int | float) -> str:
     """A numeric immediate as WAT reads it: decimal where that round-trips, nan/inf spelled out."""
     if isinstance(x, int):
