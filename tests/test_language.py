@@ -291,6 +291,30 @@ def test_drop_dead_stores_keeps_what_may_be_read() -> None:
     assert len(kept([Block("loop", "l", [use("$x"), I("local.set", "$x", one)])])[0].split("local.set")) == 2
 
 
+def test_forward_copies_take_the_value_straight_to_its_reader() -> None:
+    from kernelgen.compiler.wat import Comment, I, Writer, forward_copies
+
+    def text(body, params=frozenset()) -> list[str]:
+        w = Writer()
+        w.stmts(0, forward_copies(body, set(params)))
+        return [line.strip() for line in w.lines]
+
+    e = I("i32.add", I("local.get", "$p"), I("i32.const", "1"))
+    use = lambda x: I("call", "$f", I("local.get", x))  # noqa: E731
+    copy = lambda dst, src: I("local.set", dst, I("local.get", src))  # noqa: E731
+    # an inline kernel's return into a let, a comment between: the value goes to the let's local
+    assert text([I("local.set", "$ret", e), Comment("let av"), copy("$av", "$ret"), use("$av")]) == \
+        [";; let av", "(local.set $av (i32.add (local.get $p) (i32.const 1)))", "(call $f (local.get $av))"]
+    # a chain of copies carries the value to its end
+    assert text([I("local.set", "$a", e), copy("$b", "$a"), copy("$c", "$b"), use("$c")]) == \
+        ["(local.set $c (i32.add (local.get $p) (i32.const 1)))", "(call $f (local.get $c))"]
+    # a local read anywhere else, teed, or a parameter keeps its set and its copy
+    kept = [I("local.set", "$a", e), copy("$b", "$a"), use("$a")]
+    assert len(text(kept)) == 3
+    assert len(text([I("local.set", "$a", e), copy("$b", "$a"), I("drop", I("local.tee", "$a", e))])) == 3
+    assert len(text([I("local.set", "$p", e), copy("$b", "$p"), use("$b")], {"$p"})) == 3
+
+
 def test_atomics(k) -> None:
     p = k.module.alloc(4)
     # store 5, add 3 (old 5), cmpxchg 8 -> 100 (old 8), wait32 with value 100 != 7: returns 1 at once

@@ -128,11 +128,14 @@ _LOCAL_OPS = frozenset({"local.get", "local.set", "local.tee"})
 _PURE_VALUES = frozenset({"local.get", "i32.const", "i64.const", "f32.const", "f64.const", "v128.const"})
 
 
-def _uses(st: Stmt, memo: dict[int, tuple[frozenset[str], bool]]) -> tuple[frozenset[str], bool]:
+Uses = dict[int, tuple[Stmt, frozenset[str], bool]]  # _uses's memo: by id, the statement kept alive
+
+
+def _uses(st: Stmt, memo: Uses) -> tuple[frozenset[str], bool]:
     """The locals `st` names (read or written, at any depth) and whether it can branch."""
     known = memo.get(id(st))
     if known is not None:
-        return known
+        return known[1], known[2]
     names: set[str] = set()
     branches = False
     if isinstance(st, Instr):
@@ -150,8 +153,8 @@ def _uses(st: Stmt, memo: dict[int, tuple[frozenset[str], bool]]) -> tuple[froze
         n, b = _uses(part, memo)
         names |= n
         branches |= b
-    memo[id(st)] = result = (frozenset(names), branches)
-    return result
+    memo[id(st)] = (st, frozenset(names), branches)
+    return frozenset(names), branches
 
 
 def _is_zero(x: Instr) -> bool:
@@ -166,6 +169,18 @@ def _set_of(st: Stmt) -> str | None:
     return st.imms[0] if isinstance(st, Instr) and st.op == "local.set" else None
 
 
+def _overwritten(stmts: list[Stmt], x: str, memo: Uses) -> bool:
+    """Whether the first of `stmts` that names local x, before any that can branch, sets it from a
+    value that does not read it: x's value before them is never read."""
+    for st in stmts:
+        names, branches = _uses(st, memo)
+        if _set_of(st) == x and x not in _uses(st.args[0], memo)[0]:
+            return True
+        if x in names or branches:
+            return False
+    return False
+
+
 def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
     """`body` (a function's) without the stores no one reads: a `local.set` of a constant or a local
     whose local is set again, later in the same statement list, before anything reads it or any
@@ -174,7 +189,7 @@ def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
     right after it lower to: engines drop them as well, so the code runs the same, and the module
     is smaller and reads as it would be written by hand. A comment left with no code under it goes
     too."""
-    memo: dict[int, tuple[frozenset[str], bool]] = {}
+    memo: Uses = {}
 
     def one(stmts: list[Stmt], top: bool) -> list[Stmt]:
         stmts = [Block(s.kind, s.label, one(s.body, False)) if isinstance(s, Block)
@@ -189,13 +204,7 @@ def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
                 if top and x not in named and x not in params and _is_zero(st.args[0]):
                     dead = True
                 else:
-                    for later in stmts[i + 1:]:
-                        names, branches = _uses(later, memo)
-                        if _set_of(later) == x and x not in _uses(later.args[0], memo)[0]:
-                            dead = True
-                            break
-                        if x in names or branches:
-                            break
+                    dead = _overwritten(stmts[i + 1:], x, memo)
             if not dead:
                 keep.append(st)
             if top:
@@ -204,6 +213,81 @@ def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
                 if not isinstance(s, Comment) or (i + 1 < len(keep) and not isinstance(keep[i + 1], Comment))]
 
     return one(body, True)
+
+
+def _count_locals(x: Stmt, gets: dict[str, int], tees: set[str]) -> None:
+    if isinstance(x, Instr):
+        if x.op == "local.get":
+            gets[x.imms[0]] = gets.get(x.imms[0], 0) + 1
+        elif x.op == "local.tee":
+            tees.add(x.imms[0])
+        for a in x.args:
+            _count_locals(a, gets, tees)
+    elif isinstance(x, Block):
+        for st in x.body:
+            _count_locals(st, gets, tees)
+    elif isinstance(x, If):
+        for st in (x.cond, *x.then, *x.orelse):
+            _count_locals(st, gets, tees)
+
+
+def _forwards(stmts: list[Stmt]) -> list[tuple[int, int]]:
+    """(i, j): statement i sets a local, and the next statement that is not a comment, j, copies it
+    into another."""
+    code = [i for i, st in enumerate(stmts) if not isinstance(st, Comment)]
+    pairs = []
+    for i, j in zip(code, code[1:]):
+        a, b = _set_of(stmts[i]), _set_of(stmts[j])
+        if a is not None and b is not None and b != a and stmts[j].args[0] == Instr("local.get", (a,)):
+            pairs.append((i, j))
+    return pairs
+
+
+def forward_copies(body: list[Stmt], params: set[str]) -> list[Stmt]:
+    """`body` (a function's) with `(local.set $a E) (local.set $b (local.get $a))` as `(local.set $b E)`
+    where the copy is the only read of that value of $a: every read of $a in the function is such a
+    copy right after one of its sets, or the next statement after the copy that names $a (before
+    any branch) sets it anew from a value that does not read it. What an inline kernel's `return`
+    into a `let` lowers to (`$ret`, then the caller's name): the value reaches $b as before, with a
+    store and a read fewer."""
+    while True:
+        gets: dict[str, int] = {}
+        tees: set[str] = set()
+        for st in body:
+            _count_locals(st, gets, tees)
+        copies: dict[str, int] = {}
+
+        def count(stmts: list[Stmt]) -> None:
+            for i, j in _forwards(stmts):
+                a = _set_of(stmts[i])
+                copies[a] = copies.get(a, 0) + 1
+            for st in stmts:
+                if isinstance(st, Block):
+                    count(st.body)
+                elif isinstance(st, If):
+                    count(st.then)
+                    count(st.orelse)
+
+        count(body)
+        through = {a for a, n in copies.items() if gets.get(a) == n and a not in tees and a not in params}
+        memo: Uses = {}
+        before = body
+
+        def rewrite(stmts: list[Stmt]) -> list[Stmt]:
+            out = list(stmts)
+            drop = set()
+            for i, j in _forwards(stmts):
+                a = _set_of(stmts[i])
+                if a in through or _overwritten(stmts[j + 1:], a, memo):  # out[i]: a chain's earlier copy already holds its value
+                    out[j] = Instr("local.set", stmts[j].imms, out[i].args)
+                    drop.add(i)
+            return [Block(st.kind, st.label, rewrite(st.body)) if isinstance(st, Block)
+                    else If(st.cond, rewrite(st.then), rewrite(st.orelse)) if isinstance(st, If) else st
+                    for k, st in enumerate(out) if k not in drop]
+
+        body = rewrite(body)
+        if body == before:
+            return body
 
 
 def number(x: int | float) -> str:
