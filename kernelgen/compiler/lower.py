@@ -22,7 +22,8 @@ from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
 from ..quantformat import SUB_SCALES, Int, Lookup, QuantFormat
 from .quant import lower_scales, unpack_lanes
-from .wat import Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, forward_copies, number, share_vector_constants
+from .wat import (Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, forward_copies, locals_named, number,
+                  share_vector_constants)
 
 _QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
                 "shuffle", "iota"}
@@ -514,7 +515,9 @@ class Lowerer:
         result = T.wasm_type(frame.result) if frame.result else None  # f32x4 -> v128
         body = drop_dead_stores(forward_copies(frame.body, {n for n, _ in params}), {n for n, _ in params})
         body, consts = share_vector_constants(body, {n for n, _ in frame.locals})
-        self.funcs.append(Func(name, params, result, frame.locals[len(params):] + consts, body,
+        named = locals_named(body)
+        local_vars = [(n, t) for n, t in frame.locals[len(params):] if f"${n}" in named]
+        self.funcs.append(Func(name, params, result, local_vars + consts, body,
                                export=name if role == "export" else None, doc=doc, span=k.ast.span))
         return count
 

@@ -181,6 +181,13 @@ def _overwritten(stmts: list[Stmt], x: str, memo: Uses) -> bool:
     return False
 
 
+def locals_named(body: list[Stmt]) -> set[str]:
+    """The locals `body` reads or writes (`$name`): a declared local outside it is left over from
+    code the emitter did not keep, and is not declared."""
+    memo: Uses = {}
+    return set().union(*(_uses(st, memo)[0] for st in body))
+
+
 def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
     """`body` (a function's) without the stores no one reads: a `local.set` of a constant or a local
     whose local is set again, later in the same statement list, before anything reads it or any

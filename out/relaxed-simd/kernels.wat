@@ -2997,9 +2997,9 @@
   ;;   Blocks b0 .. b1 - 1 of quantize_act of n values.
   (func $quantize_blocks
     (param $x i32) (param $n i32) (param $q i32) (param $d i32) (param $b0 i32) (param $b1 i32)
-    (local $blocks i32) (local $ret i32) (local $s i32) (local $b i32) (local $xb i32) (local $m v128)
-    (local $scale f32) (local $inv f32) (local $vinv v128) (local $lim v128) (local $sum v128) (local $v_0 v128)
-    (local $v_1 v128) (local $v_2 v128) (local $v_3 v128) (local $xs v128) (local $lo v128) (local $hi v128)
+    (local $blocks i32) (local $s i32) (local $b i32) (local $xb i32) (local $m v128) (local $scale f32)
+    (local $inv f32) (local $vinv v128) (local $lim v128) (local $sum v128) (local $v_0 v128) (local $v_1 v128)
+    (local $v_2 v128) (local $v_3 v128) (local $xs v128) (local $lo v128) (local $hi v128)
     (local.set $blocks (i32.div_s (local.get $n) (i32.const 32)))
     ;; kernels.dsl:406: let s = act_sums(d, n / 32);
     (local.set $s (i32.add (local.get $d) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3178,8 +3178,8 @@
   (func $qtiles_q8_0__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3296,8 +3296,8 @@
   (func $qgtiles_q4_0__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3418,8 +3418,8 @@
   (func $qgtiles_q4_1__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3544,8 +3544,8 @@
   (func $qgtiles_q5_0__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3666,8 +3666,8 @@
   (func $qgtiles_q5_1__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3798,8 +3798,8 @@
   (func $qtiles_iq4_nl__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3916,8 +3916,8 @@
   (func $qgtiles_mxfp4__mr1_nr2_a2
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4038,8 +4038,8 @@
   (func $qgtiles_q4_k__mr1_nr2_a2
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4160,8 +4160,8 @@
   (func $qgtiles_q5_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4282,8 +4282,8 @@
   (func $qgtiles_q6_k__mr1_nr1_a2
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4404,8 +4404,8 @@
   (func $qgtiles_q4_onnx__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4526,8 +4526,8 @@
   (func $qgtiles_q4_0__mr4_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4648,8 +4648,8 @@
   (func $qgtiles_q4_1__mr2_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4774,8 +4774,8 @@
   (func $qgtiles_q5_1__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4900,8 +4900,8 @@
   (func $qgtiles_mxfp4__mr2_nr1_a2
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -5022,8 +5022,8 @@
   (func $qgtiles_q4_k__mr2_nr1_a2
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $g0 i32) (param $g1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $g i32) (local $g_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:988: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -5256,9 +5256,9 @@
     (local $full i32) (local $r i32) (local $row i32) (local $vmax v128) (local $i i32) (local $m f32)
     (local $vm v128) (local $vsum v128) (local $x_1 v128) (local $xc v128) (local $shifted v128) (local $k v128)
     (local $r_1 v128) (local $p v128) (local $er v128) (local $ki v128) (local $k1 v128) (local $s1 v128)
-    (local $s2 v128) (local $ret v128) (local $e v128) (local $m_1 i32) (local $keep v128) (local $s f32)
-    (local $inv f32) (local $vinv v128) (local $p_1 i32) (local $v v128) (local $valid i32) (local $f32x4_0_0 v128)
-    (local $f32x4_12582912_0 v128) (local $i32x4_127 v128) (local $i32x4_const v128)
+    (local $s2 v128) (local $e v128) (local $m_1 i32) (local $keep v128) (local $s f32) (local $inv f32)
+    (local $vinv v128) (local $p_1 i32) (local $v v128) (local $valid i32) (local $f32x4_0_0 v128) (local $f32x4_12582912_0 v128)
+    (local $i32x4_127 v128) (local $i32x4_const v128)
     ;; vector constants used more than once
     (local.set $f32x4_0_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $f32x4_12582912_0 (v128.const f32x4 12582912.0 12582912.0 12582912.0 12582912.0))
@@ -5491,8 +5491,8 @@
     (param $x i32) (param $g i32) (param $y i32) (param $g0 i32) (param $g1 i32) (param $n i32)
     (local $i i32) (local $x_1 v128) (local $x_2 v128) (local $xc v128) (local $shifted v128) (local $k v128)
     (local $r v128) (local $p v128) (local $er v128) (local $ki v128) (local $k1 v128) (local $s1 v128)
-    (local $s2 v128) (local $ret v128) (local $e v128) (local $v v128) (local $p_1 i32) (local $valid i32)
-    (local $f32x4_12582912_0 v128) (local $f32x4_1_0 v128) (local $i32x4_127 v128)
+    (local $s2 v128) (local $e v128) (local $v v128) (local $p_1 i32) (local $valid i32) (local $f32x4_12582912_0 v128)
+    (local $f32x4_1_0 v128) (local $i32x4_127 v128)
     ;; vector constants used more than once
     (local.set $f32x4_12582912_0 (v128.const f32x4 12582912.0 12582912.0 12582912.0 12582912.0))
     (local.set $f32x4_1_0 (v128.const f32x4 1.0 1.0 1.0 1.0))
@@ -6221,7 +6221,7 @@
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
     (local $lo f64) (local $quadrant i32) (local $y f64) (local $z f64) (local $p f64) (local $v f64)
-    (local $ret f64) (local $hz f64) (local $w_1 f64)
+    (local $hz f64) (local $w_1 f64)
     ;; kernels.dsl:1570: let n = nearest(x * INV_PIO2);
     (local.set $n (f64.nearest (f64.mul (local.get $x) (f64.const 0.6366197723675814))))
     ;; kernels.dsl:1571: let r1 = x - n * PIO2_1;
@@ -6341,7 +6341,7 @@
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
     (local $lo f64) (local $quadrant i32) (local $y f64) (local $z f64) (local $p f64) (local $v f64)
-    (local $ret f64) (local $hz f64) (local $w_1 f64)
+    (local $hz f64) (local $w_1 f64)
     ;; kernels.dsl:1570: let n = nearest(x * INV_PIO2);
     (local.set $n (f64.nearest (f64.mul (local.get $x) (f64.const 0.6366197723675814))))
     ;; kernels.dsl:1571: let r1 = x - n * PIO2_1;
@@ -6996,10 +6996,10 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $t v128) (local $t_1 v128) (local $ret v128) (local $ret_1 v128) (local $loaded_3 v128)
-    (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
-    (local $r v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_0 v128) (local $i16x8_1 v128)
+    (local $loaded_2 v128) (local $t v128) (local $t_1 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $da4 v128) (local $s i32)
+    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128)
+    (local $i8x16_0 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
@@ -7284,8 +7284,7 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wg_0 i32) (local $wg_1 i32) (local $arow_0 i32) (local $dot_0 v128)
     (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128) (local $u_1 v128) (local $b i32)
     (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
-    (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i8x16_15 v128)
-    (local $i16x8_1 v128)
+    (local $wb i32) (local $s i32) (local $row i32) (local $out i32) (local $i8x16_15 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -7689,9 +7688,8 @@
     (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wg_0 i32) (local $wg_1 i32) (local $arow_0 i32) (local $dot_0 v128)
     (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128) (local $u_1 v128) (local $b i32)
-    (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
-    (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i8x16_15 v128)
-    (local $i16x8_1 v128)
+    (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128) (local $wb i32)
+    (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i8x16_15 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -8107,7 +8105,7 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wg_0 i32) (local $wg_1 i32) (local $arow_0 i32) (local $dot_0 v128)
     (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128) (local $u_1 v128) (local $b i32)
     (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
-    (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i16x8_1 v128)
+    (local $wb i32) (local $s i32) (local $row i32) (local $out i32) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
     ;; kernels.dsl:888: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
@@ -8466,8 +8464,8 @@
     (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wg_0 i32) (local $wg_1 i32) (local $arow_0 i32) (local $dot_0 v128)
     (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128) (local $u_1 v128) (local $b i32)
-    (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
-    (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i16x8_1 v128)
+    (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128) (local $wb i32)
+    (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
     ;; kernels.dsl:888: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
@@ -8841,10 +8839,10 @@
     (local $b i32) (local $blk i32) (local $x_0 v128) (local $x_1 v128) (local $x_2 v128) (local $x_3 v128)
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
-    (local $loaded_2 v128) (local $t v128) (local $t_1 v128) (local $ret v128) (local $ret_1 v128) (local $loaded_3 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
-    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32)
-    (local $dt i32) (local $i32x4_0 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i8x16_0 v128) (local $i16x8_1 v128)
+    (local $loaded_2 v128) (local $t v128) (local $t_1 v128) (local $loaded_3 v128) (local $dots_0 v128) (local $dots_1 v128)
+    (local $lo v128) (local $hi v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_const v128) (local $i8x16_15 v128)
+    (local $i8x16_0 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_const
@@ -9591,9 +9589,9 @@
     (param $t0 i32) (param $ts i32) (param $g0 i32) (param $gs i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $wg_0 i32) (local $wg_1 i32)
     (local $arow_0 i32) (local $dot_0 v128) (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128)
-    (local $u_1 v128) (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128)
-    (local $blk i32) (local $da v128) (local $wb i32) (local $s i32) (local $t i32) (local $r v128)
-    (local $row i32) (local $out i32) (local $i8x16_15 v128) (local $i16x8_1 v128)
+    (local $u_1 v128) (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32)
+    (local $da v128) (local $wb i32) (local $s i32) (local $t i32) (local $r v128) (local $row i32)
+    (local $out i32) (local $i8x16_15 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -10061,9 +10059,9 @@
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $as i32) (param $y i32)
     (param $t0 i32) (param $ts i32) (param $g0 i32) (param $gs i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $wg_0 i32) (local $arow_0 i32) (local $dot_0 v128) (local $part_0 v128) (local $u_0 v128)
-    (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32)
-    (local $da v128) (local $wb i32) (local $s i32) (local $t i32) (local $r v128) (local $row i32)
-    (local $out i32) (local $i16x8_1 v128)
+    (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
+    (local $wb i32) (local $s i32) (local $t i32) (local $r v128) (local $row i32) (local $out i32)
+    (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
     ;; kernels.dsl:888: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
@@ -10311,9 +10309,9 @@
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $as i32) (param $y i32)
     (param $t0 i32) (param $ts i32) (param $g0 i32) (param $gs i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $wg_0 i32) (local $arow_0 i32) (local $dot_0 v128) (local $part_0 v128)
-    (local $u_0 v128) (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128)
-    (local $blk i32) (local $da v128) (local $wb i32) (local $s i32) (local $r v128) (local $row i32)
-    (local $out i32) (local $i8x16_32 v128)
+    (local $u_0 v128) (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32)
+    (local $da v128) (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32)
+    (local $i8x16_32 v128)
     ;; vector constants used more than once
     (local.set $i8x16_32 (v128.const i8x16 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32 32))
     ;; kernels.dsl:888: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
@@ -10562,9 +10560,8 @@
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $as i32) (param $y i32)
     (param $t0 i32) (param $ts i32) (param $g0 i32) (param $gs i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $wg_0 i32) (local $arow_0 i32) (local $dot_0 v128) (local $part_0 v128) (local $u_0 v128)
-    (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32)
-    (local $da v128) (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32)
-    (local $i8x16_15 v128) (local $i16x8_1 v128)
+    (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
+    (local $wb i32) (local $s i32) (local $row i32) (local $out i32) (local $i8x16_15 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -10852,8 +10849,8 @@
     (local $arow_1 i32) (local $arow_2 i32) (local $arow_3 i32) (local $dot_0 v128) (local $dot_1 v128) (local $dot_2 v128)
     (local $dot_3 v128) (local $part_0 v128) (local $part_1 v128) (local $part_2 v128) (local $part_3 v128) (local $u_0 v128)
     (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32)
-    (local $da v128) (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32)
-    (local $i8x16_15 v128) (local $i16x8_1 v128)
+    (local $da v128) (local $wb i32) (local $s i32) (local $row i32) (local $out i32) (local $i8x16_15 v128)
+    (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -11596,9 +11593,9 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $wg_0 i32) (local $wg_1 i32)
     (local $arow_0 i32) (local $arow_1 i32) (local $dot_0 v128) (local $dot_1 v128) (local $dot_2 v128) (local $dot_3 v128)
     (local $part_0 v128) (local $part_1 v128) (local $part_2 v128) (local $part_3 v128) (local $u_0 v128) (local $u_1 v128)
-    (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32)
-    (local $da v128) (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32)
-    (local $i8x16_15 v128) (local $i16x8_1 v128)
+    (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
+    (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i8x16_15 v128)
+    (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -12286,9 +12283,8 @@
     (param $y i32) (param $t0 i32) (param $ts i32) (param $g0 i32) (param $gs i32) (param $nb i32)
     (param $n i32)
     (local $acc_0 v128) (local $wg_0 i32) (local $arow_0 i32) (local $dot_0 v128) (local $part_0 v128) (local $u_0 v128)
-    (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32)
-    (local $da v128) (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32)
-    (local $i16x8_1 v128)
+    (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
+    (local $wb i32) (local $s i32) (local $r v128) (local $row i32) (local $out i32) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
     ;; kernels.dsl:888: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
@@ -12949,9 +12945,9 @@
     (param $t0 i32) (param $ts i32) (param $g0 i32) (param $gs i32) (param $nb i32) (param $n i32)
     (local $acc_0 v128) (local $acc_1 v128) (local $acc_2 v128) (local $acc_3 v128) (local $wg_0 i32) (local $arow_0 i32)
     (local $arow_1 i32) (local $dot_0 v128) (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128)
-    (local $b i32) (local $v v128) (local $ret v128) (local $av v128) (local $x v128) (local $blk i32)
-    (local $da v128) (local $wb i32) (local $s i32) (local $t i32) (local $r v128) (local $row i32)
-    (local $out i32) (local $i8x16_15 v128) (local $i16x8_1 v128)
+    (local $b i32) (local $v v128) (local $av v128) (local $x v128) (local $blk i32) (local $da v128)
+    (local $wb i32) (local $s i32) (local $t i32) (local $r v128) (local $row i32) (local $out i32)
+    (local $i8x16_15 v128) (local $i16x8_1 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_1 (v128.const i16x8 1 1 1 1 1 1 1 1))
@@ -13671,7 +13667,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $r_1 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
     ;; kernels.dsl:652: var r: f32x4 = acc;
     (local.set $r (local.get $acc))
     ;; kernels.dsl:653: for b in 0..count {
@@ -13734,7 +13730,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $i8x16_const v128) (local $i8x16_15 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $i8x16_const v128) (local $i8x16_15 v128)
     ;; vector constants used more than once
     (local.set $i8x16_const
       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113))

@@ -3006,9 +3006,9 @@
   ;;   Blocks b0 .. b1 - 1 of quantize_act of n values.
   (func $quantize_blocks
     (param $x i32) (param $n i32) (param $q i32) (param $d i32) (param $b0 i32) (param $b1 i32)
-    (local $blocks i32) (local $ret i32) (local $s i32) (local $b i32) (local $xb i32) (local $m v128)
-    (local $scale f32) (local $inv f32) (local $vinv v128) (local $lim v128) (local $sum v128) (local $v_0 v128)
-    (local $v_1 v128) (local $v_2 v128) (local $v_3 v128) (local $xs v128) (local $even v128) (local $odd v128)
+    (local $blocks i32) (local $s i32) (local $b i32) (local $xb i32) (local $m v128) (local $scale f32)
+    (local $inv f32) (local $vinv v128) (local $lim v128) (local $sum v128) (local $v_0 v128) (local $v_1 v128)
+    (local $v_2 v128) (local $v_3 v128) (local $xs v128) (local $even v128) (local $odd v128)
     (local.set $blocks (i32.div_s (local.get $n) (i32.const 32)))
     ;; kernels.dsl:406: let s = act_sums(d, n / 32);
     (local.set $s (i32.add (local.get $d) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3223,8 +3223,8 @@
   (func $qtiles_q8_0__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3347,8 +3347,8 @@
   (func $qtiles_q4_0__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3471,7 +3471,7 @@
   (func $qtiles_q4_1__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32)
+    (local $blocks i32) (local $as i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3506,8 +3506,8 @@
   (func $qtiles_q5_0__mr1_nr2_a2
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3630,8 +3630,8 @@
   (func $qtiles_q5_1__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $w_offset i32) (param $aq i32) (param $ad i32) (param $y i32)
     (param $m i32) (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3758,8 +3758,8 @@
   (func $qtiles_iq4_nl__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -3882,8 +3882,8 @@
   (func $qtiles_mxfp4__mr1_nr4_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4006,8 +4006,8 @@
   (func $qtiles_q4_k__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4130,7 +4130,7 @@
   (func $qtiles_q5_k__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32)
+    (local $blocks i32) (local $as i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4164,8 +4164,8 @@
   (func $qtiles_q6_k__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4288,8 +4288,8 @@
   (func $qtiles_q4_onnx__mr1_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4412,8 +4412,8 @@
   (func $qtiles_q4_0__mr2_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4536,7 +4536,7 @@
   (func $qtiles_mxfp4__mr1_nr1_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32)
+    (local $blocks i32) (local $as i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4570,8 +4570,8 @@
   (func $qtiles_q4_k__mr2_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4694,8 +4694,8 @@
   (func $qtiles_q6_k__mr2_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -4818,8 +4818,8 @@
   (func $qtiles_q4_onnx__mr2_nr2_a1
     (param $w_q i32) (param $w_scale i32) (param $aq i32) (param $ad i32) (param $y i32) (param $m i32)
     (param $r0 i32) (param $r1 i32) (param $nb i32) (param $n i32)
-    (local $blocks i32) (local $ret i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32)
-    (local $tfull i32) (local $t i32)
+    (local $blocks i32) (local $as i32) (local $slab i32) (local $r i32) (local $r_end i32) (local $tfull i32)
+    (local $t i32)
     (local.set $blocks (i32.mul (local.get $m) (local.get $nb)))
     ;; kernels.dsl:832: let as = act_sums(ad, m * nb);
     (local.set $as (i32.add (local.get $ad) (i32.mul (local.get $blocks) (i32.const 4))))
@@ -5045,9 +5045,9 @@
     (local $full i32) (local $r i32) (local $row i32) (local $vmax v128) (local $i i32) (local $m f32)
     (local $vm v128) (local $vsum v128) (local $x_1 v128) (local $xc v128) (local $shifted v128) (local $k v128)
     (local $r_1 v128) (local $p v128) (local $er v128) (local $ki v128) (local $k1 v128) (local $s1 v128)
-    (local $s2 v128) (local $ret v128) (local $e v128) (local $m_1 i32) (local $keep v128) (local $s f32)
-    (local $inv f32) (local $vinv v128) (local $p_1 i32) (local $v v128) (local $valid i32) (local $f32x4_0_0 v128)
-    (local $f32x4_12582912_0 v128) (local $i32x4_127 v128) (local $i32x4_const v128)
+    (local $s2 v128) (local $e v128) (local $m_1 i32) (local $keep v128) (local $s f32) (local $inv f32)
+    (local $vinv v128) (local $p_1 i32) (local $v v128) (local $valid i32) (local $f32x4_0_0 v128) (local $f32x4_12582912_0 v128)
+    (local $i32x4_127 v128) (local $i32x4_const v128)
     ;; vector constants used more than once
     (local.set $f32x4_0_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
     (local.set $f32x4_12582912_0 (v128.const f32x4 12582912.0 12582912.0 12582912.0 12582912.0))
@@ -5277,8 +5277,8 @@
     (param $x i32) (param $g i32) (param $y i32) (param $g0 i32) (param $g1 i32) (param $n i32)
     (local $i i32) (local $x_1 v128) (local $x_2 v128) (local $xc v128) (local $shifted v128) (local $k v128)
     (local $r v128) (local $p v128) (local $er v128) (local $ki v128) (local $k1 v128) (local $s1 v128)
-    (local $s2 v128) (local $ret v128) (local $e v128) (local $v v128) (local $p_1 i32) (local $valid i32)
-    (local $f32x4_12582912_0 v128) (local $f32x4_1_0 v128) (local $i32x4_127 v128)
+    (local $s2 v128) (local $e v128) (local $v v128) (local $p_1 i32) (local $valid i32) (local $f32x4_12582912_0 v128)
+    (local $f32x4_1_0 v128) (local $i32x4_127 v128)
     ;; vector constants used more than once
     (local.set $f32x4_12582912_0 (v128.const f32x4 12582912.0 12582912.0 12582912.0 12582912.0))
     (local.set $f32x4_1_0 (v128.const f32x4 1.0 1.0 1.0 1.0))
@@ -5969,7 +5969,7 @@
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
     (local $lo f64) (local $quadrant i32) (local $y f64) (local $z f64) (local $p f64) (local $v f64)
-    (local $ret f64) (local $hz f64) (local $w_1 f64)
+    (local $hz f64) (local $w_1 f64)
     ;; kernels.dsl:1570: let n = nearest(x * INV_PIO2);
     (local.set $n (f64.nearest (f64.mul (local.get $x) (f64.const 0.6366197723675814))))
     ;; kernels.dsl:1571: let r1 = x - n * PIO2_1;
@@ -6089,7 +6089,7 @@
     (result f64)
     (local $n f64) (local $r1 f64) (local $w f64) (local $r2 f64) (local $rl f64) (local $r f64)
     (local $lo f64) (local $quadrant i32) (local $y f64) (local $z f64) (local $p f64) (local $v f64)
-    (local $ret f64) (local $hz f64) (local $w_1 f64)
+    (local $hz f64) (local $w_1 f64)
     ;; kernels.dsl:1570: let n = nearest(x * INV_PIO2);
     (local.set $n (f64.nearest (f64.mul (local.get $x) (f64.const 0.6366197723675814))))
     ;; kernels.dsl:1571: let r1 = x - n * PIO2_1;
@@ -6745,9 +6745,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
+    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32)
+    (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i16x8_0xff00
@@ -7033,9 +7033,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $dt i32)
-    (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128) (local $i32x4_8 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128)
+    (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128)
+    (local $i16x8_0xff00 v128) (local $i32x4_8 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -7317,8 +7317,7 @@
     (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
     (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $s4 v128)
-    (local $exact v128) (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $ret_4 f32) (local $i32x4_0 v128)
-    (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $exact v128) (local $r_1 v128) (local $ret_4 f32) (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -7556,10 +7555,10 @@
     (local $raw_0 v128) (local $raw_1 v128) (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128)
     (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128)
     (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
-    (local $exact v128) (local $r v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128)
-    (local $loaded_12 v128) (local $loaded_13 v128) (local $loaded_14 v128) (local $loaded_15 v128) (local $ab i32) (local $dt i32)
-    (local $i32x4_0 v128) (local $i16x8_0xff00 v128) (local $i32x4_16 v128)
+    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
+    (local $loaded_8 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $loaded_12 v128) (local $loaded_13 v128)
+    (local $loaded_14 v128) (local $loaded_15 v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
+    (local $i32x4_16 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i16x8_0xff00
@@ -8017,9 +8016,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
+    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32)
+    (local $dt i32) (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i16x8_0xff00
@@ -8325,9 +8324,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $dt i32)
-    (local $i32x4_0 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128)
+    (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_const v128)
+    (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_const
@@ -8631,9 +8630,9 @@
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $wv_4 v128) (local $wv_5 v128)
     (local $wv_6 v128) (local $wv_7 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128)
+    (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32)
+    (local $i32x4_0 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_const (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12))
@@ -9160,9 +9159,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $t i32) (local $r v128) (local $ab i32)
-    (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128)
+    (local $blk_1 i32) (local $exact v128) (local $t i32) (local $r v128) (local $ab i32) (local $dt i32)
+    (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -9506,8 +9505,8 @@
     (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $loaded_5 v128) (local $wq_1 i32) (local $a i32) (local $loaded_6 v128) (local $loaded_7 v128)
     (local $loaded_8 v128) (local $ret_1 v128) (local $loaded_9 v128) (local $loaded_10 v128) (local $loaded_11 v128) (local $x v128)
-    (local $raw v128) (local $s4 v128) (local $exact v128) (local $t_1 i32) (local $r_1 v128) (local $ret_2 v128)
-    (local $ret_3 v128) (local $ret_4 f32) (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
+    (local $raw v128) (local $s4 v128) (local $exact v128) (local $t_1 i32) (local $r_1 v128) (local $ret_4 f32)
+    (local $i32x4_0 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i16x8_0xff00
@@ -9754,9 +9753,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
-    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128)
-    (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128)
-    (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_m32 v128) (local $i16x8_0xff00 v128)
+    (local $dots_0 v128) (local $dots_1 v128) (local $lo v128) (local $hi v128) (local $da4 v128) (local $s i32)
+    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128)
+    (local $i8x16_m32 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_m32
@@ -10082,9 +10081,9 @@
     (local $wb_0 i32) (local $wb_1 i32) (local $ab_0 i32) (local $j i32) (local $raw_0 v128) (local $raw_1 v128)
     (local $wv_0 v128) (local $wv_1 v128) (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128)
     (local $loaded_2 v128) (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $dots_0 v128) (local $dots_1 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $dt i32)
-    (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $lo v128) (local $hi v128) (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128)
+    (local $blk_1 i32) (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128)
+    (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -10390,9 +10389,8 @@
     (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
     (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
-    (local $exact v128) (local $r v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128)
-    (local $i16x8_0xff00 v128) (local $i32x4_8 v128)
+    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
+    (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128) (local $i32x4_8 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -10899,8 +10897,7 @@
     (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $wq_1 i32) (local $a i32) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128)
     (local $ret_1 v128) (local $loaded_8 v128) (local $loaded_9 v128) (local $x v128) (local $raw v128) (local $exact v128)
-    (local $r_1 v128) (local $ret_2 v128) (local $ret_3 v128) (local $ret_4 f32) (local $i32x4_0 v128) (local $i8x16_const v128)
-    (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $ret_4 f32) (local $i32x4_0 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_const (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12))
@@ -11136,9 +11133,9 @@
     (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
     (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
-    (local $exact v128) (local $t i32) (local $r v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128)
-    (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
+    (local $t i32) (local $r v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128)
+    (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -11786,9 +11783,8 @@
     (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
     (local $loaded_10 v128) (local $loaded_11 v128) (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128)
-    (local $lo v128) (local $hi v128) (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32)
-    (local $s4 v128) (local $blk_1 i32) (local $exact v128) (local $r v128) (local $ab i32) (local $dt i32)
-    (local $i32x4_0 v128) (local $i8x16_m32 v128) (local $i16x8_0xff00 v128)
+    (local $lo v128) (local $hi v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
+    (local $exact v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_m32 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_m32
@@ -12369,9 +12365,8 @@
     (local $wv_2 v128) (local $wv_3 v128) (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $loaded_3 v128)
     (local $loaded_4 v128) (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $loaded_9 v128)
     (local $dots_0 v128) (local $dots_1 v128) (local $dots_2 v128) (local $dots_3 v128) (local $lo v128) (local $hi v128)
-    (local $raw v128) (local $ret v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32)
-    (local $exact v128) (local $r v128) (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128)
-    (local $i16x8_0xff00 v128)
+    (local $raw v128) (local $da4 v128) (local $s i32) (local $s4 v128) (local $blk_1 i32) (local $exact v128)
+    (local $ab i32) (local $dt i32) (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -13140,7 +13135,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $r_1 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i16x8_0xff00
       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
@@ -13209,7 +13204,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $i8x16_15 v128) (local $i8x16_8 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $i8x16_15 v128) (local $i8x16_8 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i8x16_8 (v128.const i8x16 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8 8))
@@ -13395,7 +13390,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $r_1 v128) (local $i8x16_m16 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $i8x16_m16 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i8x16_m16
       (v128.const i8x16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16 -16))
@@ -13576,7 +13571,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i8x16_const
       (v128.const i8x16 -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113))
@@ -13654,7 +13649,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $i8x16_const v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i8x16_const (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12))
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
@@ -13988,7 +13983,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $r_1 v128) (local $i8x16_m32 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $loaded_5 v128) (local $i8x16_m32 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i8x16_m32
       (v128.const i8x16 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32 -32))
@@ -14077,7 +14072,7 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
     (local.set $i16x8_0xff00
