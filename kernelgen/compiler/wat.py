@@ -7,6 +7,7 @@ records which DSL span each output line came from, so assembler errors map back 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from .ast import Span
 
@@ -199,9 +200,7 @@ def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
     memo: Uses = {}
 
     def one(stmts: list[Stmt], top: bool) -> list[Stmt]:
-        stmts = [Block(s.kind, s.label, one(s.body, False)) if isinstance(s, Block)
-                 else If(s.cond, one(s.then, False), one(s.orelse, False)) if isinstance(s, If) else s
-                 for s in stmts]
+        stmts = _nested(stmts, lambda inner: one(inner, False))
         named: set[str] = set()  # locals the statements before this one name (the function's list)
         keep: list[Stmt] = []
         for i, st in enumerate(stmts):
@@ -222,20 +221,21 @@ def drop_dead_stores(body: list[Stmt], params: set[str]) -> list[Stmt]:
     return one(body, True)
 
 
-def _count_locals(x: Stmt, gets: dict[str, int], tees: set[str]) -> None:
-    if isinstance(x, Instr):
-        if x.op == "local.get":
-            gets[x.imms[0]] = gets.get(x.imms[0], 0) + 1
-        elif x.op == "local.tee":
-            tees.add(x.imms[0])
-        for a in x.args:
-            _count_locals(a, gets, tees)
-    elif isinstance(x, Block):
-        for st in x.body:
-            _count_locals(st, gets, tees)
-    elif isinstance(x, If):
-        for st in (x.cond, *x.then, *x.orelse):
-            _count_locals(st, gets, tees)
+def _nested(stmts: list[Stmt], f: Callable[[list[Stmt]], list[Stmt]]) -> list[Stmt]:
+    """`stmts` with `f` applied to the statement lists of its blocks and ifs."""
+    return [Block(s.kind, s.label, f(s.body)) if isinstance(s, Block)
+            else If(s.cond, f(s.then), f(s.orelse)) if isinstance(s, If) else s for s in stmts]
+
+
+def _lists(stmts: list[Stmt]) -> Iterator[list[Stmt]]:
+    """`stmts` and every statement list inside it."""
+    yield stmts
+    for s in stmts:
+        if isinstance(s, Block):
+            yield from _lists(s.body)
+        elif isinstance(s, If):
+            yield from _lists(s.then)
+            yield from _lists(s.orelse)
 
 
 def _forwards(stmts: list[Stmt]) -> list[tuple[int, int]]:
@@ -260,22 +260,21 @@ def forward_copies(body: list[Stmt], params: set[str]) -> list[Stmt]:
     while True:
         gets: dict[str, int] = {}
         tees: set[str] = set()
-        for st in body:
-            _count_locals(st, gets, tees)
+
+        def count(x: Instr) -> Instr:
+            if x.op == "local.get":
+                gets[x.imms[0]] = gets.get(x.imms[0], 0) + 1
+            elif x.op == "local.tee":
+                tees.add(x.imms[0])
+            for a in x.args:
+                count(a)
+            return x
+
+        _map_stmts(body, count)
         copies: dict[str, int] = {}
-
-        def count(stmts: list[Stmt]) -> None:
-            for i, j in _forwards(stmts):
-                a = _set_of(stmts[i])
-                copies[a] = copies.get(a, 0) + 1
-            for st in stmts:
-                if isinstance(st, Block):
-                    count(st.body)
-                elif isinstance(st, If):
-                    count(st.then)
-                    count(st.orelse)
-
-        count(body)
+        for stmts in _lists(body):
+            for i, _ in _forwards(stmts):
+                copies[_set_of(stmts[i])] = copies.get(_set_of(stmts[i]), 0) + 1
         through = {a for a, n in copies.items() if gets.get(a) == n and a not in tees and a not in params}
         memo: Uses = {}
         before = body
@@ -288,9 +287,7 @@ def forward_copies(body: list[Stmt], params: set[str]) -> list[Stmt]:
                 if a in through or _overwritten(stmts[j + 1:], a, memo):  # out[i]: a chain's earlier copy already holds its value
                     out[j] = Instr("local.set", stmts[j].imms, out[i].args)
                     drop.add(i)
-            return [Block(st.kind, st.label, rewrite(st.body)) if isinstance(st, Block)
-                    else If(st.cond, rewrite(st.then), rewrite(st.orelse)) if isinstance(st, If) else st
-                    for k, st in enumerate(out) if k not in drop]
+            return _nested([st for k, st in enumerate(out) if k not in drop], rewrite)
 
         body = rewrite(body)
         if body == before:
