@@ -396,7 +396,7 @@ def test_bench_script_runs_every_engine() -> None:
     need_parts()
     need_browser("onnxruntime-web")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm" / "bench.py"), "--sentences", "2",
-                           "--batches", "1,2", "--threads", "1", "--repeat", "1"], capture_output=True, text=True)
+                           "--batches", "1,2", "--threads", "1", "--repeat", "1", "--rounds", "1"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     # rows of the main table: engine, threads, sentences/s at b=1 and b=2, cosine (the ratios have no cosine)
     rows = re.findall(r"^(.+?\((?:Node|Chromium|Python)\)) +1 +([\d.]+) +([\d.]+) +([\d.]+)$", proc.stdout, re.MULTILINE)
