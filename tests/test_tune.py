@@ -24,6 +24,7 @@ import kernelgen.tuning.tune
 from kernelgen.tuning import budget as B
 from kernelgen.tuning import store as S
 from kernelgen.tuning import bench, size
+from kernelgen.tuning.v8 import run_group
 from kernelgen.tuning.bench import NUMPY, Case, Limit, Ratio, Report, as_json, format_table
 from kernelgen.compiler.build import compile_source, from_built
 from kernelgen.compiler.check import check, tune_for, variants
@@ -1148,7 +1149,7 @@ def test_bench_runs_the_mat_vec_and_gemm_rows_in_chromium(monkeypatch) -> None:
 def test_a_js_engine_that_overruns_is_stopped_with_its_children() -> None:
     """The bench's Node and Chromium runs are bounded: past the limit the whole process group goes
     (a browser is the script's child, not Python's), and the run reports the overrun."""
-    code, out, _ = bench._run_group(["sh", "-c", "sleep 600 & echo $!; wait"], 1)
+    code, out, _ = run_group(["sh", "-c", "sleep 600 & echo $!; wait"], 1)
     assert code is None
     child = Path(f"/proc/{int(out.split()[0])}")
     for _ in range(100):  # reaped by init a moment after the kill

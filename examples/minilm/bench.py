@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kernelgen.tuning.v8 import run_group
+
 import export
 import inputs
 
@@ -53,6 +55,7 @@ TARGETS = ("simd128", "relaxed-simd")
 WHERE = {"node": [], "chromium": ["--browser"]}
 QUANT = "q8_0"  # the linear layers' type (export.py), and the one the library is built for
 BUILD_SECONDS = 600  # the library's build: a few seconds, but a waiting out/ lock or a stuck tool must not hang the bench
+ENGINE_SECONDS = 1800  # one engine's figures at every batch size (bench.mjs): a minute or two at the defaults
 GOAL_SPEEDUP = 1.5  # Chromium, relaxed SIMD, 2 threads, batch 32, against onnxruntime-web (issue 15)
 
 
@@ -74,13 +77,16 @@ class Run:
 
 
 def node_runs(node: str, args: list[str], round_: int) -> list[Run]:
-    """bench.mjs's records: it runs the engine in Node, or in Chromium with --browser."""
-    proc = subprocess.run([node, *NODE_FLAGS, str(HERE / "bench.mjs"), *args], capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"bench.mjs {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
+    """bench.mjs's records: it runs the engine in Node, or in Chromium with --browser (in a process
+    group of its own, stopped with the browser if it runs past ENGINE_SECONDS)."""
+    code, stdout, stderr = run_group([node, *NODE_FLAGS, str(HERE / "bench.mjs"), *args], ENGINE_SECONDS)
+    if code is None:
+        sys.exit(f"bench.mjs {' '.join(args)}: still running after {ENGINE_SECONDS} s; stopped it")
+    if code:
+        sys.exit(f"bench.mjs {' '.join(args)}: exit {code}\n{stderr}")
     return [Run(f"{r['engine']} ({r['where']})", r["threads"], r["batch"], r["sentencesPerSecond"],
                 np.array(r["first"], np.float32), r["stageMs"], round_)
-            for r in map(json.loads, proc.stdout.splitlines())]
+            for r in map(json.loads, stdout.splitlines())]
 
 
 def onnxruntime_runs(ids: list[list[int]], batches: list[int], threads: int, repeat: int, round_: int) -> list[Run]:

@@ -44,7 +44,7 @@ from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
 from .store import Record, host
-from .v8 import NODE_FLAGS, chromium_path, node_path, stop
+from .v8 import NODE_FLAGS, chromium_path, node_path, run_group
 from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
@@ -672,7 +672,7 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
                   "rooflines": [{"op": op, "iters": iters, "seed": 1, "exports": [roof_name(op, a) for a in ROOF_ACCS]}
                                 for op, iters in roofs]}
         flags = NODE_FLAGS if engine == "node" else ()  # (Chromium gets its V8 flags from chromium_bench.mjs)
-        code, stdout, stderr = _run_group([node, *flags, str(JS_ENGINES[engine][1]), json.dumps(config)], JS_SECONDS)
+        code, stdout, stderr = run_group([node, *flags, str(JS_ENGINES[engine][1]), json.dumps(config)], JS_SECONDS)
     if code is None:
         raise KernelgenError(f"{engine} bench did not finish within {JS_SECONDS} s; stopped it")
     if code != 0:
@@ -687,22 +687,6 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
 
 
 JS_SECONDS = 3600  # one engine's run of every case: minutes in practice
-
-
-def _run_group(argv: list[str], timeout: float) -> tuple[int | None, str, str]:
-    """Run `argv` in a process group of its own: (exit code, stdout, stderr), the code None if it
-    ran past `timeout` seconds, when the whole group is killed (Chromium and its helpers with it:
-    they are the script's children, not Python's)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        return None, *proc.communicate()
-    except BaseException:  # Ctrl-C: nothing of the run is left behind
-        stop(proc)
-        raise
-    return proc.returncode, stdout, stderr
 
 
 def _row(rows: dict[tuple[str, str], Row], key: str, target: str) -> Row:

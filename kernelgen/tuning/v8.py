@@ -112,6 +112,22 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def run_group(argv: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """Run `argv` in a process group of its own: (exit code, stdout, stderr), the code None if it
+    ran past `timeout` seconds, when the whole group is killed (Chromium and its helpers with it:
+    they are the script's children, not Python's)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        return None, *proc.communicate()
+    except BaseException:  # Ctrl-C: nothing of the run is left behind
+        stop(proc)
+        raise
+    return proc.returncode, stdout, stderr
+
+
 def _line(proc: subprocess.Popen, timeout: float) -> str:
     """Node's next line of output, waiting at most `timeout` seconds (then Node is stopped)."""
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
