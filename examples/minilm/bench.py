@@ -160,9 +160,9 @@ class Spread:
         return f"{self.median:.2f}{unit} [{self.low:.2f}..{self.high:.2f}]"
 
 
-def ratios(runs: list[Run], mine: str, peer: str, threads: int, batch: int, latency: bool = False) -> list[float]:
-    """mine / peer's sentences/s (with `latency`, peer / mine's ms per batch of one: the same number
-    read as "how many times the peer's wait") in each round that timed both."""
+def ratios(runs: list[Run], mine: str, peer: str, threads: int, batch: int) -> list[float]:
+    """mine / peer's sentences/s in each round that timed both (at batch 1 also peer / mine's
+    latency: how many times kernelgen's wait the peer's is)."""
     by = {(r.name, r.threads, r.batch, r.round): r.per_second for r in runs}
     rounds = sorted({r.round for r in runs})
     return [by[mine, threads, batch, k] / by[peer, threads, batch, k] for k in rounds
