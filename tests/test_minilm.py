@@ -408,6 +408,17 @@ def test_bench_script_runs_every_engine() -> None:
     assert "linear" in proc.stdout and "attention" in proc.stdout and "latency" in proc.stdout
 
 
+@pytest.mark.parametrize("args, says", ((["--batches", "1,x"], "--batches: positive integers"),
+                                        (["--rounds", "0"], "--rounds: a positive integer"),
+                                        (["--where", "node,firefox"], "--where: some of node, chromium")))
+def test_bench_script_refuses_bad_arguments_with_usage(args, says) -> None:
+    """A mistake on bench.py's command line exits 2 with argparse's usage line, before any work."""
+    need_parts()
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minilm" / "bench.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr and "usage:" in proc.stderr, proc.stderr
+
+
 def test_bench_takes_each_ratio_within_a_round() -> None:
     """bench.py's ratios pair the figures of one round (timed back to back), not the medians of
     figures timed minutes apart; the goal line judges the median of the rounds' ratios and says in

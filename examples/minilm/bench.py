@@ -223,15 +223,44 @@ def table(runs: list[Run], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _positive(text: str) -> int:
+    """An argument that is a positive integer (argparse's type: a mistake exits 2 with usage)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return value
+
+
+def _positives(text: str) -> str:
+    """An argument that is a comma-separated list of positive integers, kept as text (bench.mjs
+    takes it so)."""
+    try:
+        ok = all(int(v) >= 1 for v in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"positive integers separated by commas, got {text!r}")
+    return text
+
+
+def _places(text: str) -> str:
+    if not set(text.split(",")) <= set(WHERE):
+        raise argparse.ArgumentTypeError(f"some of {', '.join(WHERE)} separated by commas, got {text!r}")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sentences", type=int, default=32, help="the first N sentences of the corpus")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--repeat", type=int, default=3, help="timed passes per figure (the median is kept)")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--sentences", type=_positive, default=32, help="the first N sentences of the corpus")
+    ap.add_argument("--batches", type=_positives, default="1,8,32")
+    ap.add_argument("--threads", type=_positives, default="1,2")
+    ap.add_argument("--repeat", type=_positive, default=3, help="timed passes per figure (the median is kept)")
+    ap.add_argument("--rounds", type=_positive, default=3,
                     help="sweeps of every engine, taking turns (ratios are taken within a round)")
-    ap.add_argument("--where", default="node,chromium", help=f"where the JS engines run: {', '.join(WHERE)}")
+    ap.add_argument("--where", type=_places, default="node,chromium", help=f"where the JS engines run: {', '.join(WHERE)}")
     ap.add_argument("--lib", type=Path, help="a kernelgen build's directory (default: a Q8_0 build made for this run)")
     args = ap.parse_args()
     node = shutil.which("node")
@@ -240,10 +269,6 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     where = args.where.split(",")
-    if args.sentences < 1 or args.repeat < 1 or args.rounds < 1 or min(batches + threads) < 1:
-        sys.exit("bench.py: --sentences, --repeat, --rounds, batch sizes and thread counts must be positive")
-    if not set(where) <= set(WHERE):
-        sys.exit(f"bench.py: --where takes {', '.join(WHERE)}, got {args.where}")
     sentences = inputs.corpus()[0][:args.sentences]
     tok = inputs.tokenize(sentences)
     ids = [row[:n].tolist() for row, n in zip(tok.ids, tok.lengths)]
