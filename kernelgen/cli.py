@@ -48,13 +48,14 @@ def _memory(value: str) -> int:
     return nbytes // PAGE_SIZE
 
 
-def _positive(value: str) -> int:
+def positive_int(value: str) -> int:
+    """argparse's type for a positive integer: anything else is a usage error (exit 2)."""
     try:
         n = int(value)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+        raise argparse.ArgumentTypeError(f"a positive integer, got {value!r}")
     return n
 
 
@@ -308,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
                         " recorded in the manifest (memory.max_pages), honoured by both hosts")
     b.add_argument("--tune-host-from", type=Path, metavar="MANIFEST",
                    help="use the tunings recorded for the host a manifest was built for (reproduces a committed out/)")
-    b.add_argument("--code-budget", type=_positive, default=CODE_BUDGET, metavar="BYTES",
+    b.add_argument("--code-budget", type=positive_int, default=CODE_BUDGET, metavar="BYTES",
                    help=f"bytes of quant-type code per target the store's picks may take (default {CODE_BUDGET}: issue 13's"
                         " goal); over it, the picks with the least speed per byte take the smallest variant")
     b.add_argument("--no-code-budget", action="store_true", help="build the store's picks whatever their size")
@@ -344,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
-    be.add_argument("--repeat", type=_positive, default=1, metavar="N",
+    be.add_argument("--repeat", type=positive_int, default=1, metavar="N",
                     help="run the whole table N times; cells show median [min .. max] (default 1)")
     be.add_argument("--json", action="store_true", help="print the results as JSON")
     be.add_argument("--engine", choices=ENGINE_CHOICES, default="wasmtime",

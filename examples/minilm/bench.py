@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kernelgen.cli import positive_int
 from kernelgen.tuning.v8 import run_group
 
 import export
@@ -223,17 +224,6 @@ def table(runs: list[Run], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _positive(text: str) -> int:
-    """An argument that is a positive integer (argparse's type: a mistake exits 2 with usage)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
-    return value
-
-
 def _positives(text: str) -> str:
     """An argument that is a comma-separated list of positive integers, kept as text (bench.mjs
     takes it so)."""
@@ -254,11 +244,11 @@ def _places(text: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sentences", type=_positive, default=32, help="the first N sentences of the corpus")
+    ap.add_argument("--sentences", type=positive_int, default=32, help="the first N sentences of the corpus")
     ap.add_argument("--batches", type=_positives, default="1,8,32")
     ap.add_argument("--threads", type=_positives, default="1,2")
-    ap.add_argument("--repeat", type=_positive, default=3, help="timed passes per figure (the median is kept)")
-    ap.add_argument("--rounds", type=_positive, default=3,
+    ap.add_argument("--repeat", type=positive_int, default=3, help="timed passes per figure (the median is kept)")
+    ap.add_argument("--rounds", type=positive_int, default=3,
                     help="sweeps of every engine, taking turns (ratios are taken within a round)")
     ap.add_argument("--where", type=_places, default="node,chromium", help=f"where the JS engines run: {', '.join(WHERE)}")
     ap.add_argument("--lib", type=Path, help="a kernelgen build's directory (default: a Q8_0 build made for this run)")
