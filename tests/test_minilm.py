@@ -160,7 +160,8 @@ def test_tokenizer_pads_batches_to_the_longest() -> None:
 
 def test_corpus_is_varied(corpus) -> None:
     sentences, queries = corpus
-    assert len(sentences) >= 200 and len(queries) == 50
+    # 200 queries, 1000 top-5 places: one swapped near tie moves top-5 overlap by 0.1% (0.4% at 50)
+    assert len(sentences) >= 200 and len(queries) >= 200
     assert len(set(sentences)) == len(sentences) and len(set(queries)) == len(queries)
     assert all(s.strip() == s and s for s in sentences + queries)
     need_parts()
@@ -189,14 +190,14 @@ def test_reference_agrees_with_onnxruntime_int8(reference_embeddings, onnx_embed
 # ---- kernelgen's model (examples/minilm/minilm.py) ---------------------------------------------
 #
 # The whole corpus on every engine takes minutes on the shared 2-core machine, so the suite checks a
-# subset and `python tests/minilm_table.py` prints the whole corpus's table. The subset: every fifth query,
+# subset and `python tests/minilm_table.py` prints the whole corpus's table. The subset: every 20th query,
 # and as the corpus to search, the two sentences the reference ranks first for each of those queries
 # (the closest competitors for top-1) plus every twentieth sentence.
 
 def subset(reference_embeddings, corpus) -> tuple[list[int], list[int]]:
     sentences, queries = corpus
     ref, ref_q = reference_embeddings
-    qi = list(range(0, len(queries), 5))
+    qi = list(range(0, len(queries), 20))
     best = np.argsort(-(ref_q[qi] @ ref.T), axis=1)[:, :2]
     si = sorted(set(best.ravel().tolist()) | set(range(0, len(sentences), 20)))
     return si, qi
@@ -222,7 +223,7 @@ def test_kernelgen_q4_k_m_takes_llama_cpps_types_and_embeds_near_the_reference(r
     """--quant q4_k_m gives each linear layer the type llama.cpp's Q4_K_M would (fused QKV Q5_K, FFN2
     Q6_K in layers 2 and 5 of 6, else Q4_K; 384-value rows take its fallbacks Q5_0 and Q5_1), and the
     model embeds the subset on both targets near the float64 reference (whole corpus, one run: cos
-    mean 0.99320, min 0.9621, top-1 100%, top-5 93.2-93.6%; Q4_0 0.97364, 0.8694, 100%, 87.6%)."""
+    mean 0.99353, min 0.9621, top-1 99%, top-5 92.8-92.9%; Q4_0 0.97466, 0.8694, 99%, 87.8-88.2%)."""
     import minilm
     import minilm_table
 
