@@ -144,6 +144,22 @@ class Agreement:
         return (f"{name:<34} {self.cos_mean:9.6f} {1 - self.cos_mean:9.2e} {self.cos_min:9.6f} {self.top1:6.0%}"
                 f" {self.top5:6.1%} {self.score_error:9.2e}")
 
+    def short_of(self, floors: dict[str, float]) -> list[str]:
+        """The figures below their floor (e.g. GOALS), each named with its value."""
+        return [f"{name} {getattr(self, name):.6g} < {floor}" for name, floor in floors.items()
+                if getattr(self, name) < floor]
+
+    def worse_than(self, peer: Agreement) -> list[str]:
+        """The figures on which these embeddings are further from the reference than peer's."""
+        worse = [f for f in ("cos_mean", "cos_min", "top1", "top5") if getattr(self, f) < getattr(peer, f)]
+        worse += ["score_error"] * (self.score_error > peer.score_error)
+        return [f"{f} {getattr(self, f):.6g} vs {getattr(peer, f):.6g}" for f in worse]
+
+
+# Issue 15's accuracy floors for kernelgen Q8_0 on the whole corpus (and: no figure worse than
+# onnxruntime's int8 model, Agreement.worse_than).
+GOALS = {"cos_mean": 0.999, "cos_min": 0.995, "top1": 0.98, "top5": 0.9}
+
 
 HEADER = (f"{'embeddings':<34} {'cos mean':>9} {'1 - mean':>9} {'cos min':>9} {'top-1':>6} {'top-5':>6}"
           f" {'score err':>9}")
