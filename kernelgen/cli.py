@@ -1,4 +1,4 @@
-"""The command line: `kernelgen build | check | list | tune | bench`. User mistakes (bad DSL, bad
+"""The command line: `kernelgen build | check | list | tune | carry | bench`. User mistakes (bad DSL, bad
 options, missing files) print a message and exit 2; nothing is written unless every target built."""
 from __future__ import annotations
 
@@ -228,6 +228,28 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_carry(args: argparse.Namespace) -> int:
+    from .tuning.carry import carry
+    from .tuning.store import append_record
+
+    old = check(parse(_read(args.old), str(args.old)))
+    new = check(parse(_read(args.dsl), str(args.dsl)))
+    store = args.store or STORE
+    if not store.is_file():
+        raise KernelgenError(f"--store {store}: no such file")
+    found = carry(load_store(store), old, new)
+    for rec in found.records:
+        append_record(store, rec)
+    print(f"{len(found.records)} timing(s) of {len(found.kept)} kernel(s) whose code {args.dsl} leaves unchanged"
+          f" keyed to it in {store}")
+    if found.changed:
+        print("code changed (their timings are of the old code; time them again):")
+        for target, kernel, quant in sorted(found.changed, key=str):
+            print(f"  kernelgen tune --target {target} --kernel {kernel}"
+                  + (f" --quant {quant}" if quant else ""))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .tuning.bench import as_json, format_table, run
 
@@ -343,6 +365,11 @@ def parser() -> argparse.ArgumentParser:
                         " pick weighs every engine timed; pool jobs are timed in wasmtime, and with wasmtime a"
                         " kernel that has a pool job is timed on it on every core too")
     t.set_defaults(func=cmd_tune)
+    ca = sub.add_parser("carry", parents=[common],
+                        help="after an edit: key the store's timings whose code the edit leaves unchanged to the new source")
+    ca.add_argument("old", type=Path, metavar="OLD_DSL", help="the source before the edit (e.g. git show HEAD:kernels.dsl)")
+    ca.add_argument("--store", type=Path, help=f"tuning store (default {STORE})")
+    ca.set_defaults(func=cmd_carry)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     be.add_argument("--repeat", type=positive_int, default=1, metavar="N",

@@ -432,6 +432,88 @@ def test_kernel_hash_of_a_non_quant_kernel_ignores_quant_types() -> None:
     assert _hash(quant, "dot_f32") == _hash(SOURCE, "dot_f32")
 
 
+# ---- carrying timings across an edit (tuning/carry.py) ------------------------------------------
+
+# Simd128's branch for sub-block scales (Q6_K's code alone on that target), its operands swapped.
+SUB_SCALED = "return acc + (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4) >> 16);"
+SUB_SCALED_SWAPPED = "return acc + i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4) >> 16) * (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT);"
+# qtile's sum of a tile's accumulators: code only where there are two or more (qmatvec.accs >= 2).
+ACC_SUM = "            acc[i * A] = acc[i * A] + acc[i * A + s];\n        }\n        f32.store("
+ACC_SUM_SWAPPED = "            acc[i * A] = acc[i * A + s] + acc[i * A];\n        }\n        f32.store("
+
+
+def carried(checked, records: list[Record], edited: str):
+    from kernelgen.tuning.carry import carry
+
+    return carry(records, checked, checked_of(edited))
+
+
+def test_carry_keys_to_the_edit_the_timings_whose_code_it_leaves_alone(checked) -> None:
+    """An edit inside a branch that one type takes on one target: every other timing still times
+    the edited source, so carry keys a copy of it to the edit; the changed ones are named."""
+    q = lambda quant, target, kernel="qmatvec", tune=None: rec(  # noqa: E731
+        checked, tune if tune is not None else {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel=kernel,
+        quant=quant, target=target)
+    records = [q("q8_0", "simd128"), q("q6_k", "simd128"), q("q6_k", "relaxed-simd"),
+               q("q6_k", "simd128", "qmatvec_job", {"threads": 2, "chunk": 32}),
+               rec(checked, {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant="q8_0", dsl_hash="0" * 64)]
+    edited = edit(SOURCE, SUB_SCALED, SUB_SCALED_SWAPPED)
+    new = checked_of(edited)
+    found = carried(checked, records, edited)
+    assert found.changed == {("simd128", "qmatvec", "q6_k"), ("simd128", "qmatvec_job", "q6_k")}
+    assert found.kept == {("simd128", "qmatvec", "q8_0"), ("relaxed-simd", "qmatvec", "q6_k")}
+    assert [(r.target, r.quant) for r in found.records] == [("simd128", "q8_0"), ("relaxed-simd", "q6_k")]
+    for r, was in zip(found.records, (records[0], records[2])):  # the same timing, keyed to the edit
+        assert r.dsl_hash == kernel_hash(new, r.kernel, r.quant) != was.dsl_hash
+        assert (r.seconds, r.when, r.tune, r.host, r.shape) == (was.seconds, was.when, was.tune, was.host, was.shape)
+    # a record of another version of the source (the last) is not carried; carried twice, nothing new
+    assert carried(checked, records + found.records, edited).records == []
+
+
+def test_carry_compares_code_under_each_stored_value_another_kernel_reads(checked) -> None:
+    """qmatmul's tiles take qmatvec.accs: an edit to code that only accs >= 2 builds leaves qmatmul
+    at the default accs alike, but a qmatmul timing may have run beside qmatvec's accs 2 (the store
+    holds it): not carried. qmatvec's accs 1 variant builds no such code: carried."""
+    m = lambda kernel, tune: rec(checked, tune, 1e-3, "64x4096", kernel=kernel, quant="q8_0")  # noqa: E731
+    records = [m("qmatmul", {"tokens": 1, "rows": 2}), m("qmatvec", {"rows": 2, "accs": 1}),
+               m("qmatvec", {"rows": 2, "accs": 2})]
+    found = carried(checked, records, edit(SOURCE, ACC_SUM, ACC_SUM_SWAPPED))
+    assert found.changed == {("simd128", "qmatmul", "q8_0"), ("simd128", "qmatvec", "q8_0")}
+    assert [r.tune for r in found.records] == [{"rows": 2, "accs": 1}]
+    # without the accs 2 timing in the store, nothing says qmatmul ran beside it
+    assert [r.kernel for r in carried(checked, records[:2], edit(SOURCE, ACC_SUM, ACC_SUM_SWAPPED)).records] == \
+        ["qmatmul", "qmatvec"]
+
+
+def test_carry_command_appends_and_names_what_to_time_again(tmp_path, checked) -> None:
+    old, new, store = tmp_path / "old.dsl", tmp_path / "new.dsl", tmp_path / "store.jsonl"
+    old.write_text(SOURCE, encoding="utf-8")
+    new.write_text(edit(SOURCE, SUB_SCALED, SUB_SCALED_SWAPPED), encoding="utf-8")
+    for quant in ("q8_0", "q6_k"):
+        append_record(store, rec(checked, {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant=quant))
+    code, out, err = run_cli("carry", str(old), "--dsl", str(new), "--store", str(store))
+    assert code == 0, err
+    assert "1 timing(s) of 1 kernel(s)" in out and "kernelgen tune --target simd128 --kernel qmatvec --quant q6_k" in out
+    stored = load_store(store)
+    assert len(stored) == 3 and stored[2].quant == "q8_0"
+    assert stored[2].dsl_hash == kernel_hash(checked_of(new.read_text(encoding="utf-8")), "qmatvec", "q8_0")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["missing.dsl"], "missing.dsl: cannot read"),
+    (["BAD"], "bad.dsl:1:8: unexpected"),
+    (["OLD", "--store", "nowhere.jsonl"], "nowhere.jsonl: no such file"),
+])
+def test_carry_command_refuses_bad_input_with_exit_2(tmp_path, monkeypatch, args, says) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.dsl").write_text("kernel {", encoding="utf-8")
+    (tmp_path / "old.dsl").write_text(SOURCE, encoding="utf-8")
+    (tmp_path / "store.jsonl").write_text("", encoding="utf-8")
+    argv = [{"BAD": "bad.dsl", "OLD": "old.dsl"}.get(a, a) for a in args]
+    code, _, err = run_cli("carry", *argv, "--dsl", str(DSL_PATH), *([] if "--store" in argv else ["--store", "store.jsonl"]))
+    assert code == 2 and says in err, err
+
+
 # ---- builds that read the store ------------------------------------------------------------------
 
 
