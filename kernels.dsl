@@ -534,17 +534,17 @@ inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
 # acc plus half h (16 values) of one block's integer dot: wv the half's unpacked codes, wq the
 # block's packed codes, a its activations. For types with sub-block scales (Q.has_sub_scales) each
 # half's dot is multiplied by its integer scale, stored after the codes (Q.sub_scales_at, an i32
-# holding it in both i16 halves: >> 16 reads it): on the
-# i7 scheme inside the dot (idot7zs: Q6_K relaxed qmatvec was 1.46x faster without the i32
-# multiply), else after it. The one
+# holding it in both i16 halves) inside the widening i16 dot, idot7zs, on both targets: Q6_K
+# relaxed qmatvec was 1.46x faster without an i32 multiply after the dot; on simd128 it takes 10
+# operations per 16 values where the multiply took 14, a speed change this host's noise hides. The one
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
 # Its sums are "raw": see qexact (a sub-scaled half is made exact before its multiply: the
 # product with 2^DOT_SHIFT could overflow i32).
 inline kernel qhalf[Q: quant, S: i32](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
     static if Q.has_sub_scales * Q.dot7 {  # the scale rides the widening i16 dot: no i32 multiply
         return idot7zs(acc, wv, Q.zeros(wq, h), wq + Q.sub_scales_at + h * 4, a, h * 16);
-    } else static if Q.has_sub_scales {
-        return acc + (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4) >> 16);
+    } else static if Q.has_sub_scales {  # wv holds the values (qlanes): a zero of 0
+        return idot7zs(acc, wv, i8x16.splat(0), wq + Q.sub_scales_at + h * 4, a, h * 16);
     } else {
         return qdot16[Q, S](acc, wv, wq, a, h);
     }

@@ -434,9 +434,9 @@ def test_kernel_hash_of_a_non_quant_kernel_ignores_quant_types() -> None:
 
 # ---- carrying timings across an edit (tuning/carry.py) ------------------------------------------
 
-# Simd128's branch for sub-block scales (Q6_K's code alone on that target), its operands swapped.
-SUB_SCALED = "return acc + (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4) >> 16);"
-SUB_SCALED_SWAPPED = "return acc + i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4) >> 16) * (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT);"
+# Simd128's branch for sub-block scales (Q6_K's code alone on that target), its add's operands swapped.
+SUB_SCALED = "return idot7zs(acc, wv, i8x16.splat(0), wq + Q.sub_scales_at + h * 4, a, h * 16);"
+SUB_SCALED_SWAPPED = "return idot7zs(i32x4.splat(0), wv, i8x16.splat(0), wq + Q.sub_scales_at + h * 4, a, h * 16) + acc;"
 # qtile's sum of a tile's accumulators: code only where there are two or more (qmatvec.accs >= 2).
 ACC_SUM = "            acc[i * A] = acc[i * A] + acc[i * A + s];\n        }\n        f32.store("
 ACC_SUM_SWAPPED = "            acc[i * A] = acc[i * A + s] + acc[i * A];\n        }\n        f32.store("
