@@ -536,7 +536,8 @@ inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
 # half's dot is multiplied by its integer scale, stored after the codes (Q.sub_scales_at, an i32
 # holding it in both i16 halves) inside the widening i16 dot, idot7zs, on both targets: Q6_K
 # relaxed qmatvec was 1.46x faster without an i32 multiply after the dot; on simd128 it takes 10
-# operations per 16 values where the multiply took 14, a speed change this host's noise hides. The one
+# operations per 16 values where that took 14, at the same speed: both take three vector multiplies
+# per 16, the bound there (Q4_0 takes two, and runs 1.5x as fast). The one
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
 # Its sums are "raw": see qexact (a sub-scaled half is made exact before its multiply: the
 # product with 2^DOT_SHIFT could overflow i32).
