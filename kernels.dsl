@@ -522,6 +522,8 @@ inline kernel qdot16[Q: quant, S: i32](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h
 inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
     static if Q.pair16 * (Q.has_zero <= S * Q.block_zero) {  # the codes' dot (qdot16's idot7) of both halves at once
         return idot7p(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), a, 0);
+    } else static if Q.sub16 * S {  # both halves under their sub-block scales in one widening dot
+        return idotss(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), wq + Q.sub_scales_at, a);
     } else {
         var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         unroll h in 1..Q.block / 16 {
@@ -534,18 +536,21 @@ inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
 # acc plus half h (16 values) of one block's integer dot: wv the half's unpacked codes, wq the
 # block's packed codes, a its activations. For types with sub-block scales (Q.has_sub_scales) each
 # half's dot is multiplied by its integer scale, stored after the codes (Q.sub_scales_at, an i32
-# holding it in both i16 halves) inside the widening i16 dot, idot7zs, on both targets: Q6_K
-# relaxed qmatvec was 1.46x faster without an i32 multiply after the dot; on simd128 it takes 10
-# operations per 16 values where that took 14, at the same speed: both take three vector multiplies
-# per 16, the bound there (Q4_0 takes two, and runs 1.5x as fast). The one
+# holding it in both i16 halves) inside the widening i16 dot, idot7zs, on relaxed SIMD's i7 scheme
+# (Q6_K qmatvec 1.46x faster than with an i32 multiply after the dot) and on SIMD128, where vector
+# multiplies are the bound: three per 16 values either way, against Q4_0's two. The four-block
+# steps of SIMD128 there take both halves in one dot instead (Q.sub16: idotss in qraw and qtile),
+# five multiplies per 32. The one
 # place a block's integer dot is formed: qraw and the GEMM tiles (qtile) both add halves with it.
 # Its sums are "raw": see qexact (a sub-scaled half is made exact before its multiply: the
 # product with 2^DOT_SHIFT could overflow i32).
 inline kernel qhalf[Q: quant, S: i32](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h: i32) -> i32x4 {
     static if Q.has_sub_scales * Q.dot7 {  # the scale rides the widening i16 dot: no i32 multiply
         return idot7zs(acc, wv, Q.zeros(wq, h), wq + Q.sub_scales_at + h * 4, a, h * 16);
-    } else static if Q.has_sub_scales {  # wv holds the values (qlanes): a zero of 0
+    } else static if Q.has_sub_scales * ACT_SPLIT {  # SIMD128: wv holds the values (qlanes), any int8
         return idot7zs(acc, wv, i8x16.splat(0), wq + Q.sub_scales_at + h * 4, a, h * 16);
+    } else static if Q.has_sub_scales {  # relaxed SIMD, values that are no 7-bit codes: idots, then the scale
+        return acc + (qdot16[Q, S](i32x4.splat(0), wv, wq, a, h) >> DOT_SHIFT) * i32x4.splat(i32.load(wq + Q.sub_scales_at + h * 4) >> 16);
     } else {
         return qdot16[Q, S](acc, wv, wq, a, h);
     }
@@ -733,6 +738,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                             static if Q.pair16 * (Q.has_zero <= Q.block_zero) {  # both halves at once (qraw)
                                 static if h == 1 {
                                     raw[i] = idot7p(i32x4.splat(0), wv[r], wv[N + r], ab[t], 0);
+                                }
+                            } else static if Q.sub16 {  # both halves under their scales at once (qraw)
+                                static if h == 1 {
+                                    raw[i] = idotss(i32x4.splat(0), wv[r], wv[N + r], wb[r] + Q.sub_scales_at, ab[t]);
                                 }
                             } else static if h == 0 {  # the first half starts the sum: no add of zero (qraw)
                                 raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);

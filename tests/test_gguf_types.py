@@ -196,6 +196,44 @@ def test_a_super_block_too_small_for_a_record_keeps_f32_planes_and_computes_righ
     assert np.all(np.abs(got - ref) <= 1e-5 * mag + 1e-30)
 
 
+@pytest.mark.parametrize("target", ["simd128", "relaxed-simd"])
+def test_sub_blocks_of_16_with_wide_values_keep_a_scale_per_half(target):
+    """Q6_K's values (at most 32) take both halves of a block under one widening dot on simd128
+    (idotss: its lanes of four products must fit i16). A type with sub-blocks of 16 and int8 values
+    does not (Q.sub16 is 0) and still computes right, -128 and 127 included, GEMM and mat-vec."""
+    from kernelgen.compiler.build import compile_source, from_built
+    decl = ("quant k8s {\n    block 256;\n    sub 16;\n    field d: f16;\n    field sc: i8[16];\n"
+            "    field qs: i8[256];\n    unpack qs[i];\n    dequant d * sc[s] * q;\n}\n")
+    (built,) = compile_source(DSL_PATH.read_text(encoding="utf-8") + decl, targets=(target,), code_budget=None)
+    k = from_built(built)
+    q = k.quants["k8s"]
+    rng = rng_for("k8s")
+    b = random_blocks(q, rng, 3, 5, (0.5, 2.0))
+    b["qs"][0, 0, :32], b["qs"][1, 0, :32] = -128, 127
+    x = rng.standard_normal((2, 5 * 256)).astype(np.float32)
+    x[0, :32] = 100.0  # activations of +-127 against the extreme values
+    w = k.pack("k8s", b)
+    both = k.qmatmul(w, k.quantize_act(x))
+    for t in range(2):
+        act = k.quantize_act(x[t])
+        y = k.qmatvec(w, act)
+        assert_bitwise_equal(both[t], y, f"k8s qmatmul token {t} vs qmatvec")
+        assert_q_close(y, *f64_reference(k, "k8s", b, act), f"k8s qmatvec token {t}")
+    if target == "simd128":  # Q6_K takes the one-dot path, this type does not
+        assert "i16x8.narrow_i32x4_s" in built.wat.split("(func $qtile_q6_k__")[1].split("\n  (func ")[0]
+        assert "i16x8.narrow_i32x4_s" not in built.wat.split("(func $qtile_k8s__")[1].split("\n  (func ")[0]
+
+
+def test_idotss_is_refused_on_relaxed_simd():
+    from kernelgen.compiler.build import compile_kernels
+    from kernelgen.errors import DslError
+    src = ("export kernel f(w: ptr, s: ptr, a: ptr, y: ptr) {\n"
+           "    i32x4.store(y, idotss(i32x4.splat(0), i8x16.load(w), i8x16.load(w + 16), s, a));\n}\n")
+    compile_kernels(src, "simd128")
+    with pytest.raises(DslError, match=r":2:\d+: idotss takes SIMD128's i16 activations"):
+        compile_kernels(src, "relaxed-simd")
+
+
 def test_a_manifest_of_another_packed_layout_is_refused(quants):
     """A library built for another packing (a manifest whose planes are not what this kernelgen's
     pack writes: Q4_K's f32 scale and offset planes of an older build) is refused with a rebuild

@@ -687,6 +687,35 @@ def _idot7zs_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", I("i16x8.add", even, odd), scale))
 
 
+_IDOTSS = (("acc", "i32x4", "accumulator"), ("w0", "i8x16", "first values"), ("w1", "i8x16", "second values"),
+           ("s", "i32", "scale address"), ("ptr", "i32", "activation address"))
+
+
+def _idotss_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idotss(acc, w0, w1, sp, a): acc + s0 * w0.a[0:16] + s1 * w1.a[16:32], the two halves of a
+    block under their sub-block scales (at sp and sp + 4, each an i32 holding s in both i16 halves:
+    SUB_SCALES), for values of at most 64 in magnitude (Q.sub16) and activations stored as split
+    i16 (SIMD128_ACT). Each half's i16 dot (256 w.a, _idot_split) shifted exact has lanes of four
+    products, at most 4 * 64 * 127 < 32767: both halves narrow into one i16x8 (exact), and one
+    widening dot with the scales (s0 in the low four lanes, s1 in the high) applies both. Five
+    vector multiplies per 32 values where a multiply per half after each dot took six: the bound of
+    simd128 Q6_K. The lanes split the products otherwise than idot7zs twice: only for sums whose
+    lanes are added in integers (S in kernels.dsl)."""
+    acc, w0, w1, s, a, offset = _dot_args(c, args, "idotss", _IDOTSS)
+    p1, p2 = c.reuse(a)
+    shift = I("i32.const", str(SIMD128_ACT["DOT_SHIFT"]))
+    zero = Val(I("v128.const", "i32x4", *["0"] * 4), "i32x4")
+    halves = [I("i32x4.shr_s", c.materialize(_idot_split(c, zero, w, p, offset + 16 * h)), shift)
+              for h, (w, p) in enumerate(((w0, Val(p1, "i32")), (w1, Val(p2, "i32"))))]
+    s1, s2 = c.reuse(Val(I("v128.load64_zero", c.materialize(s, "i32")), "i32x4"))
+    scales = I("i8x16.shuffle", *_lane_bytes((0, 0, 1, 1), 4), s1, s2)
+    return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", I("i16x8.narrow_i32x4_s", *halves), scales))
+
+
+def _idotss_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    raise c.error("idotss takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
+
+
 def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7zs(acc, u, z, sp, a): acc + s * ((u - z).a) in lanes of four products, for codes u and
     zeros z in [0, 127] and an integer scale s within i16 (a sub-block's: QuantFormat.sub_scales
@@ -837,6 +866,7 @@ SIMD128: dict[str, Op] = {
     "idot7p": _idot7p_simd128,
     "idot7z": _idot7z_simd128,
     "idot7zs": _idot7zs_simd128,
+    "idotss": _idotss_simd128,
     "hdot7": _hdot7(_pairs_simd128),
     "hdot7z": _hdot7z(_pairs_simd128),
     "pairsum": _pairsum,
@@ -851,6 +881,7 @@ RELAXED: dict[str, Op] = {
     "idot7p": _idot7p_relaxed,
     "idot7z": _idot7z_relaxed,
     "idot7zs": _idot7zs_relaxed,
+    "idotss": _idotss_relaxed,
     "hdot7": _hdot7(_pairs_relaxed),
     "hdot7z": _hdot7z(_pairs_relaxed),
     "madd": _madd_relaxed,
