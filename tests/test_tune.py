@@ -468,6 +468,9 @@ def test_carry_keys_to_the_edit_the_timings_whose_code_it_leaves_alone(checked) 
         assert (r.seconds, r.when, r.tune, r.host, r.shape) == (was.seconds, was.when, was.tune, was.host, was.shape)
     # a record of another version of the source (the last) is not carried; carried twice, nothing new
     assert carried(checked, records + found.records, edited).records == []
+    # a type the edit removes: its timings stay behind, the others' still carry
+    without_q6_k = edited.replace("quant q6_k {", "quant q6_k_gone {")
+    assert [r.quant for r in carried(checked, records, without_q6_k).records] == ["q8_0"]
 
 
 def test_carry_compares_code_under_each_stored_value_another_kernel_reads(checked) -> None:

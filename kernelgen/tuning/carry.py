@@ -95,7 +95,8 @@ def carry(records: Iterable[Record], old: Checked, new: Checked) -> Carried:
     records = list(records)
     codes = _Code(old), _Code(new)
     current = [r for r in records if r.dsl_hash == kernel_hash(old, r.kernel, r.quant)
-               and r.kernel in (*new.kernels, *new.jobs) and r.dsl_hash != kernel_hash(new, r.kernel, r.quant)]
+               and r.kernel in (*new.kernels, *new.jobs) and (r.quant is None or r.quant in new.quants)
+               and r.dsl_hash != kernel_hash(new, r.kernel, r.quant)]
     variants: dict[tuple[str, str, str | None], list[dict[str, int]]] = {}  # stored variants per kernel
     for r in current:
         if r.kernel in old.kernels and r.tune not in (v := variants.setdefault((r.target, r.kernel, r.quant), [])):
