@@ -906,9 +906,10 @@ class Lowerer:
                          # of both halves at most 4 * code_max * ACT_MAX in magnitude
                          "pair16": int(bool(dot7) and b.sub_scales is None and b.kernel.block == 32
                                        and 4 * b.code_max * act_max <= 32767),
-                         # a sub-scaled block's two halves under one widening dot (idotss):
+                         # a sub-scaled 32-block's two halves under one widening dot (idotss):
                          # SIMD128's split i16 activations, values of at most 64 in magnitude
                          "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])
+                                      and b.kernel.block == 32
                                       and 4 * max(-b.value_range[0], b.value_range[1]) * act_max <= 32767),
                          "has_zero": int(codes is not None and codes[1] != Int(0)),
                          # a constant zero that multiplies whole kernel blocks (no sub-block scales
