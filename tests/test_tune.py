@@ -991,6 +991,30 @@ def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Rep
     assert fast_limit.met and not wasm_limit.met  # median 1 ms <= 2.5 ms; a module is more than 1 byte
 
 
+def test_bench_reads_the_caches_and_says_when_the_dram_shape_fits_the_last_one(tmp_path: Path) -> None:
+    """The machine line names the data caches (sysfs, instruction caches left out), and the table
+    warns when the shape meant to read DRAM fits the last-level cache (a 480 MB L3 held 8192x8192)."""
+    for i, (kind, level, size) in enumerate((("Data", 1, "48K"), ("Instruction", 1, "64K"), ("Unified", 2, "2048K"),
+                                             ("Unified", 3, "491520K"))):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        for name, value in (("type", kind), ("level", level), ("size", size)):
+            (d / name).write_text(f"{value}\n")
+    caches = bench.caches(tmp_path)
+    assert caches == {"L1": 48 << 10, "L2": 2 << 20, "L3": 480 << 20}
+    assert bench.caches(tmp_path / "absent") == {}
+    big = f"{bench.BIG[0]}x{bench.BIG[1]}"
+    rows = [bench.Row(f"qmatvec {q} {big}", "simd128", bench.Cell([1e-3]), 1.0, "weights", nbytes=n)
+            for q, n in (("q8_0", 71 << 20), ("q6_k", 60 << 20))]
+    machine = {"cpu": "X", "isa": [], "cores": 2, "wasmtime": "1", "caches": caches, "load": [0.5, 0.5]}
+    text = format_table(Report(rows, [], [], 1, machine))
+    assert text.splitlines()[0].startswith("machine: X [no SIMD flags read], 2 cores, wasmtime 1, caches L1 48 KB L2 2 MB L3 480 MB")
+    assert (f"note: the {big} rows are meant to read DRAM, but this machine's L3 cache (480 MB) holds every type's "
+            "packed weights there (at most 71 MB, q8_0): they measure that cache") in text
+    for small in ({**caches, "L3": 64 << 20}, {}):  # weights beyond the cache, or caches unknown: no note
+        assert "note:" not in format_table(Report(rows, [], [], 1, {**machine, "caches": small}))
+
+
 def test_bench_table_names_every_ratio_by_printed_rows(fake_report: Report) -> None:
     text = format_table(fake_report)
     lines = text.splitlines()
@@ -1014,7 +1038,8 @@ def test_bench_table_names_every_ratio_by_printed_rows(fake_report: Report) -> N
 def test_bench_json_has_every_sample(fake_report: Report) -> None:
     back = json.loads(json.dumps(as_json(fake_report)))
     assert back["repeat"] == 3
-    assert {**back["machine"], "load": None} == {**S.host(), "load": None} and len(back["machine"]["load"]) == 2
+    assert {**back["machine"], "load": None} == {**S.host(), "caches": bench.caches(), "load": None}
+    assert len(back["machine"]["load"]) == 2
     slow = next(r for r in back["rows"] if r["key"] == "slow 8x8")
     assert slow["samples"] == [2e-3, 4e-3, 3e-3] and slow["median"] == 3e-3 and slow["unit"] == "weights"
     assert [q["met"] for q in back["ratios"]] == [True, None]

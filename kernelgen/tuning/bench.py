@@ -327,7 +327,7 @@ def numpy_softmax(_: None) -> float:
 
 # ---- the tables ----------------------------------------------------------------------------------
 
-MATVEC_SHAPES = ((256, 4096), (4096, 4096), (8192, 8192))  # the last one's weights come from DRAM
+MATVEC_SHAPES = ((256, 4096), (4096, 4096), (8192, 8192))  # the last one's weights come from DRAM (see caches)
 BIG = (8192, 8192)
 # issue 13's types (and Q5_0, Q4_K_M's fallback for Q4_K), each against Q4_0's time per weight at an
 # L2-resident shape (goal: within 1.3x) and the K-quants against Q8_0's weights/s at BIG, where they
@@ -575,7 +575,7 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     cases = CASES if cases is None else cases
     ratios = RATIOS if ratios is None else ratios
     limits = LIMITS if limits is None else limits
-    machine = {**host(), "load": [round(os.getloadavg()[0], 2)]}
+    machine = {**host(), "caches": caches(), "load": [round(os.getloadavg()[0], 2)]}
     budget: dict[str, dict] = {}
     bench = Bench(source, targets, records)
     wasm_targets = targets if "wasmtime" in engines else ()
@@ -730,6 +730,7 @@ def format_table(report: Report) -> str:
         rate = "" if r.figure else _rate(r.work / r.value.median, r.unit)
         lines.append(f"  {r.key:{w}}{r.target:14}{_value(r, r.value.median):>12}  "
                      f"{_spread(r.value, lambda x, r=r: _value(r, x)):28}{rate:>18}")
+    lines += _cache_note(report)
     lines += ["", "ratios: how many times faster the row is than the versus row (both above)"]
     for q in report.ratios:
         goal = "" if q.at_least is None else f"  goal >= {q.at_least:.2f}x: {'met' if q.met else 'NOT met'}"
@@ -747,11 +748,46 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict[str, int]:
+    """The first core's data caches by level ("L1", "L2", "L3"), in bytes, as Linux's sysfs gives
+    them; empty where it does not. Not part of store.host() (a timing's key): a machine's caches
+    decide what the bench's DRAM shape measures, not which variant wins on it."""
+    out: dict[str, int] = {}
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for d in sorted(root.glob("index*")):
+        try:
+            kind, level, size = ((d / f).read_text().strip() for f in ("type", "level", "size"))
+            if kind != "Instruction":
+                out[f"L{int(level)}"] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _mb(n: float) -> str:
+    return f"{n / (1 << 20):.0f} MB" if n >= 1 << 20 else f"{n / (1 << 10):.0f} KB"
+
+
+def _cache_note(report: Report) -> list[str]:
+    """A warning when the shape meant to read DRAM (BIG) fits this machine's last-level cache: its
+    rows then measure that cache, and its goals (issue 13: weights that do not fit it) are not tested."""
+    llc = max(report.machine.get("caches", {}).items(), key=lambda x: x[0], default=None)
+    big = f"{BIG[0]}x{BIG[1]}"
+    fit = sorted({(r.nbytes, r.key.split()[1]) for r in report.rows if r.nbytes and r.key.endswith(big)
+                  and r.key.startswith("qmatvec")})
+    if llc is None or not fit or fit[-1][0] > llc[1]:
+        return []
+    return ["", f"note: the {big} rows are meant to read DRAM, but this machine's {llc[0]} cache ({_mb(llc[1])}) holds "
+                f"every type's packed weights there (at most {_mb(fit[-1][0])}, {fit[-1][1]}): they measure that cache"]
+
+
 def _machine_lines(m: dict) -> list[str]:
-    """One line naming the machine and its load, and a blank one, when the report knows them."""
+    """One line naming the machine, its caches and its load, and a blank one, when the report knows them."""
     if not m:
         return []
     what = f"{m['cpu']} [{' '.join(m['isa']) or 'no SIMD flags read'}], {m['cores']} cores, wasmtime {m['wasmtime']}"
+    if m.get("caches"):
+        what += ", caches " + " ".join(f"{level} {_mb(n)}" for level, n in sorted(m["caches"].items()))
     # js_timings' engines: "node <version> (V8 <version>)", "chromium <version>"
     node = "".join(f", {m[e]}" for e in JS_ENGINES if e in m)
     load = " -> ".join(f"{x:.2f}" for x in m.get("load", []))

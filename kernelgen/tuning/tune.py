@@ -150,9 +150,16 @@ PREFILL_SHAPES = [(4, 1536, 384), (16, 1024, 4096), (64, 4096, 4096)]
 # Attention at T = 128, head size 32 and 64: scores (nt) 128 x 128 x head, out (nn) 128 x head x 128.
 ATTENTION_SHAPES = {"nt": [(128, 128, 32), (128, 128, 64)], "nn": [(128, 32, 128), (128, 64, 128)]}
 
+# Decode reads every weight once per token, from DRAM for any real model, so mat-vec is tuned at the
+# bench's DRAM shape too (8192x8192, bench.BIG), not only at shapes a cache holds. From DRAM more rows
+# at once (more concurrent streams) win: at 16384x32768, beyond a 480 MB L3, rows 4 ran 1.82x (Q4_0),
+# 2.25x (Q4_K), 1.09x (Q8_0) and 1.05x (Q6_K) rows 2 on relaxed SIMD and 1.08-1.16x on SIMD128, where
+# at 4096x4096 the same pair read 0.86-1.25x (Intel Xeon with AVX-512 VNNI, wasmtime).
+QMATVEC_SHAPES = [(4096, 4096), (256, 4096), (8192, 8192)]
+
 # kernel -> (case maker, default shapes); shapes are "N", "NxK" or (matrix products) "MxNxK".
 SPECS: dict[str, tuple[Callable, list[tuple[int, ...]]]] = {
-    "qmatvec": (_case_qmatvec, [(4096, 4096), (256, 4096)]),
+    "qmatvec": (_case_qmatvec, QMATVEC_SHAPES),
     "qmatmul": (_case_qmatmul, PREFILL_SHAPES),
     "matmul_f32_nt": (_case_matmul_f32("nt"), ATTENTION_SHAPES["nt"]),
     "matmul_f32_nn": (_case_matmul_f32("nn"), ATTENTION_SHAPES["nn"]),
