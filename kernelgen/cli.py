@@ -251,15 +251,24 @@ def cmd_carry(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .tuning.bench import as_json, format_table, run
+    from .tuning.bench import as_json, dram_table, format_table, run
 
+    table = {}
+    if args.dram:
+        if args.engine != "wasmtime":
+            raise KernelgenError(f"--dram runs in wasmtime only, not with --engine {args.engine}")
+        try:
+            cases, ratios = dram_table(*_dram_shape(args.dram))
+        except ValueError as e:
+            raise KernelgenError(str(e)) from None
+        table = {"cases": cases, "ratios": ratios, "limits": []}
     source = _read(args.dsl)
     check(parse(source, str(args.dsl)))
     store = _store(args)
     engines = ENGINES[args.engine]
     report = run(source, args.target, load_store(store) if store else None, args.repeat,
                  progress=lambda s: print(f"\r{s}".ljust(70), end="", file=sys.stderr, flush=True),
-                 engines=engines)
+                 engines=engines, **table)
     print(file=sys.stderr)
     print(json.dumps(as_json(report), indent=2) if args.json else format_table(report))
     if args.plot:
@@ -270,6 +279,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise KernelgenError("--plot needs matplotlib: pip install 'kernelgen[plot]'") from None
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _dram_shape(text: str) -> tuple[int, int]:
+    """--dram's ROWSxCOLS."""
+    try:
+        rows, cols = (int(d) for d in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--dram {text!r}: write ROWSxCOLS, e.g. 16384x32768") from None
+    return rows, cols
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -379,6 +397,9 @@ def parser() -> argparse.ArgumentParser:
                     help="run in wasmtime, or the mat-vec and GEMM rows through the JS runtime in Node (V8) or in"
                          " headless Chromium (/usr/bin/chromium); both: wasmtime and Node; all: the three")
     be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
+    be.add_argument("--dram", metavar="ROWSxCOLS",
+                    help="only the decode goals that assume weights from DRAM, at this shape (wasmtime): for a machine"
+                         " whose last-level cache holds 8192x8192's weights, e.g. 16384x32768 (570 MB of Q8_0)")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
     ls.add_argument("--json", action="store_true", help="print the list as JSON")

@@ -1010,7 +1010,8 @@ def test_bench_reads_the_caches_and_says_when_the_dram_shape_fits_the_last_one(t
     text = format_table(Report(rows, [], [], 1, machine))
     assert text.splitlines()[0].startswith("machine: X [no SIMD flags read], 2 cores, wasmtime 1, caches L1 48 KB L2 2 MB L3 480 MB")
     assert (f"note: the {big} rows are meant to read DRAM, but this machine's L3 cache (480 MB) holds every type's "
-            "packed weights there (at most 71 MB, q8_0): they measure that cache") in text
+            "packed weights there (at most 71 MB, q8_0): they measure that cache (--dram ROWSxCOLS times the DRAM "
+            "goals at a shape beyond it)") in text
     for small in ({**caches, "L3": 64 << 20}, {}):  # weights beyond the cache, or caches unknown: no note
         assert "note:" not in format_table(Report(rows, [], [], 1, {**machine, "caches": small}))
 
@@ -1055,6 +1056,27 @@ def test_bench_tables_name_only_rows_they_define() -> None:
     for lim in bench.LIMITS:
         assert lim.of in keys, lim
     assert any(r.at_least for r in bench.RATIOS) and bench.LIMITS
+
+
+def test_bench_dram_table_times_the_dram_goals_at_the_shape_asked(capsys) -> None:
+    """--dram RxC: the streaming read and the goal types' mat-vecs at that shape, with the goals the
+    full table sets at 8192x8192 (one place: bench's constants); bad shapes and engines exit 2."""
+    cases, ratios = bench.dram_table(8, 512)
+    assert [c.key for c in cases] == ["stream of q8_0's packed bytes 8x512", *(f"qmatvec {q} 8x512" for q in bench.DRAM_TYPES)]
+    goals = {(r.row, r.target): r.at_least for r in ratios}
+    assert goals[("qmatvec q8_0 8x512", "relaxed-simd")] == bench.ROOFLINE_GOAL[f"{bench.BIG[0]}x{bench.BIG[1]}"]
+    assert goals[("qmatvec q4_0 8x512", bench.EVERY)] == next(
+        r.at_least for r in bench.RATIOS if r.row == f"qmatvec q4_0 {bench.BIG[0]}x{bench.BIG[1]}")
+    assert all(goals[(f"qmatvec {q} 8x512", bench.EVERY)] == g for q, g in bench.K_QUANT_GOAL.items())
+    report = bench.run(SOURCE, ("relaxed-simd",), cases=cases, ratios=ratios, limits=[])
+    assert {(q.row.key, q.versus.key) for q in report.ratios} == {(r.row, r.versus) for r in ratios}
+    assert all(q.value.median > 0 for q in report.ratios)
+    for bad, why in (("8x100", "multiple of 256"), ("8x512x2", "write ROWSxCOLS"), ("65536x32768", "at most 1024 MB"),
+                     ("0x512", "must be positive")):
+        assert main(["bench", "--dram", bad]) == 2
+        assert why in capsys.readouterr().err, bad
+    assert main(["bench", "--dram", "8x512", "--engine", "node"]) == 2
+    assert "wasmtime only" in capsys.readouterr().err
 
 
 def test_bench_blocks_have_normal_scales_near_a_hundredth() -> None:
