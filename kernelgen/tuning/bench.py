@@ -367,6 +367,7 @@ def _matvec_cases() -> list[Case]:
 
 DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL)
 DRAM_MAX_BYTES = 1 << 30  # Q8_0's packed weights at most: the module's memory holds 2 GiB
+Q8_0_PACKED = 36 / 32  # bytes per weight of packed Q8_0: 32 int8 codes and an f32 scale per block
 
 
 def dram_table(rows: int, cols: int) -> tuple[list[Case], list[Ratio]]:
@@ -379,8 +380,8 @@ def dram_table(rows: int, cols: int) -> tuple[list[Case], list[Ratio]]:
         raise ValueError(f"--dram {rows}x{cols}: rows and columns must be positive, the columns a multiple of 256 "
                          f"(a K-quant super-block)")
     shape, n = f"{rows}x{cols}", rows * cols
-    if n * 36 // 32 > DRAM_MAX_BYTES:
-        raise ValueError(f"--dram {shape}: {n * 36 // 32 / 2**20:.0f} MB of packed Q8_0; at most "
+    if n * Q8_0_PACKED > DRAM_MAX_BYTES:
+        raise ValueError(f"--dram {shape}: {n * Q8_0_PACKED / 2**20:.0f} MB of packed Q8_0; at most "
                          f"{DRAM_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
     stream_row, row = f"stream of q8_0's packed bytes {shape}", lambda q: f"qmatvec {q} {shape}"
     cases = [Case("stream of q8_0's packed bytes", shape, n, "weights", stream("q8_0", rows, cols), weights=("q8_0", rows, cols)),
