@@ -884,7 +884,7 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 # four activations spread once for the G groups (the tile's work sharing); hdot7 adds their pairs in
 # i16 lanes, Q.u16 lane groups at a time (exact: Q.u16 bounds the sums), and pairsum widens them to
 # i32 (for sub-block scales, each row's in its lane: Q6_K). A constant zero under sub-block scales
-# (Q.zero, Q6_K's 32) comes off before the widening as each token's pairs of the zero with its
+# (Q.const_zero, Q6_K's 32) comes off before the widening as each token's pairs of the zero with its
 # activations, zp, formed once for the G groups (not one more relaxed dot per group: relaxed Q6_K
 # qmatvec 1.18x at 256x4096 in wasmtime): the codes' i16 sums may wrap, but i16 adds are modular and
 # the difference is within Q.u16's bound, so it is exact. Then per block and row, in the order of
@@ -908,7 +908,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     var dot[M * G]: i32x4 = i32x4.splat(0);  # a block's dot i = t * G + g: token t with group g's rows
     var part[M * G]: i16x8 = i16x8.splat(0);  # its pairs of the lane groups since the last widening
     var u[G]: i8x16 = i8x16.splat(0);  # a lane group's codes of each group
-    var zp[M]: i16x8 = i16x8.splat(0);  # a token's pairs of a constant zero (Q.zero) with its activations
+    var zp[M]: i16x8 = i16x8.splat(0);  # a token's pairs of a constant zero (Q.const_zero) with its activations
     for b in 0..nb {
         unroll j in 0..Q.units {
             unroll g in 0..G {
@@ -916,7 +916,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
             }
             unroll t in 0..M {
                 let av = alanes[j % 4](i32x4.load(arow[t] + b * Q.block * ACT_BYTES, j / 4 * 16));
-                static if Q.zero * (Q.has_zero > Q.block_zero) {
+                static if Q.const_zero {
                     static if j % Q.u16 == 0 {
                         zp[t] = hdot7(i16x8.splat(0), Q.zeros(wg[0], j), av);
                     } else {
@@ -926,12 +926,12 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                 unroll g in 0..G {
                     let i = t * G + g;
                     static if j % Q.u16 == 0 {  # the first of a widening's lane groups starts its sum
-                        static if Q.has_zero > Q.block_zero + (Q.zero > 0) {  # a zero per row and block
+                        static if Q.own_zeros {  # a zero per row and block
                             part[i] = hdot7z(i16x8.splat(0), u[g], Q.zeros(wg[g] + b * Q.bytes, j), av);
                         } else {
                             part[i] = hdot7(i16x8.splat(0), u[g], av);
                         }
-                    } else static if Q.has_zero > Q.block_zero + (Q.zero > 0) {
+                    } else static if Q.own_zeros {
                         part[i] = hdot7z(part[i], u[g], Q.zeros(wg[g] + b * Q.bytes, j), av);
                     } else {
                         part[i] = hdot7(part[i], u[g], av);
@@ -941,7 +941,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
             static if j % Q.u16 == Q.u16 - 1 {
                 unroll i in 0..M * G {
                     var x: i32x4 = i32x4.splat(0);
-                    static if Q.zero * (Q.has_zero > Q.block_zero) {
+                    static if Q.const_zero {
                         part[i] = part[i] - zp[i / G];
                     }
                     static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane

@@ -892,6 +892,13 @@ class Lowerer:
                 dot7 = int(self.target.dot_scheme(codes is not None) == "i7")
                 act_max = self.target.constants["ACT_MAX"]
                 g = b.group
+                has_zero = int(codes is not None and codes[1] != Int(0))
+                # a constant zero that multiplies whole kernel blocks (no sub-block scales between),
+                # removed per block as zero * sum(a) where that saves work: on the i7 scheme a second
+                # relaxed dot per 16 values, else a subtraction (none for a codebook's zero, folded
+                # into its table: MXFP4 on simd128 measured 0.97x with the sums)
+                block_zero = int(isinstance(zero, Int) and zero.value != 0 and b.sub_scales is None
+                                 and (dot7 or not isinstance(b.kernel.unpack, Lookup)))
                 props = {"block": b.kernel.block, "bytes": g * b.kernel.bytes, "has_offset": int(b.offset is not None),
                          "has_sub_scales": int(b.sub_scales is not None),
                          "sub_scales_at": g * b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
@@ -911,15 +918,14 @@ class Lowerer:
                          "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])
                                       and b.kernel.block == 32
                                       and 4 * max(-b.value_range[0], b.value_range[1]) * act_max <= 32767),
-                         "has_zero": int(codes is not None and codes[1] != Int(0)),
-                         # a constant zero that multiplies whole kernel blocks (no sub-block scales
-                         # between), removed per block as zero * sum(a) where that saves work: on
-                         # the i7 scheme a second relaxed dot per 16 values, else a subtraction
-                         # (none for a codebook's zero, folded into its table: MXFP4 on simd128
-                         # measured 0.97x with the sums)
-                         "block_zero": int(isinstance(zero, Int) and zero.value != 0 and b.sub_scales is None
-                                           and (dot7 or not isinstance(b.kernel.unpack, Lookup))),
-                         "zero": zero.value if isinstance(zero, Int) else 0}
+                         "has_zero": has_zero,
+                         "block_zero": block_zero,
+                         "zero": zero.value if isinstance(zero, Int) else 0,
+                         # the zeros block_zero leaves in the dots: a constant (Q6_K's 32 under its
+                         # sub-block scales; 0 for none), or one stored with each block (q4_onnx's
+                         # zero point byte)
+                         "const_zero": zero.value if has_zero and not block_zero and isinstance(zero, Int) else 0,
+                         "own_zeros": int(has_zero and not isinstance(zero, Int))}
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(), codes(), zeros(); not {e.name!r}")
                 return Val(None, "i32", props[e.name])
