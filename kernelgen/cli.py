@@ -281,13 +281,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dram_shape(text: str) -> tuple[int, int]:
-    """--dram's ROWSxCOLS."""
+def _dram_shape(text: str) -> tuple[int, int, int]:
+    """--dram's [LAYERSx]ROWSxCOLS: (rows, cols, layers)."""
     try:
-        rows, cols = (int(d) for d in text.lower().split("x"))
+        *layers, rows, cols = (int(d) for d in text.lower().split("x"))
+        if len(layers) > 1:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"--dram {text!r}: write ROWSxCOLS, e.g. 16384x32768") from None
-    return rows, cols
+        raise ValueError(f"--dram {text!r}: write ROWSxCOLS or LAYERSxROWSxCOLS, e.g. 16384x32768 or 32x4096x4096") from None
+    return rows, cols, layers[0] if layers else 1
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -397,9 +399,10 @@ def parser() -> argparse.ArgumentParser:
                     help="run in wasmtime, or the mat-vec and GEMM rows through the JS runtime in Node (V8) or in"
                          " headless Chromium (/usr/bin/chromium); both: wasmtime and Node; all: the three")
     be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
-    be.add_argument("--dram", metavar="ROWSxCOLS",
+    be.add_argument("--dram", metavar="[LAYERSx]ROWSxCOLS",
                     help="only the decode goals that assume weights from DRAM, at this shape (wasmtime): for a machine"
-                         " whose last-level cache holds 8192x8192's weights, e.g. 16384x32768 (570 MB of Q8_0)")
+                         " whose last-level cache holds 8192x8192's weights, e.g. 16384x32768 (570 MB of Q8_0); with"
+                         " LAYERS, as many matrices read in turn, as decoding reads a model's layers, e.g. 32x4096x4096")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
     ls.add_argument("--json", action="store_true", help="print the list as JSON")

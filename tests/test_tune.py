@@ -1071,12 +1071,30 @@ def test_bench_dram_table_times_the_dram_goals_at_the_shape_asked(capsys) -> Non
     report = bench.run(SOURCE, ("relaxed-simd",), cases=cases, ratios=ratios, limits=[])
     assert {(q.row.key, q.versus.key) for q in report.ratios} == {(r.row, r.versus) for r in ratios}
     assert all(q.value.median > 0 for q in report.ratios)
-    for bad, why in (("8x100", "multiple of 256"), ("8x512x2", "write ROWSxCOLS"), ("65536x32768", "at most 1024 MB"),
-                     ("0x512", "must be positive")):
+    for bad, why in (("8x100", "multiple of 256"), ("2x8x512x2", "write ROWSxCOLS or LAYERSxROWSxCOLS"),
+                     ("65536x32768", "at most 1024 MB"), ("64x16384x1024", "at most 1024 MB"), ("0x512", "must be positive"),
+                     ("0x8x512", "must be positive"), ("8x512x2", "multiple of 256")):
         assert main(["bench", "--dram", bad]) == 2
         assert why in capsys.readouterr().err, bad
     assert main(["bench", "--dram", "8x512", "--engine", "node"]) == 2
     assert "wasmtime only" in capsys.readouterr().err
+
+
+def test_bench_dram_layers_read_distinct_matrices_in_turn() -> None:
+    """--dram LxRxC: L matrices of RxC, each mat-vec'd (and streamed) in turn, as decoding reads a
+    model's layers; the rate counts every layer's weights, the chart every layer's bytes."""
+    cases, ratios = bench.dram_table(8, 512, layers=3)
+    shape = "3 layers of 8x512"
+    assert [c.key for c in cases] == [f"stream of q8_0's packed bytes {shape}", *(f"qmatvec {q} {shape}" for q in bench.DRAM_TYPES)]
+    assert all(c.work == 3 * 8 * 512 and c.weights[1:] == (24, 512) for c in cases)
+    report = bench.run(SOURCE, ("simd128",), cases=cases, ratios=ratios, limits=[])
+    assert all(q.value.median > 0 for q in report.ratios)
+    k = from_built(compile_source(SOURCE, targets=("simd128",))[0])
+    packs: list[int] = []
+    pack = k.pack
+    k.pack = lambda *a, **kw: packs.append(1) or pack(*a, **kw)  # type: ignore[method-assign]
+    assert bench.qmatvec("q4_0", 8, 512, layers=3)(k) > 0
+    assert len(packs) == 3  # three distinct matrices, not one read three times
 
 
 def test_bench_blocks_have_normal_scales_near_a_hundredth() -> None:

@@ -165,21 +165,36 @@ def _filled(k: Kernels, nbytes: int) -> int:
     return addr
 
 
-def stream(quant: str, rows: int, cols: int) -> Callable[[Kernels], float]:
+def stream(quant: str, rows: int, cols: int, layers: int = 1) -> Callable[[Kernels], float]:
     """A streaming read of as many bytes as `quant`'s packed rows x cols, the fastest of
-    STREAM_WAYS interleaved streams: the memory roofline."""
+    STREAM_WAYS interleaved streams: the memory roofline. `layers` > 1: as many buffers, read in
+    turn with one call each, as qmatvec's layers are."""
     def run(k: Kernels) -> float:
         nbytes = _packed_bytes(k, quant, rows, cols) // STREAM_ALIGN * STREAM_ALIGN
+        if layers > 1:
+            bufs = [_filled(k, nbytes) for _ in range(layers)]
+            return min(measure_python(lambda: [k.call(stream_name(ways), b, nbytes) for b in bufs]).seconds
+                       for ways in STREAM_WAYS)
         buf = _filled(k, nbytes)
         return min(measure(lambda reps: k.call(stream_name(ways) + "_repeat", reps, buf, nbytes)).seconds
                    for ways in STREAM_WAYS)
     return run
 
 
-def qmatvec(quant: str, rows: int, cols: int, threads: int = 0) -> Callable[[Kernels], float]:
-    """One mat-vec: the exported kernel, or (`threads` > 0) its job through the pool's par_for."""
+def qmatvec(quant: str, rows: int, cols: int, threads: int = 0, layers: int = 1) -> Callable[[Kernels], float]:
+    """One mat-vec: the exported kernel, or (`threads` > 0) its job through the pool's par_for.
+    `layers` > 1: as many distinct matrices, each mat-vec'd in turn (one call each), as decoding
+    reads a model's layers: once they pass the last-level cache together, every matrix comes from
+    DRAM, with its rows as near each other as one matrix's are (a single matrix that size puts a
+    tile's row streams hundreds of MB apart)."""
     def run(k: Kernels) -> float:
         rng = np.random.default_rng(1)
+        if layers > 1:
+            ws = [k.pack(quant, _blocks(k, quant, rows, cols, rng)) for _ in range(layers)]
+            act = k.put_act(k.quantize_act(rng.standard_normal(cols).astype(np.float32)))
+            y, fn = k.module.alloc(4 * rows), k.export_name("qmatvec", quant)
+            calls = [[*w.args, *act, y, rows, cols] for w in ws]
+            return measure_python(lambda: [k.call(fn, *a) for a in calls]).seconds
         w = k.pack(quant, _blocks(k, quant, rows, cols, rng))
         act = k.quantize_act(rng.standard_normal(cols).astype(np.float32))
         args = [*w.args, *k.put_act(act), k.module.alloc(4 * rows), rows, cols]
@@ -370,22 +385,26 @@ DRAM_MAX_BYTES = 1 << 30  # Q8_0's packed weights at most: the module's memory h
 Q8_0_PACKED = 36 / 32  # bytes per weight of packed Q8_0: 32 int8 codes and an f32 scale per block
 
 
-def dram_table(rows: int, cols: int) -> tuple[list[Case], list[Ratio]]:
+def dram_table(rows: int, cols: int, layers: int = 1) -> tuple[list[Case], list[Ratio]]:
     """The decode goals that assume weights from DRAM, at a shape of the caller's choosing
-    (`kernelgen bench --dram RxC`): where a last-level cache holds BIG's weights (the report's note),
-    a shape beyond it measures what a model's mat-vecs read at every token. The streaming read of
-    Q8_0's bytes and qmatvec of DRAM_TYPES, in wasmtime (the weights are packed in numpy: packing a
-    few hundred MB in JS would take minutes a row)."""
-    if not all(isinstance(x, int) and x > 0 for x in (rows, cols)) or cols % 256:
-        raise ValueError(f"--dram {rows}x{cols}: rows and columns must be positive, the columns a multiple of 256 "
-                         f"(a K-quant super-block)")
-    shape, n = f"{rows}x{cols}", rows * cols
+    (`kernelgen bench --dram [LAYERSx]RxC`): where a last-level cache holds BIG's weights (the
+    report's note), a shape beyond it measures what a model's mat-vecs read at every token. The
+    streaming read of Q8_0's bytes and qmatvec of DRAM_TYPES, in wasmtime (the weights are packed in
+    numpy: packing a few hundred MB in JS would take minutes a row). With `layers`, as many
+    matrices of RxC are read in turn (qmatvec's `layers`), one call each, the streaming read too."""
+    if not all(isinstance(x, int) and x > 0 for x in (rows, cols, layers)) or cols % 256:
+        raise ValueError(f"--dram {layers}x{rows}x{cols}: layers, rows and columns must be positive, the columns a "
+                         f"multiple of 256 (a K-quant super-block)")
+    shape = f"{rows}x{cols}" if layers == 1 else f"{layers} layers of {rows}x{cols}"
+    n = layers * rows * cols
     if n * Q8_0_PACKED > DRAM_MAX_BYTES:
         raise ValueError(f"--dram {shape}: {n * Q8_0_PACKED / 2**20:.0f} MB of packed Q8_0; at most "
                          f"{DRAM_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
     stream_row, row = f"stream of q8_0's packed bytes {shape}", lambda q: f"qmatvec {q} {shape}"
-    cases = [Case("stream of q8_0's packed bytes", shape, n, "weights", stream("q8_0", rows, cols), weights=("q8_0", rows, cols)),
-             *(Case(f"qmatvec {q}", shape, n, "weights", qmatvec(q, rows, cols), weights=(q, rows, cols)) for q in DRAM_TYPES)]
+    cases = [Case("stream of q8_0's packed bytes", shape, n, "weights", stream("q8_0", rows, cols, layers),
+                  weights=("q8_0", layers * rows, cols)),
+             *(Case(f"qmatvec {q}", shape, n, "weights", qmatvec(q, rows, cols, layers=layers),
+                    weights=(q, layers * rows, cols)) for q in DRAM_TYPES)]
     ratios = [*(Ratio(row("q8_0"), stream_row, t, at_least=DRAM_ROOFLINE_GOAL if t == "relaxed-simd" else None)
                 for t in TARGET_NAMES),
               Ratio(row("q4_0"), row("q8_0"), at_least=Q4_0_GOAL),
