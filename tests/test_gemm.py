@@ -28,8 +28,9 @@ QUANTS = tuple(CHECKED.quants)
 QMATMUL_TILES = variants(CHECKED, "qmatmul")
 ACCS = tuple(t.domain for t in CHECKED.kernels["qmatvec"].ast.tunes if t.name == "accs")[0]
 # Shapes with every token and row tail below the largest tile (4), K of one block and K past a
-# multiple of four blocks (qstep1's leftover blocks, for accs 1 and 2).
-Q_SHAPES = ((1, 1, 32), (3, 5, 32), (5, 7, 288), (4, 6, 128), (2, 9, 160))
+# multiple of four blocks (qstep1's leftover blocks, for accs 1 and 2), and rows enough for qtiles'
+# windows of slabs (kernels.dsl's SLAB_ROWS, 64: two windows of four 64-row slabs and 75 rows past them).
+Q_SHAPES = ((1, 1, 32), (3, 5, 32), (5, 7, 288), (4, 6, 128), (2, 9, 160), (2, 587, 32))
 
 
 @functools.lru_cache(maxsize=None)

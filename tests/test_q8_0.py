@@ -23,7 +23,7 @@ from helpers import (ROW_TUNES, act_dtype, assert_bitwise_equal, assert_q_close,
                      same_as_deterministic, unit_scale_qmatvec_and_qdots)
 
 Q_K = (32, 64, 96, 160, 4096 + 32)  # one block ... not a multiple of 128
-Q_ROWS = (1, 2, 3, 5, 7, 9, 33)
+Q_ROWS = (1, 2, 3, 5, 7, 9, 33, 300)  # 300: qtiles' windows of slabs (SLAB_ROWS) and the rows past them
 QBLOCK = 32
 
 
