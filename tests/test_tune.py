@@ -395,7 +395,7 @@ def test_kernel_hash_changes_with_what_the_kernel_calls() -> None:
         # ... and their code for one type reads that type's declaration only
         assert kernel_hash(checked_of(quant), k, "q4_1") != kernel_hash(checked_of(SOURCE), k, "q4_1"), k
         assert kernel_hash(checked_of(quant), k, "q8_0") == kernel_hash(checked_of(SOURCE), k, "q8_0"), k
-    internal = edit(SOURCE, "    let slab = (r1 - r0) / NR;", "    let slab = (r1 - r0) / NR;  # rows per slab")
+    internal = edit(SOURCE, "    let slab = (r1 - whole) / NR;", "    let slab = (r1 - whole) / NR;  # rows per slab")
     assert _hash(internal, "qmatvec") != _hash(SOURCE, "qmatvec")  # qmatvec -> qtiles (internal)
     assert _hash(internal, "dot_f32") == _hash(SOURCE, "dot_f32")
     deep = edit(SOURCE, "    return i32x4.shuffle(ab, cd, 0, 1, 4, 5) + i32x4.shuffle(ab, cd, 2, 3, 6, 7);",
