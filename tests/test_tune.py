@@ -1344,7 +1344,41 @@ def test_best_tune_weighs_v8_timings_beside_wasmtime_ones(checked) -> None:
                              baseline=small)
     assert pick(wasmtime) == small  # 2% is under the size margin
     assert pick(wasmtime + v8) == rows2  # geometric mean over both engines: 1.22x
-    assert pick(wasmtime + v8[:1]) == small  # rows 2 not timed in V8: only variants timed everywhere count
+    assert pick(wasmtime + v8[:1]) == small  # rows 2 not timed in V8: the shape counts in wasmtime only
+
+
+def test_best_tune_scores_a_shape_in_the_engines_that_timed_every_variant(checked) -> None:
+    """After an edit re-timed in wasmtime only, the variants it changed have no V8 timings while an
+    unchanged one keeps its own: every variant is still scored, on the engines all of them have
+    (requiring every engine left only the unchanged, slowest variant: relaxed Q8_0 mat-vec on rows
+    1). A variant whose latest timing failed, in any engine, is not scored."""
+    small, rows2, rows4 = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}, {"rows": 4, "accs": 1}
+
+    def r(tune: dict, seconds: float | None, engine: str, shape: str = "256x4096", when: float = 0.0) -> Record:
+        out = rec(checked, tune, seconds, shape, kernel="qmatvec", quant="q8_0", when=when)
+        out.engine = engine
+        return out
+
+    shapes = ("256x4096", "4096x4096")
+    kept = [r(small, 1.0, e, s) for e in ("wasmtime", "v8 11.3") for s in shapes]
+    retimed = [r(t, 0.7, "wasmtime", s) for t in (rows2, rows4) for s in shapes]
+    scores = S.variant_scores(kept + retimed, checked, "qmatvec", "simd128", HOST_A)
+    assert scores == {json.dumps(small, sort_keys=True): pytest.approx(1 / 0.7),
+                      json.dumps(rows2, sort_keys=True): 1.0, json.dumps(rows4, sort_keys=True): 1.0}
+    pick = functools.partial(S.best_tune, checked=checked, kernel="qmatvec", target="simd128", want_host=HOST_A,
+                             baseline=small)
+    assert pick(kept + retimed) == rows2
+    # rows 2 fails in V8 (its latest timing there): rows 4 is the pick, and V8 still counts no shape
+    broken = [r(rows2, None, "v8 11.3", when=1.0), r(rows4, 0.8, "v8 11.3", shapes[1])]
+    assert pick(kept + retimed + broken) == rows4
+    assert json.dumps(rows2, sort_keys=True) not in S.variant_scores(kept + retimed + broken, checked, "qmatvec",
+                                                                     "simd128", HOST_A)
+    # a later success clears the failure
+    again = [r(rows2, 0.6, "v8 11.3", s, when=2.0) for s in shapes]  # V8 counts 4096x4096: 0.6 against 0.8
+    assert pick(kept + retimed + broken + again) == rows2
+    # a variant missing a shape in every engine is not scored
+    assert json.dumps(rows4, sort_keys=True) not in S.variant_scores(
+        kept + retimed[:2] + retimed[2:3], checked, "qmatvec", "simd128", HOST_A)
 
 
 def test_best_tune_weighs_timings_on_every_core_as_much_as_one_thread(checked) -> None:

@@ -259,29 +259,40 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     `target` (keyed by its tune values as sorted JSON): among successful timings on `want_host` for the
     current DSL, the geometric mean of time / best time over the shapes measured (a shape timed in
     wasmtime and in V8 counts once per engine: the pick serves Python hosts and browsers alike),
-    counting only variants timed on every shape. Timings on the pool on every core (tune.threaded)
-    weigh as much as those on one thread, whatever the count of each: the geometric mean of the two
-    means (pages and the Pool run a GEMM on every core; a lone wasmtime timing among three engines'
-    would otherwise count a quarter). A (variant, shape) timed more than once counts its fastest
+    counting only variants timed on every shape, each shape in the engines that timed all of them (a
+    re-tune in one engine after an edit times some variants anew there only: their other engines'
+    timings are stale while an unchanged variant keeps its own, and requiring them put relaxed Q8_0
+    mat-vec on rows 1, 1.12x slower than the rows 2 it left out). A variant whose latest timing of a
+    shape failed is not scored. Timings on the pool on every core (tune.threaded) weigh as much as
+    those on one thread, whatever the count of each: the geometric mean of the two means (pages and
+    the Pool run a GEMM on every core; a lone wasmtime timing among three engines' would otherwise
+    count a quarter). A (variant, shape) timed more than once counts its fastest
     timing: a shared machine's noise only ever adds time (one two-thread timing of relaxed Q8_0
     mat-vec at 4096 x 4096 ran slower than the same variant on one thread), unless the latest
     failed. 1.0 is the fastest; empty when nothing matches."""
     latest: dict[tuple[str, tuple], float] = {}
+    failed: set[tuple[str, tuple]] = set()
     for r, current in sorted(_on_host(records, checked, kernel, target, want_host, quant), key=lambda p: p[0].when):
         if current:
             key = (json.dumps(r.tune, sort_keys=True), (r.threads, r.quant, r.shape, r.engine))
             if r.seconds is not None and r.status == "ok":
                 latest[key] = min(r.seconds, latest.get(key, math.inf))
+                failed.discard(key)
             else:
                 latest.pop(key, None)
-    shapes = {s for _, s in latest}
-    best_per_shape = {s: min(t for (_, s2), t in latest.items() if s2 == s) for s in shapes}
+                failed.add(key)
+    shapes = {s[:3] for _, s in latest}  # (threads, quant, shape), in any engine
+    broken = {t for t, _ in failed}
+    tunes = [t for t in {t for t, _ in latest} - broken
+             if all(any(s[:3] == shape for u, s in latest if u == t) for shape in shapes)]
+    timed = [s for s in {s for _, s in latest} if all((t, s) in latest for t in tunes)]  # each in every engine that timed all
+    if not tunes or not timed:  # nothing timed everywhere, or no engine timed all of them on a shape
+        return {}
+    best_per_shape = {s: min(latest[t, s] for t in tunes) for s in timed}
     scores = {}
-    for tune in {t for t, _ in latest}:
-        if any((tune, s) not in latest for s in shapes):
-            continue
+    for tune in tunes:
         logs: dict[int, list[float]] = {}  # threads -> log(time / best) of each of its shapes
-        for s in shapes:
+        for s in timed:
             logs.setdefault(s[0], []).append(math.log(latest[tune, s] / best_per_shape[s]))
         scores[tune] = math.exp(sum(sum(v) / len(v) for v in logs.values()) / len(logs))
     return scores
