@@ -281,10 +281,12 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
             else:
                 latest.pop(key, None)
                 failed.add(key)
-    shapes = {s[:3] for _, s in latest}  # (threads, quant, shape), in any engine
+    covered: dict[str, set[tuple]] = {}  # variant -> its (threads, quant, shape)s timed in any engine
+    for t, s in latest:
+        covered.setdefault(t, set()).add(s[:3])
+    shapes = set().union(*covered.values())
     broken = {t for t, _ in failed}
-    tunes = [t for t in {t for t, _ in latest} - broken
-             if all(any(s[:3] == shape for u, s in latest if u == t) for shape in shapes)]
+    tunes = [t for t, c in covered.items() if c == shapes and t not in broken]
     timed = [s for s in {s for _, s in latest} if all((t, s) in latest for t in tunes)]  # each in every engine that timed all
     if not tunes or not timed:  # nothing timed everywhere, or no engine timed all of them on a shape
         return {}
