@@ -156,11 +156,21 @@ def cmd_build(args: argparse.Namespace) -> int:
         if stale := b.manifest["tune"].get("stale"):
             print("  not tuned (the tuning store times other versions of their source; `kernelgen tune --kernel NAME` "
                   "times this one): " + ", ".join(f"{key} ({n} timings)" for key, n in stale.items()))
+        if partial := b.manifest["tune"].get("partial"):
+            print("  picked without some timings (variants left out, or engines that timed some variants but not the"
+                  " others; `kernelgen tune --kernel NAME --engine ENGINE` times the rest): "
+                  + ", ".join(f"{key} ({_gap_text(gap)})" for key, gap in partial.items()))
         if args.sizes:
             from .tuning.size import format_sizes, sizes
             print(format_sizes(sizes(b)))
     print(f"{len(changed)} file(s) written under {args.out}" if changed else f"{args.out} is up to date")
     return 0
+
+
+def _gap_text(gap: dict) -> str:
+    """A manifest's tune.partial entry as words: "2 variants left out; 3 chromium timings unused"."""
+    words = [f"{gap['left_out']} variant(s) left out"] if "left_out" in gap else []
+    return "; ".join(words + [f"{n} {engine} timing(s) unused" for engine, n in gap.get("unused", {}).items()])
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -1365,6 +1365,9 @@ def test_best_tune_scores_a_shape_in_the_engines_that_timed_every_variant(checke
     scores = S.variant_scores(kept + retimed, checked, "qmatvec", "simd128", HOST_A)
     assert scores == {json.dumps(small, sort_keys=True): pytest.approx(1 / 0.7),
                       json.dumps(rows2, sort_keys=True): 1.0, json.dumps(rows4, sort_keys=True): 1.0}
+    # the account says what the pick did not see: the unchanged variant's two V8 timings
+    seen = S.compare(kept + retimed, checked, "qmatvec", "simd128", HOST_A)
+    assert seen.left_out == {} and seen.unused == {"v8 11.3": 2}
     pick = functools.partial(S.best_tune, checked=checked, kernel="qmatvec", target="simd128", want_host=HOST_A,
                              baseline=small)
     assert pick(kept + retimed) == rows2
@@ -1377,9 +1380,47 @@ def test_best_tune_scores_a_shape_in_the_engines_that_timed_every_variant(checke
     # a later success clears the failure
     again = [r(rows2, 0.6, "v8 11.3", s, when=2.0) for s in shapes]  # V8 counts 4096x4096: 0.6 against 0.8
     assert pick(kept + retimed + broken + again) == rows2
+    seen = S.compare(kept + retimed + broken, checked, "qmatvec", "simd128", HOST_A)
+    assert seen.left_out == {json.dumps(rows2, sort_keys=True): "its latest timing failed"}
     # a variant missing a shape in every engine is not scored
-    assert json.dumps(rows4, sort_keys=True) not in S.variant_scores(
-        kept + retimed[:2] + retimed[2:3], checked, "qmatvec", "simd128", HOST_A)
+    seen = S.compare(kept + retimed[:2] + retimed[2:3], checked, "qmatvec", "simd128", HOST_A)
+    assert json.dumps(rows4, sort_keys=True) not in seen.scores
+    assert seen.left_out == {json.dumps(rows4, sort_keys=True): "not timed on 1 of the 2 shapes"}
+
+
+def test_build_names_the_picks_made_without_some_timings(checked, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pick that left out a variant, or some engine's timings of the others (a re-tune in one
+    engine after an edit), is named in the manifest's tune.partial and on the command line; a pick
+    that saw every timing is not."""
+    small, rows2 = {"rows": 1, "accs": 1}, {"rows": 2, "accs": 1}
+
+    def r(tune: dict, seconds: float, engine: str, quant: str = "q8_0") -> Record:
+        out = rec(checked, tune, seconds, "256x4096", kernel="qmatvec", quant=quant)
+        out.engine = engine
+        return out
+
+    whole = [r(t, s, e, "q4_0") for e in ("wasmtime", "v8 11.3") for t, s in ((small, 2e-3), (rows2, 1e-3))]
+    records = whole + [r(small, 2e-3, "wasmtime"), r(small, 2e-3, "v8 11.3"), r(rows2, 1e-3, "wasmtime"),
+                       r({"rows": 4, "accs": 1}, None, "wasmtime")]
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A,
+                          code_budget=None)
+    t = b.manifest["tune"]
+    assert t["values"]["qmatvec_q8_0"] == rows2 and t["values"]["qmatvec_q4_0"] == rows2
+    assert t["partial"] == {"qmatvec_q8_0": {"left_out": 1, "unused": {"v8 11.3": 1}}}
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=whole, tune_host=HOST_A,
+                          code_budget=None)
+    assert "partial" not in b.manifest["tune"]
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kernels.dsl").write_text(SOURCE, encoding="utf-8")
+    for x in records:
+        x.host = S.host()
+    _store_file(tmp_path / S.STORE, records)
+    code, out, err = run_cli("build", "--target", "simd128", "--out", str(tmp_path / "out"), "--no-code-budget")
+    assert code == 0, err
+    assert "picked without some timings" in out
+    assert "qmatvec_q8_0 (1 variant(s) left out; 1 v8 11.3 timing(s) unused)" in out
 
 
 def test_best_tune_weighs_timings_on_every_core_as_much_as_one_thread(checked) -> None:

@@ -38,7 +38,8 @@ from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
-from ..tuning.store import Record, best_tune, host, load_store, middle_tune, other_versions, smallest, speedup, usable
+from ..tuning.store import (Comparison, Record, best_tune, compare, host, load_store, middle_tune, other_versions, smallest,
+                            speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -120,7 +121,10 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                  **({"budget": tune_info["budget"]} if "budget" in tune_info else {}),
                  # tune keys built without a pick, the store's timings of them (this many) being
                  # for other versions of their source (store.other_versions)
-                 **({"stale": tune_info["stale"]} if tune_info.get("stale") else {})},
+                 **({"stale": tune_info["stale"]} if tune_info.get("stale") else {}),
+                 # tune keys picked without some of the store's current timings (store.Comparison):
+                 # variants left out and, per engine, timings unused
+                 **({"partial": tune_info["partial"]} if tune_info.get("partial") else {})},
         "exports": {e.name: _export_entry(e) for e in lowered.exports},
         "jobs": {j.name: {"index": i, "kernel": j.kernel.job, "quant": j.quant.name if j.quant else None,
                           "args": _params(j), "tuned": tune_info["pool"].get(j.kernel.job),
@@ -186,6 +190,7 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     sources: dict[str, str] = {}
     upgrades: list[Upgrade] = []
     stale: dict[str, int] = {}  # tune keys left unpicked whose store timings are all of other versions
+    partial: dict[str, dict] = {}  # tune keys picked blind to some current timings (_partial)
     for name, k in checked.kernels.items():
         if not k.ast.exported or not k.ast.tunes:
             continue
@@ -199,6 +204,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
         for q in quants:
             if q not in picks and (n := other_versions(mine.get(name, []), checked, name, target, want, q)):
                 stale[tune_key(name, q) if q else name] = n
+            elif q in picks and (gap := _partial(compare(mine[name], checked, name, target, want, q))):
+                partial[tune_key(name, q) if q else name] = gap
         if not picks:
             sources[name] = "default"
             continue
@@ -218,11 +225,19 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     for name in checked.jobs:
         if (best := best_tune(mine.get(name, []), checked, name, target, want)) is not None:
             pool[name] = best
+            if gap := _partial(compare(mine[name], checked, name, target, want)):
+                partial[name] = gap
         elif n := other_versions(mine.get(name, []), checked, name, target, want):
             stale[name] = n
     used_store = "store" in sources.values() or bool(pool)
     return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades,
-                    "stale": stale}
+                    "stale": stale, "partial": partial}
+
+
+def _partial(c: Comparison) -> dict:
+    """A pick's blind spots, for the manifest: how many variants with current timings it left out,
+    and per engine how many current timings of the others it did not use; empty when none."""
+    return {**({"left_out": len(c.left_out)} if c.left_out else {}), **({"unused": c.unused} if c.unused else {})}
 
 
 def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, int]], info: dict, budget: int,

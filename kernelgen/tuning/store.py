@@ -253,8 +253,21 @@ def smallest(checked: Checked, kernel: str) -> dict[str, int]:
     return least
 
 
-def variant_scores(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
-                   quant: str | None = ALL_QUANTS) -> dict[str, float]:
+@dataclass
+class Comparison:
+    """What variant_scores compared for one kernel (and type) on one target and host: `scores` (its
+    result), the variants with current timings it `left_out` (each with why: a failed latest timing,
+    or shapes it was never timed on), and per engine how many current timings of scored variants it
+    left `unused` (a shape counts only in the engines that timed every candidate on it). Either of
+    the last two means the pick was made blind to some timings: after an edit re-timed in one engine,
+    the unchanged variants' timings in the others wait for the changed ones to be timed there too."""
+    scores: dict[str, float]
+    left_out: dict[str, str]
+    unused: dict[str, int]
+
+
+def compare(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+            quant: str | None = ALL_QUANTS) -> Comparison:
     """Each variant's score for `kernel` (for one `quant` type, or over every type's timings) on
     `target` (keyed by its tune values as sorted JSON): among successful timings on `want_host` for the
     current DSL, the geometric mean of time / best time over the shapes measured (a shape timed in
@@ -269,7 +282,7 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     count a quarter). A (variant, shape) timed more than once counts its fastest
     timing: a shared machine's noise only ever adds time (one two-thread timing of relaxed Q8_0
     mat-vec at 4096 x 4096 ran slower than the same variant on one thread), unless the latest
-    failed. 1.0 is the fastest; empty when nothing matches."""
+    failed. 1.0 is the fastest; scores are empty when nothing matches."""
     latest: dict[tuple[str, tuple], float] = {}
     failed: set[tuple[str, tuple]] = set()
     for r, current in sorted(_on_host(records, checked, kernel, target, want_host, quant), key=lambda p: p[0].when):
@@ -285,11 +298,17 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
     for t, s in latest:
         covered.setdefault(t, set()).add(s[:3])
     shapes = set().union(*covered.values())
-    broken = {t for t, _ in failed}
-    tunes = [t for t, c in covered.items() if c == shapes and t not in broken]
+    left_out = {t: "its latest timing failed" for t, _ in failed}
+    left_out.update({t: f"not timed on {len(shapes - c)} of the {len(shapes)} shapes" for t, c in covered.items()
+                     if c != shapes and t not in left_out})
+    tunes = [t for t in covered if t not in left_out]
     timed = [s for s in {s for _, s in latest} if all((t, s) in latest for t in tunes)]  # each in every engine that timed all
+    unused: dict[str, int] = {}
+    for t, s in latest:
+        if t in tunes and s not in timed:
+            unused[s[3]] = unused.get(s[3], 0) + 1
     if not tunes or not timed:  # nothing timed everywhere, or no engine timed all of them on a shape
-        return {}
+        return Comparison({}, left_out, unused)
     best_per_shape = {s: min(latest[t, s] for t in tunes) for s in timed}
     scores = {}
     for tune in tunes:
@@ -297,7 +316,13 @@ def variant_scores(records: list[Record], checked: Checked, kernel: str, target:
         for s in timed:
             logs.setdefault(s[0], []).append(math.log(latest[tune, s] / best_per_shape[s]))
         scores[tune] = math.exp(sum(sum(v) / len(v) for v in logs.values()) / len(logs))
-    return scores
+    return Comparison(scores, left_out, unused)
+
+
+def variant_scores(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+                   quant: str | None = ALL_QUANTS) -> dict[str, float]:
+    """compare's scores: each variant's geometric mean of time / best time; 1.0 is the fastest."""
+    return compare(records, checked, kernel, target, want_host, quant).scores
 
 
 def other_versions(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
