@@ -168,7 +168,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def _gap_text(gap: dict) -> str:
-    """A manifest's tune.partial entry as words: "2 variants left out; 3 chromium timings unused"."""
+    """A manifest's tune.partial entry as words: "2 variant(s) left out; 3 chromium timing(s) unused"."""
     words = [f"{gap['left_out']} variant(s) left out"] if "left_out" in gap else []
     return "; ".join(words + [f"{n} {engine} timing(s) unused" for engine, n in gap.get("unused", {}).items()])
 
