@@ -875,6 +875,11 @@ kernel qtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr,
 # come out side by side, ready for their scales (also side by side: Q.rowscale): no lane folds per
 # row, where rows one by one fold each block's lanes. Each row's float sum takes its blocks in order.
 
+# Bytes 4C .. 4C + 3 of v, unsigned, in i32 lanes 0 .. 3.
+inline kernel bytelanes[C: i32](v: i8x16) -> i32x4 {
+    return i32x4.bits(i8x16.shuffle(v, i8x16.splat(0), 4 * C, 16, 16, 16, 4 * C + 1, 16, 16, 16, 4 * C + 2, 16, 16, 16, 4 * C + 3, 16, 16, 16));
+}
+
 # i32 lane C of v in all four lanes, as bytes: activations 4C .. 4C + 3 of a 16 for every row of a group.
 inline kernel alanes[C: i32](v: i32x4) -> i8x16 {
     return i8x16.bits(i32x4.shuffle(v, v, C, C, C, C));
@@ -906,6 +911,16 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 # A accumulators taking the blocks in turn (block b into the one that held block b - A), added at
 # the end (two at most, so their sum does not depend on which holds which). No result depends on M,
 # G or the rows a thread takes: row t of qmatmul is qmatvec of token t, bit for bit.
+# A super-block type whose blocks scale by F * I (Q.int_scales: Q4_K, Q5_K; F the super-block's f32,
+# I a byte per block) takes them apart: I rides pairsum (pairsum(part, I): exact), F applies once
+# per super-block of Q.sb_blocks blocks and row, the accumulators taking super-blocks in turn:
+#   s = madd(f32(I * dot), d_a, s) over its blocks in order, from 0; acc = madd(s, F, acc).
+# The offset F_o * I_o (Q4_K's -dmin * min) comes after the dots' loop, into each row's first
+# accumulator: per super-block in order, m = madd(f32(I_o), sum(a) * d_a, m) over its blocks in
+# order, from 0, and acc = madd(m, F_o, acc). Relaxed Q4_K qmatvec, 256x4096 in wasmtime: 1.13-1.15x
+# the per-block form above (F * I formed, widened and multiplied per block: a third of the
+# float work), where the same offset work inside the dots' loop gave 1.04x and within a branch at
+# each super-block's end 0.90-1.0x (cranelift's registers and code around the branch).
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
 #   blocks' sums as + t * nb * 4
 kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, ts: i32, g0: i32, gs: i32, nb: i32, n: i32) {
@@ -922,68 +937,120 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     var part[M * G]: i16x8 = i16x8.splat(0);  # its pairs of the lane groups since the last widening
     var u[G]: i8x16 = i8x16.splat(0);  # a lane group's codes of each group
     var zp[M]: i16x8 = i16x8.splat(0);  # a token's pairs of a constant zero (Q.const_zero) with its activations
-    for b in 0..nb {
-        unroll j in 0..Q.units {
-            unroll g in 0..G {
-                u[g] = Q.codes(wg[g] + b * Q.bytes, j);
-            }
-            unroll t in 0..M {
-                let av = alanes[j % 4](i32x4.load(arow[t] + b * Q.block * ACT_BYTES, j / 4 * 16));
-                static if Q.const_zero {
-                    static if j % Q.u16 == 0 {
-                        zp[t] = hdot7(i16x8.splat(0), Q.zeros(wg[0], j), av);
-                    } else {
-                        zp[t] = hdot7(zp[t], Q.zeros(wg[0], j), av);
-                    }
-                }
+    var ss[M * G]: f32x4 = f32x4.splat(0.0);  # Q.int_scales: s of the super-block so far
+    for b in 0..nb step Q.sb_blocks {
+        for k in b..b + Q.sb_blocks {  # a super-block's blocks; one round (k = b) for other types
+            unroll j in 0..Q.units {
                 unroll g in 0..G {
-                    let i = t * G + g;
-                    static if j % Q.u16 == 0 {  # the first of a widening's lane groups starts its sum
-                        static if Q.own_zeros {  # a zero per row and block
-                            part[i] = hdot7z(i16x8.splat(0), u[g], Q.zeros(wg[g] + b * Q.bytes, j), av);
+                    u[g] = Q.codes(wg[g] + k * Q.bytes, j);
+                }
+                unroll t in 0..M {
+                    let av = alanes[j % 4](i32x4.load(arow[t] + k * Q.block * ACT_BYTES, j / 4 * 16));
+                    static if Q.const_zero {
+                        static if j % Q.u16 == 0 {
+                            zp[t] = hdot7(i16x8.splat(0), Q.zeros(wg[0], j), av);
                         } else {
-                            part[i] = hdot7(i16x8.splat(0), u[g], av);
+                            zp[t] = hdot7(zp[t], Q.zeros(wg[0], j), av);
                         }
-                    } else static if Q.own_zeros {
-                        part[i] = hdot7z(part[i], u[g], Q.zeros(wg[g] + b * Q.bytes, j), av);
-                    } else {
-                        part[i] = hdot7(part[i], u[g], av);
+                    }
+                    unroll g in 0..G {
+                        let i = t * G + g;
+                        static if j % Q.u16 == 0 {  # the first of a widening's lane groups starts its sum
+                            static if Q.own_zeros {  # a zero per row and block
+                                part[i] = hdot7z(i16x8.splat(0), u[g], Q.zeros(wg[g] + k * Q.bytes, j), av);
+                            } else {
+                                part[i] = hdot7(i16x8.splat(0), u[g], av);
+                            }
+                        } else static if Q.own_zeros {
+                            part[i] = hdot7z(part[i], u[g], Q.zeros(wg[g] + k * Q.bytes, j), av);
+                        } else {
+                            part[i] = hdot7(part[i], u[g], av);
+                        }
+                    }
+                }
+                static if j % Q.u16 == Q.u16 - 1 {
+                    unroll i in 0..M * G {
+                        var x: i32x4 = i32x4.splat(0);
+                        static if Q.const_zero {
+                            part[i] = part[i] - zp[i / G];
+                        }
+                        static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane
+                            x = pairsum(part[i], i16x8.load(wg[i % G] + k * Q.bytes, Q.sub_scales_at + j / 4 * 16));
+                        } else static if Q.int_scales {
+                            x = pairsum(part[i], Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));
+                        } else {
+                            x = pairsum(part[i]);
+                        }
+                        static if j < Q.u16 {
+                            dot[i] = x;
+                        } else {
+                            dot[i] = dot[i] + x;
+                        }
                     }
                 }
             }
-            static if j % Q.u16 == Q.u16 - 1 {
-                unroll i in 0..M * G {
-                    var x: i32x4 = i32x4.splat(0);
-                    static if Q.const_zero {
-                        part[i] = part[i] - zp[i / G];
-                    }
-                    static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane
-                        x = pairsum(part[i], i16x8.load(wg[i % G] + b * Q.bytes, Q.sub_scales_at + j / 4 * 16));
-                    } else {
-                        x = pairsum(part[i]);
-                    }
-                    static if j < Q.u16 {
-                        dot[i] = x;
-                    } else {
-                        dot[i] = dot[i] + x;
+            static if Q.int_scales {
+                unroll t in 0..M {
+                    let da = f32x4.splat(f32.load(ad + ((t0 + t * ts) * nb + k) * 4));
+                    unroll g in 0..G {
+                        ss[t * G + g] = madd(f32x4.convert(dot[t * G + g]), da, ss[t * G + g]);
                     }
                 }
             }
         }
-        unroll t in 0..M {
-            let blk = (t0 + t * ts) * nb + b;
-            let da = f32x4.splat(f32.load(ad + blk * 4));
-            unroll g in 0..G {
-                let i = t * G + g;
-                let wb = (g0 + g * gs) * nb + b;  # the block in the planes' order: group-major
-                var r: f32x4 = madd(f32x4.convert(qgexact[Q](dot[i], as + blk * 4)), Q.rowscale(w, wb) * da, acc[i * A]);
-                static if Q.has_offset {
-                    r = madd(f32x4.splat(f32(i32.load(as + blk * 4)) * f32.load(ad + blk * 4)), Q.rowoffset(w, wb), r);
-                }
+        static if Q.int_scales {
+            unroll i in 0..M * G {
+                var r: f32x4 = madd(ss[i], Q.rowscale_f(w, (g0 + i % G * gs) * nb + b), acc[i * A]);
                 unroll s in 1..A {
                     acc[i * A + s - 1] = acc[i * A + s];
                 }
                 acc[i * A + A - 1] = r;
+                ss[i] = f32x4.splat(0.0);
+            }
+        } else {
+            unroll t in 0..M {
+                let blk = (t0 + t * ts) * nb + b;
+                let da = f32x4.splat(f32.load(ad + blk * 4));
+                unroll g in 0..G {
+                    let i = t * G + g;
+                    let wb = (g0 + g * gs) * nb + b;  # the block in the planes' order: group-major
+                    var r: f32x4 = madd(f32x4.convert(qgexact[Q](dot[i], as + blk * 4)), Q.rowscale(w, wb) * da, acc[i * A]);
+                    static if Q.has_offset {
+                        r = madd(f32x4.splat(f32(i32.load(as + blk * 4)) * f32.load(ad + blk * 4)), Q.rowoffset(w, wb), r);
+                    }
+                    unroll s in 1..A {
+                        acc[i * A + s - 1] = acc[i * A + s];
+                    }
+                    acc[i * A + A - 1] = r;
+                }
+            }
+        }
+    }
+    static if Q.int_scales * Q.has_offset {  # each row's m of every super-block, apart from the dots' loop
+        for b in 0..nb step Q.sb_blocks {
+            var sa[M * Q.sb_blocks / 4]: f32x4 = f32x4.splat(0.0);  # sum(a) * d_a of the blocks, four a vector
+            unroll t in 0..M {
+                let blk = (t0 + t * ts) * nb + b;
+                unroll h in 0..Q.sb_blocks / 4 {
+                    sa[t * Q.sb_blocks / 4 + h] = f32x4.convert(i32x4.load(as + blk * 4, h * 16)) * f32x4.load(ad + blk * 4, h * 16);
+                }
+            }
+            unroll g in 0..G {
+                let rec = Q.rowrecord(w, (g0 + g * gs) * nb + b);
+                var m[M]: f32x4 = f32x4.splat(0.0);
+                unroll h in 0..Q.sb_blocks / 4 {
+                    let ints = i8x16.load(rec, Q.offset_ints_at + h * 16);  # four blocks' I, each of the group's rows
+                    unroll c in 0..4 {
+                        let mf = f32x4.convert(bytelanes[c](ints));
+                        unroll t in 0..M {
+                            let x = sa[t * Q.sb_blocks / 4 + h];
+                            m[t] = madd(mf, f32x4.shuffle(x, x, c, c, c, c), m[t]);
+                        }
+                    }
+                }
+                unroll t in 0..M {
+                    acc[t * G * A + g * A] = madd(m[t], Q.rowoffset_f(w, (g0 + g * gs) * nb + b), acc[t * G * A + g * A]);
+                }
             }
         }
     }

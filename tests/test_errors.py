@@ -259,6 +259,10 @@ CASES = [
     Case("the offset of a type that has none",
          Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    f32x4.store(p, T.offset4(w, 0));\n}\n", 11, 20,
          "q has no offset (Q.has_offset is 0): q.offset4 reads nothing", lowering=True),
+    Case("a super-block record's factors apart where there is no record",
+         Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    i16x8.store(p, T.rowscale_pairs(w, 0));\n}\n", 11, 20,
+         "q.rowscale_pairs(w, blk) reads a super-block record's factors apart: q has none in this layout"
+         " (grouped rows, F * I with I an unsigned byte): use rowscale and rowoffset", lowering=True),
     # ---- constants out of range: caught before the assembler sees them
     Case("an i8x16 constant out of range", K("i8x16.store(x, i8x16.splat(1000));"), 2, 20,
          "1000 does not fit in a i8 lane", lowering=True),

@@ -55,6 +55,26 @@ export kernel static_arms(a: i32) -> i32 {
     return extract(v, 0) * 1000 + extract(arm[1](i32x4.splat(7), a), 3);
 }
 
+# `for k in x..x + N`: N = 1 is one round, the body with k bound to x (no loop); more, a loop.
+kernel rounds[N: i32](n: i32) -> i32 {
+    var s: i32 = 0;
+    for b in 0..n step N {
+        for k in b..b + N {
+            s = s + k * k;
+        }
+        s = s + 1000;
+    }
+    return s;
+}
+
+export kernel rounds_1(n: i32) -> i32 {
+    return rounds[1](n);
+}
+
+export kernel rounds_4(n: i32) -> i32 {
+    return rounds[4](n);
+}
+
 export kernel while_count(n: i32) -> i32 {
     var i: i32 = 0;
     var s: i32 = 0;
@@ -196,6 +216,19 @@ def test_inline_returns_from_the_taken_arm_of_a_final_static_if(k) -> None:
     # arm[1](0, 4) = 50, arm[0](50, 4) = 45; arm[1](7, 4) = 57
     assert k.call("static_arms", 4) == 45 * 1000 + 57
     assert k.call("static_arms", -1) == 0 * 1000 + 7
+
+
+def test_a_loop_of_one_round_is_its_body(k) -> None:
+    squares = sum(i * i for i in range(8))
+    assert k.call("rounds_1", 8) == squares + 8 * 1000
+    assert k.call("rounds_4", 8) == squares + 2 * 1000
+    assert k.call("rounds_1", 0) == 0
+    from kernelgen.compiler.build import compile_source
+    (built,) = compile_source(SOURCE, targets=("simd128",))
+    one = built.wat.split("(func $rounds__n1")[1].split("\n  (func ")[0]
+    four = built.wat.split("(func $rounds__n4")[1].split("\n  (func ")[0]
+    assert one.count("(loop") == 1 and "$k" not in one, one  # k reads b itself
+    assert four.count("(loop") == 2, four
 
 
 def test_while_loop(k) -> None:

@@ -28,10 +28,16 @@ from .wat import (Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, fo
 _QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
                 "shuffle", "iota"}
 _ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
-# Q.<op>(w, blk): lower_scales's what and lanes, and whether the op reads the grouped layout (the
-# rows' f32s of one block) or rows one by one (four blocks', or one block's)
-_SCALE_OPS = {"scale4": ("scale", 4, False), "scale1": ("scale", 1, False), "offset4": ("offset", 4, False),
-              "offset1": ("offset", 1, False), "rowscale": ("scale", 4, True), "rowoffset": ("offset", 4, True)}
+# Q.<op>(w, blk): lower_scales's what, lanes and form, and whether the op reads the grouped layout
+# (the rows' values of one block) or rows one by one (four blocks', or one block's)
+_SCALE_OPS = {"scale4": ("scale", 4, "f32", False), "scale1": ("scale", 1, "f32", False),
+              "offset4": ("offset", 4, "f32", False), "offset1": ("offset", 1, "f32", False),
+              "rowscale": ("scale", 4, "f32", True), "rowoffset": ("offset", 4, "f32", True),
+              # a super-block record's factors apart (Q.int_scales): F of the rows' super-block, I
+              # of their block as i16 pairs (pairsum's multipliers), the record's address
+              "rowscale_f": ("scale", 4, "f", True), "rowoffset_f": ("offset", 4, "f", True),
+              "rowscale_pairs": ("scale", 4, "pairs", True), "rowrecord": ("scale", 4, "record", True)}
+_SCALE_TYPES = {"f32": "f32x4", "f": "f32x4", "pairs": "i16x8", "record": "i32"}
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,16 @@ def _i16_units(q: QuantFormat, act_max: int) -> int:
     n = max(1, 32767 // (2 * max(largest, 1) * act_max))
     span = q.group * (q.sub if q.sub_scales is not None else q.kernel.block) // 16
     return min(1 << (n.bit_length() - 1), span)
+
+
+def _int_scales(q: QuantFormat) -> bool:
+    """Q.int_scales: the grouped layout of a super-block record whose kernel blocks scale by an
+    unsigned byte I under the super-block's F (Q4_K, Q5_K; the offset too, if any), so the kernels
+    may take I into the integer dot (pairsum) and F once per super-block: the rowscale_f,
+    rowoffset_f, rowscale_pairs and rowrecord operations."""
+    rec = q.record
+    return (q.group > 1 and rec is not None and "scale" in rec.factors
+            and all(x.i is not None and not x.signed for x in rec.factors.values()))
 
 
 def _simplified(tree: list) -> int | str | list:
@@ -693,6 +709,10 @@ class Lowerer:
         step = 1 if s.step is None else self._const_int(s.step, "a loop step")
         if step <= 0:
             raise self.error(f"loop step must be a positive constant, got {step}")
+        if (isinstance(s.stop, A.Binary) and s.stop.op == "+" and s.stop.left == s.start
+                and _known(r := self._expr(s.stop.right)) and r.const == 1):
+            self._one_round(s, start)
+            return
         with self._scope():
             var = self._new_local(s.var, "i32")
             end = self.materialize(stop, "i32")
@@ -707,6 +727,19 @@ class Lowerer:
                 self._do_loop(s.var, lambda: I("i32.lt_s", I("local.get", f"${var}"), end), s.body, [step_code])
             else:
                 self._loop(s.var, lambda: I("i32.ge_s", I("local.get", f"${var}"), end), s.body, [step_code])
+
+    def _one_round(self, s: A.ForStmt, start: Val) -> None:
+        """`for k in x..x + 1`, a loop of one round (qgtile's blocks of a super-block, for a type
+        without them): its body once, k bound to x (no loop, no copy when x is a local), so the code
+        is what the body alone would give."""
+        with self._scope():
+            if start.code is not None and start.code.op == "local.get":
+                self._bind(s.var, Local(start.code.imms[0][1:], "i32", False))
+            else:
+                var = self._new_local(s.var, "i32")
+                self.emit(I("local.set", f"${var}", self.materialize(start, "i32")))
+                self._bind(s.var, Local(var, "i32", False))
+            self._block(s.body)
 
     def _do_loop(self, name: str, again_test: Callable[[], Instr], body: tuple[A.Stmt, ...], after: list[Instr]) -> None:
         """(loop $NAME_loop BODY AFTER (br_if $NAME_loop AGAIN)): a loop known to run at least once
@@ -899,6 +932,7 @@ class Lowerer:
                 # into its table: MXFP4 on simd128 measured 0.97x with the sums)
                 block_zero = int(isinstance(zero, Int) and zero.value != 0 and b.sub_scales is None
                                  and (dot7 or not isinstance(b.kernel.unpack, Lookup)))
+                int_scales = int(_int_scales(b) and bool(dot7) and not block_zero)
                 props = {"block": b.kernel.block, "bytes": g * b.kernel.bytes, "has_offset": int(b.offset is not None),
                          "has_sub_scales": int(b.sub_scales is not None),
                          "sub_scales_at": g * b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
@@ -925,7 +959,13 @@ class Lowerer:
                          # sub-block scales; 0 for none), or one stored with each block (q4_onnx's
                          # zero point byte)
                          "const_zero": zero.value if has_zero and not block_zero and isinstance(zero, Int) else 0,
-                         "own_zeros": int(has_zero and not isinstance(zero, Int))}
+                         "own_zeros": int(has_zero and not isinstance(zero, Int)),
+                         "int_scales": int_scales,
+                         # the kernel blocks one F scales under Q.int_scales (a super-block's), else 1
+                         "sb_blocks": b.record.blocks if int_scales else 1,
+                         # Q.int_scales: where the offset's I lie in a group's record (rowrecord), a
+                         # byte per row and block, the group's rows side by side
+                         "offset_ints_at": g * b.record.factors["offset"].i_at if int_scales and b.offset is not None else 0}
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(), codes(), zeros(); not {e.name!r}")
                 return Val(None, "i32", props[e.name])
@@ -988,7 +1028,10 @@ class Lowerer:
         w = self._lookup(args[0].id) if isinstance(args[0], A.Name) else None
         if not isinstance(w, Packed) or w.quant.name != q.name:
             raise self.error(f"{q.name}.{name}(w, blk): w must be a packed {q.name} matrix")
-        what, lanes, grouped = _SCALE_OPS[name]
+        what, lanes, form, grouped = _SCALE_OPS[name]
+        if form != "f32" and not _int_scales(q):
+            raise self.error(f"{q.name}.{name}(w, blk) reads a super-block record's factors apart: {q.name} has"
+                             " none in this layout (grouped rows, F * I with I an unsigned byte): use rowscale and rowoffset")
         if grouped != (q.group > 1):
             raise self.error(f"{q.name}.{name}(w, blk) reads {'the grouped layout' if grouped else 'rows one by one'};"
                              f" this target packs {q.name} {'in groups of ' + str(q.group) + ' rows' if q.group > 1 else 'by rows'}"
@@ -997,8 +1040,8 @@ class Lowerer:
             raise self.error(f"{q.name} has no offset (Q.has_offset is 0): {q.name}.{name} reads nothing")
         blk = self.materialize(self._coerce(self._expr(args[1]), "i32"), "i32")
         planes = {p: I("local.get", f"${n}") for p, n in w.planes.items()}
-        code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")))
-        return Val(code, "f32x4" if lanes == 4 else "f32")
+        code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")), form)
+        return Val(code, _SCALE_TYPES[form] if lanes == 4 else "f32")
 
     def _op(self, name: str, qualifier: str | None, arg_nodes: tuple[A.Expr, ...]) -> Val:
         op = self.target.ops.get(name)

@@ -482,7 +482,7 @@ def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Ex
 
 
 def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: str, lanes: int,
-                 reuse: Callable[[Instr], tuple[Instr, Instr]]) -> Instr:
+                 reuse: Callable[[Instr], tuple[Instr, Instr]], form: str = "f32") -> Instr:
     """The f32 `what` ("scale" or "offset") of kernel block blk (lanes 1) or of blocks blk .. blk + 3
     (lanes 4, blk a multiple of 4) as an f32 or f32x4, or in the grouped layout (qf.group > 1, lanes
     4) of the group's rows for its block blk (blk counting blocks group by group: its rows' f32s
@@ -490,7 +490,9 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
     that evaluates it, then code that reads it again). A per-block plane is loaded as is; a
     super-block record (QuantFormat.record) gives F * I, F splat to the lanes (or each row's) and I a
     byte per block (per row) widened: the same f32 product pack's reference computes. Four blocks at a
-    multiple of 4 lie in one record (a super-block holds 8)."""
+    multiple of 4 lie in one record (a super-block holds 8). In the grouped layout `form` may take
+    a record's factors apart: "f", F of the rows; "pairs", I of the rows as i16 lanes 2r and 2r + 1
+    (pairsum's multipliers of row r's pair sums); "record", the address of the group's record."""
     rec, g = qf.record, qf.group
     if rec is None:
         op = "v128.load" if lanes == 4 else "f32.load"
@@ -501,12 +503,18 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
     at = I("i32.add", planes["scale"], I("i32.mul", I("i32.shr_u", blk[0], I("i32.const", str(shift))),
                                            I("i32.const", str(g * rec.bytes))))
     if g > 1:  # the rows' F side by side; their I of block blk side by side (QuantFormat._grouped)
-        if x.i is None:
+        if x.i is None or form == "f":
             return I("v128.load", *_off(g * x.f_at), at)
-        first, again = reuse(at)
+        if form == "record":
+            return at
+        first, again = reuse(at) if form == "f32" else (at, None)
         sign = "s" if x.signed else "u"
         ints = I("i32.add", first, I("i32.shl", I("i32.and", blk[1], I("i32.const", str(rec.blocks - 1))), I("i32.const", str(g.bit_length() - 1))))
-        widened = I(f"i32x4.extend_low_i16x8_{sign}", I(f"i16x8.extend_low_i8x16_{sign}", I("v128.load32_zero", *_off(g * x.i_at), ints)))
+        raw = I("v128.load32_zero", *_off(g * x.i_at), ints)
+        if form == "pairs":  # unsigned byte r (Q.int_scales) to i16 lanes 2r, 2r + 1, high bytes zero
+            return I("i8x16.shuffle", *(str(k) for r in range(4) for k in (r, 16, r, 16)), raw,
+                     I("v128.const", "i32x4", "0", "0", "0", "0"))
+        widened = I(f"i32x4.extend_low_i16x8_{sign}", I(f"i16x8.extend_low_i8x16_{sign}", raw))
         return I("f32x4.mul", I("f32x4.convert_i32x4_s", widened), I("v128.load", *_off(g * x.f_at), again))
     if x.i is None:
         f = I("f32.load", *_off(x.f_at), at)
