@@ -917,10 +917,11 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 #   s = madd(f32(I * dot), d_a, s) over its blocks in order, from 0; acc = madd(s, F, acc).
 # The offset F_o * I_o (Q4_K's -dmin * min) comes after the dots' loop, into each row's first
 # accumulator: per super-block in order, m = madd(f32(I_o), sum(a) * d_a, m) over its blocks in
-# order, from 0, and acc = madd(m, F_o, acc). Relaxed Q4_K qmatvec, 256x4096 in wasmtime: 1.13-1.15x
-# the per-block form above (F * I formed, widened and multiplied per block: a third of the
-# float work), where the same offset work inside the dots' loop gave 1.04x and within a branch at
-# each super-block's end 0.90-1.0x (cranelift's registers and code around the branch).
+# order, from 0, and acc = madd(m, F_o, acc), four blocks' I a load. Relaxed qmatvec rows 2 at
+# 256x4096 in wasmtime: Q4_K 1.16-1.19x, Q5_K 1.14-1.16x the per-block form above (F * I formed,
+# widened and multiplied per block), where the same offset work inside the dots' loop gave 1.04x
+# and within a branch at each super-block's end 0.90-1.0x (cranelift's registers and code around
+# the branch).
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
 #   blocks' sums as + t * nb * 4
 kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, ts: i32, g0: i32, gs: i32, nb: i32, n: i32) {
@@ -1028,29 +1029,26 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     }
     static if Q.int_scales * Q.has_offset {  # each row's m of every super-block, apart from the dots' loop
         for b in 0..nb step Q.sb_blocks {
-            var sa[M * Q.sb_blocks / 4]: f32x4 = f32x4.splat(0.0);  # sum(a) * d_a of the blocks, four a vector
-            unroll t in 0..M {
-                let blk = (t0 + t * ts) * nb + b;
-                unroll h in 0..Q.sb_blocks / 4 {
-                    sa[t * Q.sb_blocks / 4 + h] = f32x4.convert(i32x4.load(as + blk * 4, h * 16)) * f32x4.load(ad + blk * 4, h * 16);
+            var m[M * G]: f32x4 = f32x4.splat(0.0);
+            for q in b..b + Q.sb_blocks step 4 {  # four blocks a round
+                var sa[M]: f32x4 = f32x4.splat(0.0);  # each token's sum(a) * d_a of the four blocks
+                unroll t in 0..M {
+                    let blk = (t0 + t * ts) * nb + q;
+                    sa[t] = f32x4.convert(i32x4.load(as + blk * 4)) * f32x4.load(ad + blk * 4);
                 }
-            }
-            unroll g in 0..G {
-                let rec = Q.rowrecord(w, (g0 + g * gs) * nb + b);
-                var m[M]: f32x4 = f32x4.splat(0.0);
-                unroll h in 0..Q.sb_blocks / 4 {
-                    let ints = i8x16.load(rec, Q.offset_ints_at + h * 16);  # four blocks' I, each of the group's rows
+                unroll g in 0..G {
+                    # the four blocks' I, each of the group's rows (a byte per row and block)
+                    let ints = i8x16.load(Q.rowrecord(w, (g0 + g * gs) * nb + b) + (q - b) * Q.group, Q.offset_ints_at);
                     unroll c in 0..4 {
                         let mf = f32x4.convert(bytelanes[c](ints));
                         unroll t in 0..M {
-                            let x = sa[t * Q.sb_blocks / 4 + h];
-                            m[t] = madd(mf, f32x4.shuffle(x, x, c, c, c, c), m[t]);
+                            m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
                         }
                     }
                 }
-                unroll t in 0..M {
-                    acc[t * G * A + g * A] = madd(m[t], Q.rowoffset_f(w, (g0 + g * gs) * nb + b), acc[t * G * A + g * A]);
-                }
+            }
+            unroll i in 0..M * G {
+                acc[i * A] = madd(m[i], Q.rowoffset_f(w, (g0 + i % G * gs) * nb + b), acc[i * A]);
             }
         }
     }
