@@ -13,10 +13,14 @@
 #                      relaxed SIMD); the kernels shift it out once per group of blocks (qexact)
 
 # ---- quantization types: stored layouts are llama.cpp's GGUF blocks, byte for byte -------------
+# `priority N` weighs a type's speedups when the build's code budget cannot keep every type's
+# fastest variant (default 1): Q4_K_M (Q4_K, Q6_K, Q5_0 for rows not a multiple of 256) and Q8_0 are
+# what most GGUF downloads hold, Q4_0 and ONNX 4-bit what most browser models ship.
 
 # Q8_0: 32 int8 values and one f16 scale.
 quant q8_0 {
     block 32;
+    priority 3;
     field d: f16;
     field qs: i8[32];
     unpack qs[i];
@@ -26,6 +30,7 @@ quant q8_0 {
 # Q4_0: 32 4-bit values, elements 0-15 in the low nibbles and 16-31 in the high; value d * (q - 8).
 quant q4_0 {
     block 32;
+    priority 2;
     field d: f16;
     field qs: u8[16];
     unpack nib(qs, i) - 8;
@@ -47,6 +52,7 @@ quant q4_1 {
 # of the small models run in browsers: 576-, 896-, 960-wide rows), so a Q4_K_M file holds it.
 quant q5_0 {
     block 32;
+    priority 2;
     field d: f16;
     field qh: u8[4];
     field qs: u8[16];
@@ -95,6 +101,7 @@ quant mxfp4 {
 # each has a 6-bit scale and a 6-bit minimum packed into 12 bytes under the f16 d and dmin.
 quant q4_k {
     block 256;
+    priority 4;
     sub 32;
     field d: f16;
     field dmin: f16;
@@ -111,6 +118,7 @@ quant q4_k {
 # Q5_K: Q4_K with a fifth bit per value: bit s of qh[i % 32] for sub-block s.
 quant q5_k {
     block 256;
+    priority 2;
     sub 32;
     field d: f16;
     field dmin: f16;
@@ -128,6 +136,7 @@ quant q5_k {
 # four 2-bit fields); values are offset by 32.
 quant q6_k {
     block 256;
+    priority 3;
     sub 16;
     field ql: u8[128];
     field qh: u8[64];
@@ -143,6 +152,7 @@ quant q6_k {
 # kernelgen.host.formats gathers these blocks from either node's tensors.
 quant q4_onnx {
     block 32;
+    priority 2;
     field d: f32;
     field z: u8;
     field qs: u8[16];

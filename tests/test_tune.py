@@ -1809,6 +1809,21 @@ def test_spend_takes_a_middle_variant_where_the_pick_does_not_fit() -> None:
     assert B.spend(ups, cost, 2000) == set()
 
 
+def test_spend_weighs_each_types_speedups_by_its_priority() -> None:
+    """One budget, room for one of two equal-cost upgrades: the larger speedup unweighted; a type
+    of priority 3 whose 1.2x counts as 1.2^3 = 1.73x takes the room from 1.5x, and a priority given
+    for a type with no upgrade changes nothing."""
+    ups = [_upgrade("mv_a", "a", 1.5), _upgrade("mv_b", "b", 1.2)]
+
+    def cost(quant: str, names: frozenset[str]) -> int:
+        return 1000 + 1000 * bool(names)
+
+    assert B.spend(ups, cost, 3000) == _names("mv_a")
+    assert B.spend(ups, cost, 3000, {"b": 3}) == _names("mv_b")
+    assert B.spend(ups, cost, 3000, {"b": 2, "c": 50}) == _names("mv_a")  # 1.2^2 = 1.44 < 1.5
+    assert B.spend(ups, cost, 4000, {"b": 3}) == _names("mv_a", "mv_b")
+
+
 def test_speedup_is_the_ratio_of_the_stores_scores(checked) -> None:
     small, rows4 = {"rows": 1, "accs": 1}, {"rows": 4, "accs": 1}
 
@@ -1843,7 +1858,9 @@ def test_build_keeps_the_quant_code_within_the_budget(checked) -> None:
     tight, fitted = build(used - 1)
     assert fitted <= used - 1
     t = tight["tune"]
-    assert t["budget"] == {"bytes": used - 1, "dropped": {"qmatvec_q4_1": {"fast": {"rows": 4, "accs": 1}, "speedup": 1.06}}}
+    declared = {q.name: q.priority for q in checked.program.quants if q.priority is not None}
+    assert t["budget"] == {"bytes": used - 1, "priority": declared,
+                           "dropped": {"qmatvec_q4_1": {"fast": {"rows": 4, "accs": 1}, "speedup": 1.06}}}
     assert t["source"]["qmatvec_q4_1"] == "budget" and "qmatvec_q4_1" not in t["values"]
     assert "qmatvec_q4_1__rows1_accs1" in tight["exports"] and "qmatvec_q8_0__rows4_accs1" in tight["exports"]
     least, smallest_code = build(1)  # below the smallest variants: the smallest everywhere
@@ -1902,8 +1919,11 @@ def test_build_keeps_the_budget_when_qmatmul_takes_qmatvecs_accs(checked) -> Non
 def test_budget_choice_is_the_fastest_of_every_choice_that_fits(checked) -> None:
     """Against every one of the 16 choices of two types' qmatvec and qmatmul picks, each built and
     measured: at budgets across the range, the build's choice fits and no fitting choice has more
-    speed (sum of log speedups), including where qmatmul's tiles take qmatvec's accs of 2."""
+    speed (sum of log speedups, each weighed by its type's declared priority), including where
+    qmatmul's tiles take qmatvec's accs of 2."""
     quants = ("q8_0", "q4_1")
+    weight = {q.name: q.priority or 1 for q in checked.program.quants}
+    assert weight["q8_0"] != weight["q4_1"]
     fast = {("qmatvec", "q8_0"): ({"rows": 1, "accs": 2}, 2.0), ("qmatvec", "q4_1"): ({"rows": 2, "accs": 2}, 1.5),
             ("qmatmul", "q8_0"): ({"tokens": 2, "rows": 2}, 1.3), ("qmatmul", "q4_1"): ({"tokens": 1, "rows": 4}, 1.7)}
     least = {"qmatvec": {"rows": 1, "accs": 1}, "qmatmul": {"tokens": 1, "rows": 1}}
@@ -1919,13 +1939,13 @@ def test_budget_choice_is_the_fastest_of_every_choice_that_fits(checked) -> None
         taken = {keys[i] for i in range(len(keys)) if n >> i & 1}
         tune = {**least, **{f"{k}_{q}": fast[k, q][0] if (k, q) in taken else least[k] for k, q in keys}}
         (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), tune=tune, code_budget=None, quants=quants)
-        choices.append((quant_code(b), sum(math.log(fast[key][1]) for key in taken)))
+        choices.append((quant_code(b), sum(weight[key[1]] * math.log(fast[key][1]) for key in taken)))
     smallest_code, most = min(c for c, _ in choices), max(c for c, _ in choices)
     for budget in range(smallest_code, most + 1, max(1, (most - smallest_code) // 6)):
         (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("relaxed-simd",), records=records, tune_host=HOST_A,
                               code_budget=budget, quants=quants)
         dropped = b.manifest["tune"].get("budget", {}).get("dropped", {})
-        speed = sum(math.log(x) for (k, q), (_, x) in fast.items() if f"{k}_{q}" not in dropped)
+        speed = sum(weight[q] * math.log(x) for (k, q), (_, x) in fast.items() if f"{k}_{q}" not in dropped)
         best = max(s for c, s in choices if c <= budget)
         assert quant_code(b) <= budget and speed == pytest.approx(best), (budget, dropped)
 

@@ -256,6 +256,7 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     the smallest's speed where the pick (1.42x) did not fit."""
     upgrades: list[Upgrade] = info["upgrades"]
     quants = tuple(checked.quants)
+    priority = {q.name: q.priority for q in checked.program.quants if q.priority is not None and q.name in quants}
     keys = {u.key for u in upgrades}
 
     def by_type(b: Built) -> dict[str, int]:
@@ -292,7 +293,8 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
         built_as = {u.key: u for u in taken}
         dropped = [u for u in upgrades if not u.middle and (u.key not in built_as or built_as[u.key].middle)]
         return compiled(taken, {**info, "source": {**info["source"], **{u.key: "budget" for u in dropped}},
-                                "budget": {"bytes": budget, "dropped": {u.key: {
+                                "budget": {"bytes": budget, **({"priority": priority} if priority else {}),
+                                           "dropped": {u.key: {
                                     "fast": values[u.key], "speedup": round(u.speedup, 3),
                                     **({"built": {p: built_as[u.key].fast[p] for p in values[u.key]},
                                         "built_speedup": round(built_as[u.key].speedup, 3)} if u.key in built_as else {})}
@@ -304,7 +306,7 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     short = 0
     tried = []
     for _ in range(BUDGET_RETRIES):
-        out = build(spend(upgrades, cost, budget - fixed - short))
+        out = build(spend(upgrades, cost, budget - fixed - short, priority))
         used = sum(by_type(out).values())
         if used <= budget:
             return out

@@ -237,6 +237,9 @@ class _Build(Transformer):
     def sub_decl(self, meta, size):
         return ("sub", _int(size, self.filename), self._span(meta))
 
+    def priority_decl(self, meta, weight):
+        return ("priority", _int(weight, self.filename), self._span(meta))
+
     def let_decl(self, meta, name, value):
         return ("let", A.LetStmt(self._span(meta), str(name), None, value), self._span(meta))
 
@@ -250,7 +253,7 @@ class _Build(Transformer):
         return ("dequant", expr, self._span(meta))
 
     def quant_decl(self, meta, name, *items):
-        parts: dict[str, Any] = {"block": None, "sub": None, "unpack": None, "dequant": None}
+        parts: dict[str, Any] = {"block": None, "sub": None, "priority": None, "unpack": None, "dequant": None}
         lists: dict[str, list] = {"field": [], "table": [], "let": []}
         for kind, value, span in items:
             if kind in lists:
@@ -260,7 +263,8 @@ class _Build(Transformer):
             else:
                 parts[kind] = value
         return A.QuantDecl(self._span(meta), str(name), parts["block"], tuple(lists["field"]), parts["unpack"],
-                       parts["dequant"], tuple(lists["table"]), parts["sub"], tuple(lists["let"]))
+                       parts["dequant"], tuple(lists["table"]), parts["sub"], tuple(lists["let"]),
+                       parts["priority"])
 
     def mode(self, meta, tok):
         return str(tok)

@@ -26,6 +26,7 @@ _UNPACK_ALLOWED = ("only field[i], nib(field, i), nibi(field, i), bit(field, i),
 _SCALAR_ALLOWED = "only scalar fields, numbers, + - * / and pow2(x) are allowed"
 _NOT_I = "'i' is not a byte-sized scalar field (use field[i], nib(field, i) or bit(field, i))"
 TABLE_SIZE = 16  # a codebook is indexed by a nibble
+MAX_PRIORITY = 100  # a quant type's `priority N;`: its speedups count N times in a build's code budget
 
 
 # ---- the declaration's formulas as nodes -------------------------------------------------------
@@ -265,6 +266,8 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
         raise DslError(q.span, f"quant {q.name}: missing 'unpack EXPR;'")
     if q.dequant is None:
         raise DslError(q.span, f"quant {q.name}: missing 'dequant EXPR;'")
+    if q.priority is not None and not 1 <= q.priority <= MAX_PRIORITY:
+        raise DslError(q.span, f"quant {q.name}: priority must be 1 to {MAX_PRIORITY}, got {q.priority}")
     fields: list[FieldInfo] = []
     offset = 0
     for f in q.fields:

@@ -5,8 +5,9 @@ The store's pick (store.best_tune) chooses each quant type's variant of a tunabl
 alone, with SIZE_MARGIN against the smallest variant; each pick is code in that type's functions
 (a four-row mat-vec tile is ~3 KB per type), and ten types of picks outgrow a page's download
 budget. When they do, the build keeps the picks that together give the most measured speed (the
-product of their speedups over the smallest variants, from the tuning records) within the budget,
-and builds the smallest variant for the others. The manifest's `tune.budget` names the picks left
+product of their speedups over the smallest variants, from the tuning records, each type's raised
+to its declared `priority`: the types most models ship count most) within the budget, and builds
+the smallest variant for the others. The manifest's `tune.budget` names the picks left
 out and the speed each gives up. A build of the types one model uses (`kernelgen build --quant`,
 check.select_quants) spends the same budget on those types alone.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..names import variant_name
 
@@ -41,10 +42,12 @@ class Upgrade:
         return variant_name(self.key, None, self.fast)
 
 
-def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], budget: int) -> set[str]:
+def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], budget: int,
+          priority: Mapping[str, int] | None = None) -> set[str]:
     """The names of the upgrades to build, at most one per key (a kernel's pick or its middle
-    variant): the choice with the largest sum of log(speedup) (the geometric mean of the speedups
-    over the types' kernels) whose bytes stay within `budget`, the fewest bytes among equals.
+    variant): the choice with the largest sum of priority * log(speedup) (a weighted geometric mean
+    of the speedups over the types' kernels; a type's `priority N;`, default 1) whose bytes stay
+    within `budget`, the fewest bytes among equals.
     `cost(quant, names)` is the bytes of one quant type's code with the upgrades `names` of that type
     (the others at their smallest variants): one type's upgrades need not add up (two kernels can
     share a tile), so each type's choices are costed as wholes. Exact, a knapsack over the types:
@@ -59,7 +62,8 @@ def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], b
         for combo in itertools.product(*([None, *ups] for ups in per_key.values())):
             chosen = [u for u in combo if u is not None]
             names = frozenset(u.name for u in chosen)
-            options.append((cost(quant, names), sum(math.log(u.speedup) for u in chosen), names))
+            weight = (priority or {}).get(quant, 1)
+            options.append((cost(quant, names), weight * sum(math.log(u.speedup) for u in chosen), names))
         states = sorted(((b + ob, v + ov, keys | ok) for b, v, keys in front for ob, ov, ok in options),
                         key=lambda s: (s[0], -s[1], sorted(s[2])))
         front = []
