@@ -312,7 +312,9 @@ def cmd_list(args: argparse.Namespace) -> int:
                      "tune": {t.name: {"domain": list(t.domain), "default": t.default} for t in k.ast.tunes},
                      "parallel": {"items": k.ast.parallel.items, "job": k.job} if k.ast.parallel else None,
                      "line": k.ast.span.line} for k in checked.kernels.values()],
-        "quants": {n: q.to_json() for n, q in checked.quants.items()},
+        # priority: the weight of the type's speedups in a build's code budget (budget.spend)
+        "quants": {q.name: {**checked.quants[q.name].to_json(), "priority": q.priority or 1}
+                   for q in checked.program.quants},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -330,7 +332,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for name, q in info["quants"].items():
         fields = ", ".join(f["name"] + ": " + f["type"] + (f"[{f['count']}]" if f["count"] else "")
                            for f in q["fields"])
-        print(f"  {name}: block {q['block']}, {q['stored_bytes']} bytes stored ({fields});"
+        print(f"  {name}: block {q['block']}, {q['stored_bytes']} bytes stored ({fields}), priority {q['priority']};"
               f" unpack {q['unpack']}; dequant {q['dequant']}")
     return 0
 

@@ -243,6 +243,8 @@ def test_list_prints_kernels_quants_and_tune_parameters(built: tuple[Path, str])
     for name in {e["kernel"] for e in manifest(built[0], "simd128")["exports"].values()}:
         assert re.search(rf"\b{name}\b", stdout), name
     assert "q8_0" in stdout
+    assert re.search(r"q4_k: block 256, 144 bytes stored \(.*\), priority 4;", stdout), stdout
+    assert re.search(r"q4_1: block 32, .*, priority 1;", stdout), stdout  # no priority declared: 1
     assert re.search(r"tune rows in \[1, 2, 4\] \(default \d+\)", stdout), stdout
     assert "quant types:" in stdout
 
@@ -255,6 +257,7 @@ def test_list_json_parses(built: tuple[Path, str]) -> None:
     assert {e["kernel"] for e in manifest(built[0], "simd128")["exports"].values()} <= set(kernels)
     assert "q8_0" in info["quants"]
     assert info["quants"]["q8_0"]["block"] == 32
+    assert info["quants"]["q8_0"]["priority"] == 3 and info["quants"]["q4_1"]["priority"] == 1
     assert kernels["qmatvec"]["mode"] == "export"
     assert kernels["qmatvec"]["tune"]["rows"]["domain"] == [1, 2, 4]
     for k in kernels.values():
