@@ -911,7 +911,8 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 # Per block and lane group j: each group's codes unpacked once for the M tokens and each token's
 # four activations spread once for the G groups (the tile's work sharing); hdot7 adds their pairs in
 # i16 lanes, Q.u16 lane groups at a time (exact: Q.u16 bounds the sums), and pairsum widens them to
-# i32 (for sub-block scales, each row's in its lane: Q6_K). A constant zero under sub-block scales
+# i32 (for sub-block scales, each row's in its lane pair: Q6_K's, stored as int8 pairs, eight bytes a
+# half for the group, widened by the load: quantformat.SUB_SCALES). A constant zero under sub-block scales
 # (Q.const_zero, Q6_K's 32) comes off before the widening as each token's pairs of the zero with its
 # activations, zp, formed once for the G groups (not one more relaxed dot per group: relaxed Q6_K
 # qmatvec 1.18x at 256x4096 in wasmtime): the codes' i16 sums may wrap, but i16 adds are modular and
@@ -986,7 +987,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                             part[i] = part[i] - zp[i / G];
                         }
                         static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane
-                            x = pairsum(part[i], i16x8.load(wg[i % G] + k * Q.bytes, Q.sub_scales_at + j / 4 * 16));
+                            x = pairsum(part[i], i16x8.load8x8(wg[i % G] + k * Q.bytes, Q.sub_scales_at + j / 4 * 8));
                         } else static if Q.int_scales {
                             x = pairsum(part[i], Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));
                         } else {

@@ -24,10 +24,11 @@ A type packed with `group` GROUP_ROWS (QuantFormat.group: the grouped layout, Ta
 per target and type) holds the same planes with every GROUP_ROWS rows side by side: rows padded
 with zero blocks to a multiple of GROUP_ROWS, each plane's per-row bytes of one block (one record of
 a super-block) cut into granules and the group's rows interleaved granule by granule, group-major
-then block-major. Granules are GRANULE bytes (a plane's f32s, the codes), or one byte for a
-record's integers, so that a 16-byte vector holds granule j of each of the four rows (codes 4j ..
-4j + 3 of a kernel block, or its f32 scale) and a kernel's i32 lane r is row r: no lane folds per
-row. A scalar byte value field (q4_onnx's zero point) takes a whole granule, its byte four times.
+then block-major. Granules are GRANULE bytes (a plane's f32s, the codes), one byte for a
+record's integers, or SUB_SCALE_GRANULE bytes for integer sub-block scales, so that a 16-byte
+vector holds granule j of each of the four rows (codes 4j .. 4j + 3 of a kernel block, or its f32
+scale) and a kernel's i32 lane r is row r: no lane folds per row. A scalar byte value field
+(q4_onnx's zero point) takes a whole granule, its byte four times.
 """
 from __future__ import annotations
 
@@ -413,10 +414,16 @@ KERNEL_BLOCK = 32  # values per block in the kernels (one activation block)
 GROUP_ROWS = 4  # rows of one group in the grouped layout: one i32 lane of a vector each
 GRANULE = 4  # bytes of a row that sit together in a group's vector (codes 4j .. 4j + 3, an f32)
 SUB_SCALE_MAX = 1 << 13  # |integer sub-block scale|: 16 * 128 * 127 * 2^13 < 2^31 (sub_scales)
-# An integer sub-block scale s is stored as an i32 holding s in both of its i16 halves: one 32-bit
-# splat gives relaxed SIMD's i16 lanes of s (idot7zs; an i16 splat of a load ran Q6_K mat-vec at
-# 0.58x in cranelift and a shuffle or narrow to i16 at 0.80-0.92x in V8), and i32 >> 16 gives s.
+# Rows one by one, an integer sub-block scale s is stored as an i32 holding s in both of its i16
+# halves: one 32-bit splat gives the i16 lanes of s (idot7zs; an i16 splat of a load ran Q6_K
+# mat-vec at 0.58x in cranelift and a shuffle or narrow to i16 at 0.80-0.92x in V8), and i32 >> 16
+# gives s. In the grouped layout, where a kernel multiplies each row's pair sums by its s in one i16
+# vector (qgtile's pairsum), s is an int8 stored twice, SUB_SCALE_GRANULE bytes per row side by
+# side: i16x8.load8x8 of one half's eight bytes is the group's scales in their rows' lane pairs,
+# half the bytes of i32s (Q6_K: 37 bytes per 32 values, not 41). The language keeps every s in int8
+# (check_quant).
 SUB_SCALES = "isc"  # the kernel block's field of integer sub-block scales (sub-blocks of 16)
+SUB_SCALE_GRANULE = 2
 
 
 @dataclass(frozen=True)
@@ -502,8 +509,10 @@ class QuantFormat:
         enc = ENCODINGS[kind]
         unpack = Op("+", enc.unpack, Int(zero)) if zero else enc.unpack
         fields = enc.fields
-        if self.sub_scales:  # the sub-blocks' integer scales follow the codes, one i32 each (SUB_SCALES)
-            fields += (FieldInfo(SUB_SCALES, "i32", KERNEL_BLOCK // self.sub, sum(f.nbytes for f in fields)),)
+        if self.sub_scales:  # the sub-blocks' integer scales follow the codes (SUB_SCALES)
+            at, subs = sum(f.nbytes for f in fields), KERNEL_BLOCK // self.sub
+            fields += (FieldInfo(SUB_SCALES, "i8", SUB_SCALE_GRANULE * subs, at) if self.group > 1
+                       else FieldInfo(SUB_SCALES, "i32", subs, at),)
         return dataclasses.replace(self, block=KERNEL_BLOCK, fields=fields, unpack=unpack,
                                    value_fields=tuple(f.name for f in fields), interleaved=(), sub=None)
 
@@ -675,6 +684,17 @@ class QuantFormat:
             planes["offset"] = ("<f4", 4)
         return planes
 
+    def _planes_json(self) -> dict[str, dict]:
+        """The manifest's planes: dtype and bytes per kernel block, and in the grouped layout the
+        granules of a row's unit (a kernel block; a record) that sit beside the group's other rows."""
+        out = {}
+        for name, (dt, n) in self.planes.items():
+            out[name] = {"dtype": np.dtype(dt).str, "bytes_per_block": n}
+            if self.group > 1:
+                unit = self.record.bytes if name == "scale" and self.record is not None else n
+                out[name]["granules"] = [list(g) for g in self.granules(name, unit)]
+        return out
+
     def packed_bytes(self, rows: int, cols: int) -> int:
         """Bytes of the planes of a packed rows x cols matrix (cols a multiple of the block)."""
         return sum(n for _, n in self.planes.values()) * self.padded_rows(rows) * (cols // self.kernel.block)
@@ -705,7 +725,7 @@ class QuantFormat:
             "fields": [{"name": f.name, "type": f.type, "count": f.count, "offset": f.offset} for f in self.fields],
             "unpack": text(self.unpack),
             "dequant": text(self.scale) + " * q" + (f" + {text(self.offset)}" if self.offset is not None else ""),
-            "planes": {name: {"dtype": np.dtype(dt).str, "bytes_per_block": n} for name, (dt, n) in self.planes.items()},
+            "planes": self._planes_json(),
             "value_fields": list(self.value_fields),
             # unpack as codes - zero, both in [0, 127] (a field zero checked by pack), or null
             "codes": dict(zip(("codes", "zero"), map(to_json, self.codes))) if self.codes else None,
@@ -725,10 +745,10 @@ class QuantFormat:
                     tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"), d["group"])
             if q.group not in (1, GROUP_ROWS):
                 raise ValueError(f"group {q.group}: this kernelgen packs rows one by one or in groups of {GROUP_ROWS}")
-            planes = {n: (p["dtype"], p["bytes_per_block"]) for n, p in d["planes"].items()}
+            planes = d["planes"]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None
-        mine = {n: (np.dtype(dt).str, b) for n, (dt, b) in q.planes.items()}
+        mine = q._planes_json()
         if planes != mine:  # the kernels were built for another packed layout: packing here would misread
             raise ValueError(f"manifest quant {name!r}: its kernels read planes {planes}, this kernelgen packs {mine};"
                              " rebuild the library with this version (kernelgen build)")
@@ -827,8 +847,11 @@ class QuantFormat:
                 mult = np.ascontiguousarray(np.broadcast_to(
                     fold(self.sub_scales[1], NumpyEval(blocks, s=np.arange(self.subs))), blocks.shape + (self.subs,)),
                     np.int32)
-                mult = (mult & 0xFFFF) * 0x10001  # s in both i16 halves (SUB_SCALES)
-                q = np.concatenate([q, mult.astype(np.uint32).reshape(rows, -1, KERNEL_BLOCK // self.sub).view(np.uint8)], axis=-1)
+                if self.group > 1:  # each s an int8, SUB_SCALE_GRANULE times (SUB_SCALES)
+                    isc = np.repeat(mult.astype(np.int8), SUB_SCALE_GRANULE, axis=-1).view(np.uint8)
+                else:  # each s an i32 holding it in both i16 halves
+                    isc = ((mult & 0xFFFF) * 0x10001).astype(np.uint32).view(np.uint8)
+                q = np.concatenate([q, isc.reshape(rows, q.shape[1], -1)], axis=-1)
         else:
             raw = blocks.view(np.uint8).reshape(blocks.shape + (self.stored_bytes,))
             q = np.concatenate([np.repeat(part, self.value_width(f.name) // f.nbytes, axis=-1)
@@ -856,13 +879,24 @@ class QuantFormat:
         if a.dtype != np.uint8:  # one f32 per block and row: a granule
             a = a[..., None].view(np.uint8)
         rows, units, nbytes = a.shape
-        split = 4 * len(self.record.factors) if plane == "scale" and self.record is not None else nbytes
         parts = []
-        for part, granule in ((a[..., :split], GRANULE), (a[..., split:], 1)):
-            if part.shape[-1]:
-                x = part.reshape(rows // self.group, self.group, units, -1, granule)
-                parts.append(x.transpose(0, 2, 3, 1, 4).reshape(rows // self.group, units, -1))
+        for start, end, granule in self.granules(plane, nbytes):
+            x = a[..., start:end].reshape(rows // self.group, self.group, units, -1, granule)
+            parts.append(x.transpose(0, 2, 3, 1, 4).reshape(rows // self.group, units, -1))
         return np.concatenate(parts, axis=-1)
+
+    def granules(self, plane: str, nbytes: int) -> list[tuple[int, int, int]]:
+        """(start, end, granule) of the parts of a row's `nbytes` per unit of `plane` in the grouped
+        layout: a record's f32s in GRANULE bytes and its integers a byte at a time, the codes in
+        GRANULE bytes and integer sub-block scales in SUB_SCALE_GRANULE (the manifest's "granules",
+        which the JS packer follows)."""
+        if plane == "scale" and self.record is not None:
+            split = 4 * len(self.record.factors)
+            return [(0, split, GRANULE)] + ([(split, nbytes, 1)] if nbytes > split else [])
+        if plane == "q" and self.sub_scales and self.group > 1:
+            split = self.kernel.value_offset(SUB_SCALES)
+            return [(0, split, GRANULE), (split, nbytes, SUB_SCALE_GRANULE)]
+        return [(0, nbytes, GRANULE)]
 
     def _records(self, blocks: np.ndarray) -> np.ndarray:
         """Plane scale of a `record` type: one record per stored block, shape blocks.shape + (bytes,)."""

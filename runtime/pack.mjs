@@ -10,9 +10,10 @@
 //           factor's F as f32 at f_at, its I as a byte per kernel block from i_at
 //   offset  f32: the "offset" formula, only for flat types that have one
 // A type whose "group" is more than 1 (the grouped layout: quantformat.py's docstring) has its rows
-// padded with zero blocks to whole groups and each group's rows interleaved granule by granule: the
-// f32s and codes GRANULE bytes at a time, a record's integers (past its f32s) a byte at a time; a
-// scalar byte value field takes a granule, its byte four times.
+// padded with zero blocks to whole groups and each group's rows interleaved granule by granule, as
+// each plane's "granules" say (the f32s and codes GRANULE bytes at a time, a record's integers a
+// byte at a time, integer sub-block scales an int8 pair at a time); a scalar byte value field takes
+// a granule, its byte four times.
 
 const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantFormat.pack checks the same)
 const INT8_MAX = 127;
@@ -167,18 +168,19 @@ export function packInto(spec, blocks, rows, k, planes) {
     const src = new Uint8Array(byRow[name].buffer);
     const bytes = src.length / (padded * units);
     const dst = new Uint8Array(plane.buffer, plane.byteOffset, plane.byteLength);
-    grouped(src, dst, padded, units, bytes, spec.group, record ? GRANULE * Object.keys(spec.record.factors).length : bytes);
+    grouped(src, dst, padded, units, bytes, spec.group, spec.planes[name].granules);
   }
 }
 
 /** `src`, a plane packed row by row (rows x units records of `bytes` bytes), into `dst` in the
  * grouped layout: group-major, then unit-major, each record's granules with the group's rows side
- * by side, `split` bytes in granules of GRANULE and the rest a byte at a time. */
-function grouped(src, dst, rows, units, bytes, group, split) {
+ * by side, as the manifest's `granules` ([from, to, granule bytes] of a record) say. */
+function grouped(src, dst, rows, units, bytes, group, granules) {
+  if (granules.at(-1)[1] !== bytes) throw new Error(`granules ${JSON.stringify(granules)} do not cover a record of ${bytes} bytes`);
   let o = 0;
   for (let g = 0; g < rows / group; g++) {
     for (let u = 0; u < units; u++) {
-      for (const [from, to, granule] of [[0, split, GRANULE], [split, bytes, 1]]) {
+      for (const [from, to, granule] of granules) {
         for (let c = from; c < to; c += granule) {
           for (let r = 0; r < group; r++) {
             const at = ((g * group + r) * units + u) * bytes + c;
@@ -256,13 +258,19 @@ function packRows(spec, blocks, nblocks, planes) {
         planes.scale[k] = split ? split.f(view, o, 0) : scaleAt(view, o, s);
       }
       if (!split) continue;
-      // the sub-blocks' integer scales follow the kernel block's codes in plane q, one i32 each holding
-      // the scale in both i16 halves (quantformat.SUB_SCALES)
-      const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - 4 * halves, 4 * halves);
+      // the sub-blocks' integer scales follow the kernel block's codes in plane q (quantformat.SUB_SCALES):
+      // rows one by one an i32 each holding the scale in both i16 halves, grouped an int8 twice
+      const width = spec.group > 1 ? 2 : 4;
+      const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - width * halves, width * halves);
       for (let h = 0; h < halves; h++) {
         const v = split.i(view, o, s * halves + h);
-        at.setInt16(4 * h, v, true);
-        at.setInt16(4 * h + 2, v, true);
+        if (spec.group > 1) {
+          at.setInt8(2 * h, v);
+          at.setInt8(2 * h + 1, v);
+        } else {
+          at.setInt16(4 * h, v, true);
+          at.setInt16(4 * h + 2, v, true);
+        }
       }
     }
   }

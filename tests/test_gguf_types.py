@@ -224,6 +224,26 @@ def test_sub_blocks_of_16_with_wide_values_keep_a_scale_per_half(target):
         assert "i16x8.narrow_i32x4_s" not in built.wat.split("(func $qtile_k8s__")[1].split("\n  (func ")[0]
 
 
+def test_grouped_sub_block_scales_are_int8_pairs(quants):
+    """Relaxed SIMD's grouped Q6_K holds each sub-block scale as an int8 twice after the codes (plane
+    q 36 bytes per row and 32 values, 37 with the record; 41 with rows' i32s): a half's eight bytes
+    are the group's four rows' scales in their lane pairs, what qgtile's i16x8.load8x8 reads, -128
+    and 127 included (the language keeps a sub-block scale in int8)."""
+    import dataclasses
+    from kernelgen.compiler.ops import TARGETS
+    q6 = TARGETS["relaxed-simd"].layout(quants["q6_k"])
+    assert q6.group == 4 and q6.packed_bytes(4, 256) == 4 * 8 * 37
+    assert dataclasses.replace(q6, group=1).packed_bytes(4, 256) == 4 * 8 * 41
+    b = random_blocks(q6, rng_for("q6k-pairs"), 4, 1)
+    b["scales"][0, 0, :2] = (-128, 127)
+    codes = q6.pack(b)["q"].reshape(8, 4 * 36)  # one group: per kernel block k, four rows' codes then scales
+    at = 4 * 32
+    for k in range(8):
+        for h in range(2):
+            lanes = codes[k, at + 8 * h:at + 8 * h + 8].view(np.int8)
+            np.testing.assert_array_equal(lanes, np.repeat(b["scales"][:, 0, 2 * k + h], 2), err_msg=f"block {k} half {h}")
+
+
 def test_idotss_is_refused_on_relaxed_simd():
     from kernelgen.compiler.build import compile_kernels
     from kernelgen.errors import DslError

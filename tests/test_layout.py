@@ -37,16 +37,18 @@ def _by_hand(rows_planes: dict[str, np.ndarray], q, rows: int) -> dict[str, np.n
         b = plane.view(np.uint8).reshape(padded, -1)  # each row's bytes in block order
         rec = q.record if name == "scale" else None
         unit = rec.bytes if rec else (q.kernel.bytes if name == "q" else 4)  # bytes of one block (record) of a row
-        split = 4 * len(rec.factors) if rec else unit  # f32s in granules, a record's integers byte by byte
+        # f32s and codes in granules; past them a record's integers byte by byte, sub-block scales by pairs
+        split = 4 * len(rec.factors) if rec else 32 if name == "q" and q.sub_scales else unit
+        rest = 2 if name == "q" else 1
         got = bytearray()
         for g in range(padded // GROUP_ROWS):
             for u in range(b.shape[1] // unit):
                 for c in range(0, split, GRANULE):
                     for r in range(GROUP_ROWS):
                         got += bytes(b[g * GROUP_ROWS + r, u * unit + c:u * unit + c + GRANULE])
-                for c in range(split, unit):
+                for c in range(split, unit, rest):
                     for r in range(GROUP_ROWS):
-                        got += bytes(b[g * GROUP_ROWS + r, u * unit + c:u * unit + c + 1])
+                        got += bytes(b[g * GROUP_ROWS + r, u * unit + c:u * unit + c + rest])
         out[name] = np.frombuffer(bytes(got), np.uint8)
     return out
 
@@ -61,7 +63,14 @@ def test_grouped_planes_are_the_rows_planes_interleaved_by_granule(quants, rows)
         flat = dataclasses.replace(q, group=1)
         padded = np.concatenate([b, np.zeros((-rows % GROUP_ROWS, b.shape[1]), b.dtype)])
         rows_planes = flat.pack(padded)
-        if q.kernel.bytes != flat.kernel.bytes:  # a scalar byte field (q4_onnx's zero point) takes a granule
+        if q.sub_scales:  # rows one by one an i32 per sub-block scale (s in both i16 halves), grouped int8 twice
+            assert q.kernel.bytes == flat.kernel.bytes - 4
+            blocks = rows_planes["q"].reshape(padded.shape[0], -1, flat.kernel.bytes)
+            s = blocks[..., 32:].copy().view("<i2")[..., ::2]  # (rows, blocks, 2): each half's s
+            assert (blocks[..., 32:].copy().view("<i2")[..., 1::2] == s).all()
+            pairs = np.repeat(s.astype(np.int8), 2, axis=-1).view(np.uint8)
+            rows_planes["q"] = np.concatenate([blocks[..., :32], pairs], axis=-1).reshape(-1)
+        elif q.kernel.bytes != flat.kernel.bytes:  # a scalar byte field (q4_onnx's zero point) takes a granule
             assert name == "q4_onnx" and q.kernel.bytes == flat.kernel.bytes + GRANULE - 1
             z = padded["z"].reshape(padded.shape[0], -1, 1)
             qs = rows_planes["q"].reshape(padded.shape[0], -1, flat.kernel.bytes)[..., 1:]

@@ -25,7 +25,7 @@ from .quant import lower_scales, unpack_lanes
 from .wat import (Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, forward_copies, locals_named, number,
                   share_vector_constants)
 
-_QUALIFIABLE = {"load", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
+_QUALIFIABLE = {"load", "load8x8", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
                 "shuffle", "iota"}
 _ALL_OPS = set().union(*(t.ops for t in TARGETS.values()))
 # Q.<op>(w, blk): lower_scales's what, lanes and form, and whether the op reads the grouped layout

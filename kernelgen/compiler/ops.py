@@ -231,6 +231,18 @@ def _load(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(Instr(op, imms, (c.materialize(args[0], "i32"),)), t)
 
 
+def _load8x8(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """i16x8.load8x8(ptr[, offset]): eight int8 at ptr + offset, sign-extended to i16 lanes (one
+    load; a byte per lane in memory where an i16x8.load takes two)."""
+    t = _qualified(c, q, "load8x8")
+    if t != "i16x8":
+        raise c.error(f"load8x8 widens eight int8 to i16 lanes: i16x8.load8x8, not {t}.load8x8")
+    if len(args) not in (1, 2):
+        raise c.error(f"i16x8.load8x8(ptr[, offset]) takes 1 or 2 arguments, got {len(args)}")
+    off = _offset(c, args, 1, "load8x8")
+    return Val(Instr("v128.load8x8_s", (f"offset={off}",) if off else (), (c.materialize(args[0], "i32"),)), t)
+
+
 def _store(c: Ctx, q: str | None, args: list[Val]) -> Val:
     t = _qualified(c, q, "store")
     if len(args) not in (2, 3):
@@ -839,6 +851,7 @@ SIMD128: dict[str, Op] = {
     "hsum": _horizontal("hsum", "add"),
     "hmax": _horizontal("hmax", "max"),
     "load": _load,
+    "load8x8": _load8x8,
     "store": _store,
     "splat": _splat,
     "convert": _convert,
