@@ -133,6 +133,10 @@ CASES = [
     Case("type mismatch in a let", K("let a: f32 = n;"), 2, 5, "type mismatch: declared f32, value is i32",
          lowering=True),
     # ---- lanes and vectors
+    Case("load8x8 to other lanes", K("i32x4.store(x, i32x4.load8x8(x));"), 2, 20,
+         "load8x8 widens eight int8 to i16 lanes: i16x8.load8x8, not i32x4.load8x8", lowering=True),
+    Case("load8x8 with a run-time offset", K("i16x8.store(x, i16x8.load8x8(x, n));"), 2, 20,
+         "the offset of load8x8() must be", lowering=True),
     Case("narrow of the wrong vectors", K("i16x8.store(x, i16x8.narrow(f32x4.load(x), i32x4.load(x)));"), 2, 20,
          "i16x8.narrow() takes two i32x4, got f32x4, i32x4", lowering=True),
     Case("narrow to a type with no narrowing", K("i32x4.store(x, i32x4.narrow(i32x4.load(x), i32x4.load(x)));"),

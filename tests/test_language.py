@@ -167,6 +167,10 @@ export kernel stores(n: i32) -> i32 {
     return total * 100 + last * 10 + dead;
 }
 
+export kernel widen8(src: ptr, dst: ptr) {
+    i16x8.store(dst, i16x8.load8x8(src, 4));
+}
+
 export kernel atomics(p: ptr) -> i32 {
     atomic_store(p, 5);
     let old = atomic_add(p, 3);
@@ -229,6 +233,13 @@ def test_a_loop_of_one_round_is_its_body(k) -> None:
     four = built.wat.split("(func $rounds__n4")[1].split("\n  (func ")[0]
     assert one.count("(loop") == 1 and "$k" not in one, one  # k reads b itself
     assert four.count("(loop") == 2, four
+
+
+def test_load8x8_widens_eight_int8_at_its_offset(k) -> None:
+    raw = np.array([9, 9, 9, 9, -128, 127, -1, 0, 1, -2, 64, -65, 9, 9, 9, 9], np.int8)
+    src, dst = k.module.put(raw), k.module.alloc(16)
+    k.call("widen8", src, dst)
+    assert k.module.get(dst, np.int16, 8).tolist() == raw[4:12].tolist()
 
 
 def test_while_loop(k) -> None:
