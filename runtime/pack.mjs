@@ -168,15 +168,21 @@ export function packInto(spec, blocks, rows, k, planes) {
     const src = new Uint8Array(byRow[name].buffer);
     const bytes = src.length / (padded * units);
     const dst = new Uint8Array(plane.buffer, plane.byteOffset, plane.byteLength);
-    grouped(src, dst, padded, units, bytes, spec.group, spec.planes[name].granules);
+    grouped(src, dst, padded, units, bytes, spec.group, spec.planes[name].granules, name);
   }
 }
 
 /** `src`, a plane packed row by row (rows x units records of `bytes` bytes), into `dst` in the
  * grouped layout: group-major, then unit-major, each record's granules with the group's rows side
- * by side, as the manifest's `granules` ([from, to, granule bytes] of a record) say. */
-function grouped(src, dst, rows, units, bytes, group, granules) {
-  if (granules.at(-1)[1] !== bytes) throw new Error(`granules ${JSON.stringify(granules)} do not cover a record of ${bytes} bytes`);
+ * by side, as the manifest's `granules` for plane `name` ([from, to, granule bytes] of a record) say. */
+function grouped(src, dst, rows, units, bytes, group, granules, name) {
+  const covers = Array.isArray(granules) && granules.length > 0 && granules.at(-1)[1] === bytes
+    && granules.every(([from, to, granule], i) => from === (i ? granules[i - 1][1] : 0) && to > from
+      && Number.isInteger(granule) && granule > 0 && (to - from) % granule === 0);
+  if (!covers) {
+    throw new Error(`plane '${name}' of the grouped layout: its granules must cover its ${bytes} bytes per record, got `
+      + `${JSON.stringify(granules)}; rebuild with \`kernelgen build\``);
+  }
   let o = 0;
   for (let g = 0; g < rows / group; g++) {
     for (let u = 0; u < units; u++) {

@@ -301,6 +301,31 @@ await k.terminate();
                         r"16 pages of 64 KiB\)", got["message"]), got["message"]
 
 
+def test_node_refuses_a_grouped_plane_without_its_granules(tmp_path: Path) -> None:
+    """A manifest whose grouped Q6_K plane lacks the granules this runtime packs by (one from before
+    they were recorded) is refused at pack with what to do, not packed into a layout the kernels
+    would misread."""
+    need(NODE, "node is not installed")
+    out = tmp_path / "out"
+    assert cli.main(["build", "--target", "relaxed-simd", "--no-store", "--out", str(out), "--quant", "q6_k",
+                     "--dsl", str(ROOT / "kernels.dsl")]) == 0
+    path = out / "relaxed-simd" / "kernels.json"
+    m = json.loads(path.read_text())
+    del m["quants"]["q6_k"]["planes"]["q"]["granules"]
+    path.write_text(json.dumps(m))
+    script = f"""
+import {{ loadKernels }} from {json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri())};
+const k = await loadKernels({{ dir: {json.dumps(str(out))}, target: 'relaxed-simd', threads: 1 }});
+try {{ await k.pack('q6_k', new Uint8Array(4 * 210), 4, 256); console.log('packed'); }}
+catch (e) {{ console.log(e.message); }}
+await k.terminate();
+"""
+    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("pack(q6_k): plane 'q' of the grouped layout: its granules must cover its 36 bytes "
+                                   "per record, got undefined; rebuild with `kernelgen build`"), proc.stdout
+
+
 def test_node_runs_a_build_of_some_quant_types_and_refuses_the_others(tmp_path: Path) -> None:
     """`kernelgen build --quant q4_k --quant q6_k` (a Q4_K_M model's types): the JS runtime packs and
     runs them, on one thread and through the pool, to wasmtime's bits on the same build, and refuses
