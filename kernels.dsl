@@ -986,7 +986,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                         static if Q.const_zero {
                             part[i] = part[i] - zp[i / G];
                         }
-                        static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane
+                        static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane pair
                             x = pairsum(part[i], i16x8.load8x8(wg[i % G] + k * Q.bytes, Q.sub_scales_at + j / 4 * 8));
                         } else static if Q.int_scales {
                             x = pairsum(part[i], Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));

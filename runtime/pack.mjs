@@ -31,6 +31,7 @@ const FIELD_READERS = {
 
 const PLANE_ARRAYS = { '|u1': Uint8Array, '<f4': Float32Array, '<i4': Int32Array };
 const GRANULE = 4; // bytes of a row side by side with its group's other rows (quantformat.GRANULE)
+const SUB_SCALE_GRANULE = 2; // bytes of an int8 sub-block scale in the grouped layout, stored twice (quantformat.SUB_SCALE_GRANULE)
 
 /** IEEE binary16 bits -> the number (exact: every half is a float32). */
 export function halfToFloat(h) {
@@ -266,13 +267,12 @@ function packRows(spec, blocks, nblocks, planes) {
       if (!split) continue;
       // the sub-blocks' integer scales follow the kernel block's codes in plane q (quantformat.SUB_SCALES):
       // rows one by one an i32 each holding the scale in both i16 halves, grouped an int8 twice
-      const width = spec.group > 1 ? 2 : 4;
+      const width = spec.group > 1 ? SUB_SCALE_GRANULE : 4;
       const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - width * halves, width * halves);
       for (let h = 0; h < halves; h++) {
         const v = split.i(view, o, s * halves + h);
         if (spec.group > 1) {
-          at.setInt8(2 * h, v);
-          at.setInt8(2 * h + 1, v);
+          for (let c = 0; c < SUB_SCALE_GRANULE; c++) at.setInt8(width * h + c, v);
         } else {
           at.setInt16(4 * h, v, true);
           at.setInt16(4 * h + 2, v, true);
