@@ -473,6 +473,19 @@ def test_carry_keys_to_the_edit_the_timings_whose_code_it_leaves_alone(checked) 
     assert [r.quant for r in carried(checked, records, without_q6_k).records] == ["q8_0"]
 
 
+def test_carry_keeps_timings_whose_code_declares_its_locals_in_another_order(checked) -> None:
+    """qgtile's activations inlined into alanes again: Q6_K's zero then loads them twice (changed
+    code), Q4_0's code is the same but declares its locals in another order (kept)."""
+    load = "i32x4.load(arow[t] + k * Q.block * ACT_BYTES, j / 4 * 16)"
+    edited = edit(edit(SOURCE, f"let v = {load};\n                    let av = alanes[j % 4](v);",
+                       f"let av = alanes[j % 4]({load});"), "i8x16.bits(v)", f"i8x16.bits({load})")
+    records = [rec(checked, {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant=quant,
+                   target="relaxed-simd") for quant in ("q4_0", "q6_k")]
+    found = carried(checked, records, edited)
+    assert found.kept == {("relaxed-simd", "qmatvec", "q4_0")}
+    assert found.changed == {("relaxed-simd", "qmatvec", "q6_k")}
+
+
 def test_carry_compares_code_under_each_stored_value_another_kernel_reads(checked) -> None:
     """qmatmul's tiles take qmatvec.accs: an edit to code that only accs >= 2 builds leaves qmatmul
     at the default accs alike, but a qmatmul timing may have run beside qmatvec's accs 2 (the store

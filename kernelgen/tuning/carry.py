@@ -8,7 +8,8 @@ re-tune after such an edit times only what changed (`kernelgen carry OLD.dsl`, t
 `kernelgen tune --quant ...`).
 
 The code compared is every function the timed call reaches (a pool job's: the job and par_for, the
-pool's driver), as WAT without comments (they name DSL lines, which an edit moves). A kernel can read
+pool's driver), as WAT without comments (they name DSL lines, which an edit moves) and with its
+locals declared in name order. A kernel can read
 another kernel's tune value (qmatmul's tiles read qmatvec.accs); the code is compared under each
 variant of that kernel the store holds, as a timing may have been taken beside any of them.
 """
@@ -43,8 +44,10 @@ class Carried:
 
 
 def _text(f: Func) -> str:
+    """f's WAT without comments, its locals in name order: where a declaration sits is not code (the
+    body names every local), and an edit of one type's branch can move another's."""
     w = Writer()
-    w.func(0, f)
+    w.func(0, dataclasses.replace(f, locals=sorted(f.locals)))
     return "\n".join(line for line in (_COMMENT.sub("", s) for s in w.lines) if line.strip())
 
 
