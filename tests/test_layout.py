@@ -95,3 +95,47 @@ def test_a_lane_group_of_a_grouped_block_holds_four_values_of_each_row(quants) -
     for j in range(8):
         lanes = (vectors[j % 4] & 15) if j < 4 else (vectors[j % 4] >> 4)
         np.testing.assert_array_equal(lanes.reshape(4, 4), codes[:, 4 * j:4 * j + 4], err_msg=f"lane group {j}")
+
+
+# Constant zeros under sub-block scales (Q6_K's 32) at each width of the i16 sums (Q.u16: how many
+# lane groups hdot7 adds before the widening), on types declared here: 7-bit codes less 100 (1 lane
+# group), less 64 (2) and Q6_K's (4). qgtile takes the zero's pairs with the activations from one
+# relaxed dot per load, summed across the widening's lane groups (lanesums).
+ZERO_TYPES = {
+    "zero7": (2, "block 32;\n    sub 16;\n    field d: f16;\n    field sc: i8[2];\n    field qs: u8[32];\n"
+                 "    unpack (qs[i] & 127) - 64;\n    dequant d * sc[s] * q;"),
+    "zero1": (1, "block 32;\n    sub 16;\n    field d: f16;\n    field sc: i8[2];\n    field qs: u8[32];\n"
+                 "    unpack (qs[i] & 127) - 100;\n    dequant d * sc[s] * q;"),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_constant_zero_under_sub_block_scales_at_every_i16_width(deterministic) -> None:
+    from pathlib import Path
+
+    from kernelgen.compiler.build import compile_source, from_built
+    from kernelgen.compiler.lower import _i16_units
+
+    from helpers import assert_q_close
+
+    library = (Path(__file__).resolve().parents[1] / "kernels.dsl").read_text(encoding="utf-8")
+    decls = "".join(f"\nquant {name} {{\n    {body}\n}}\n" for name, (_, body) in ZERO_TYPES.items())
+    (built,) = compile_source(library + decls, targets=("relaxed-simd",), quants=("q6_k", *ZERO_TYPES), code_budget=None)
+    k = from_built(built, deterministic)
+    rng = rng_for("zero-widths")
+    widths = {}
+    for name in ("q6_k", *ZERO_TYPES):
+        q = k.quants[name]
+        widths[name] = _i16_units(q, k.manifest["activation"]["max"])
+        assert k.manifest["quants"][name]["group"] == GROUP_ROWS, name
+        rows, kdim = 7, 2 * q.block
+        blocks = random_blocks(q, rows, kdim // q.block, rng)
+        blocks.view(np.uint8).reshape(rows, -1, q.stored_bytes)[0, 0, :] = 0  # codes 0: the zero's full weight
+        x = rng.standard_normal(kdim).astype(np.float32)
+        x[:32] = np.abs(x[:32])  # a block of positive activations: the pairs with the zero at their largest
+        act = k.quantize_act(x)
+        a = k.act_values(act).astype(np.float64) * np.repeat(act.d.astype(np.float64), 32)
+        deq = q.dequantize_ref(blocks).astype(np.float64)
+        y = k.qmatvec(k.pack(name, blocks), act)
+        assert_q_close(y, deq @ a, np.abs(deq * a).sum(axis=1), f"{name} qmatvec")
+    assert widths == {"q6_k": 4, **{n: w for n, (w, _) in ZERO_TYPES.items()}}
