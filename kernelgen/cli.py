@@ -18,6 +18,7 @@ from .compiler.check import check, resolve_tune
 from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
+from .compiler.quant import DEFAULT_PRIORITY
 from .tuning.budget import CODE_BUDGET, dropped_text
 from .tuning.store import STORE, StoreWarning, load_store
 from .tuning.timing import ENGINE_CHOICES, ENGINES
@@ -313,7 +314,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                      "parallel": {"items": k.ast.parallel.items, "job": k.job} if k.ast.parallel else None,
                      "line": k.ast.span.line} for k in checked.kernels.values()],
         # priority: the weight of the type's speedups in a build's code budget (budget.spend)
-        "quants": {q.name: {**checked.quants[q.name].to_json(), "priority": q.priority or 1}
+        "quants": {q.name: {**checked.quants[q.name].to_json(), "priority": q.priority or DEFAULT_PRIORITY}
                    for q in checked.program.quants},
     }
     if args.json:

@@ -195,7 +195,7 @@ class QuantDecl(Node):
     tables: tuple[TableDecl, ...] = ()
     sub: int | None = None
     lets: tuple[LetStmt, ...] = ()
-    priority: int | None = None  # the weight of its speedups in a build's code budget (budget.spend); None: 1
+    priority: int | None = None  # the weight of its speedups in a build's code budget (budget.spend); None: quant.DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)

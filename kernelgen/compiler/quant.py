@@ -27,6 +27,7 @@ _SCALAR_ALLOWED = "only scalar fields, numbers, + - * / and pow2(x) are allowed"
 _NOT_I = "'i' is not a byte-sized scalar field (use field[i], nib(field, i) or bit(field, i))"
 TABLE_SIZE = 16  # a codebook is indexed by a nibble
 MAX_PRIORITY = 100  # a quant type's `priority N;`: its speedups count N times in a build's code budget
+DEFAULT_PRIORITY = 1  # a type that declares none
 
 
 # ---- the declaration's formulas as nodes -------------------------------------------------------

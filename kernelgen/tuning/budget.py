@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from ..compiler.quant import DEFAULT_PRIORITY
+
 from ..names import variant_name
 
 # Issue 13: the ten quant types' kernels in 32 KB per target (function bodies of quant-type code,
@@ -46,8 +48,8 @@ def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], b
           priority: Mapping[str, int] | None = None) -> set[str]:
     """The names of the upgrades to build, at most one per key (a kernel's pick or its middle
     variant): the choice with the largest sum of priority * log(speedup) (a weighted geometric mean
-    of the speedups over the types' kernels; a type's `priority N;`, default 1) whose bytes stay
-    within `budget`, the fewest bytes among equals.
+    of the speedups over the types' kernels; a type's `priority N;`, DEFAULT_PRIORITY where it
+    declares none) whose bytes stay within `budget`, the fewest bytes among equals.
     `cost(quant, names)` is the bytes of one quant type's code with the upgrades `names` of that type
     (the others at their smallest variants): one type's upgrades need not add up (two kernels can
     share a tile), so each type's choices are costed as wholes. Exact, a knapsack over the types:
@@ -62,7 +64,7 @@ def spend(upgrades: list[Upgrade], cost: Callable[[str, frozenset[str]], int], b
         for combo in itertools.product(*([None, *ups] for ups in per_key.values())):
             chosen = [u for u in combo if u is not None]
             names = frozenset(u.name for u in chosen)
-            weight = (priority or {}).get(quant, 1)
+            weight = (priority or {}).get(quant, DEFAULT_PRIORITY)
             options.append((cost(quant, names), weight * sum(math.log(u.speedup) for u in chosen), names))
         states = sorted(((b + ob, v + ov, keys | ok) for b, v, keys in front for ob, ov, ok in options),
                         key=lambda s: (s[0], -s[1], sorted(s[2])))
