@@ -6,14 +6,17 @@ suite (every type, both targets, odd row counts); here the bytes themselves."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kernelgen.compiler.build import compile_source, from_built
+from kernelgen.compiler.lower import _i16_units
 from kernelgen.compiler.ops import TARGETS
 from kernelgen.quantformat import GRANULE, GROUP_ROWS
 
-from helpers import random_blocks, rng_for
+from helpers import assert_q_close, random_blocks, rng_for
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +114,6 @@ ZERO_TYPES = {
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_constant_zero_under_sub_block_scales_at_every_i16_width(deterministic) -> None:
-    from pathlib import Path
-
-    from kernelgen.compiler.build import compile_source, from_built
-    from kernelgen.compiler.lower import _i16_units
-
-    from helpers import assert_q_close
-
     library = (Path(__file__).resolve().parents[1] / "kernels.dsl").read_text(encoding="utf-8")
     decls = "".join(f"\nquant {name} {{\n    {body}\n}}\n" for name, (_, body) in ZERO_TYPES.items())
     (built,) = compile_source(library + decls, targets=("relaxed-simd",), quants=("q6_k", *ZERO_TYPES), code_budget=None)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ..compiler.quant import DEFAULT_PRIORITY
-
 from ..names import variant_name
 
 # Issue 13: the ten quant types' kernels in 32 KB per target (function bodies of quant-type code,

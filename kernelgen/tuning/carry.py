@@ -9,9 +9,9 @@ re-tune after such an edit times only what changed (`kernelgen carry OLD.dsl`, t
 
 The code compared is every function the timed call reaches (a pool job's: the job and par_for, the
 pool's driver), as WAT without comments (they name DSL lines, which an edit moves) and with its
-locals declared in name order. A kernel can read
-another kernel's tune value (qmatmul's tiles read qmatvec.accs); the code is compared under each
-variant of that kernel the store holds, as a timing may have been taken beside any of them.
+locals declared in name order. A kernel can read another kernel's tune value (qmatmul's tiles read
+qmatvec.accs); the code is compared under each variant of that kernel the store holds, as a timing
+may have been taken beside any of them.
 """
 from __future__ import annotations
 
