@@ -340,12 +340,13 @@ def other_versions(records: list[Record], checked: Checked, kernel: str, target:
 def _on_host(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
              quant: str | None) -> list[tuple[Record, bool]]:
     """The records of `kernel` (of one `quant` type, or of any) on `target` and `want_host`, each with
-    whether it times the current version of its source (kernel_hash)."""
+    whether it times the current version of its source (kernel_hash). Hosts compare as dicts (read
+    from JSON, they are equal when their sorted JSON is): a build calls this about a hundred times
+    per target over the store's records, and writing each host as JSON took half of its tune choice."""
     hash_of = functools.cache(functools.partial(kernel_hash, checked, kernel))
-    hk = json.dumps(want_host, sort_keys=True)
     return [(r, r.dsl_hash == hash_of(r.quant)) for r in records
             if r.kernel == kernel and r.target == target and quant in (ALL_QUANTS, r.quant)
-            and json.dumps(r.host, sort_keys=True) == hk]
+            and r.host == want_host]
 
 
 def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
