@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import json
 import math
@@ -204,19 +205,35 @@ def test_load_store_keeps_good_records_and_warns_about_each_bad_line(checked, tm
         json.dumps(missing),                          # 12 a key missing
         "[1, 2, 3]",                                  # 13 JSON, but not an object
         _line(failed),                                # 14 good (a failed variant)
+        _line(good, seconds=True),                    # 15 a bool for a time
+        _line(good, seconds=float("nan")),            # 16 NaN (Python's json reads it)
+        _line(good, tune={"unroll": True}),           # 17 a bool for a tune value
+        _line(good, retimed=1),                       # 18 an integer for a bool
     ]
     path = tmp_path / "store.jsonl"
-    path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe not utf-8\n")  # 15 undecodable
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe not utf-8\n")  # 19 undecodable
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = load_store(path)
     assert loaded == [good, failed]
+    assert gc.isenabled()  # load_store pauses the cycle collector, and only while it reads
     messages = [str(w.message) for w in caught]
-    bad_lines = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 15]
+    bad_lines = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 15, 16, 17, 18, 19]
     for n in bad_lines:
         assert sum(m.startswith(f"{path}:{n}:") for m in messages) == 1, (n, messages)
     assert len(messages) == len(bad_lines), messages
     assert all(issubclass(w.category, UserWarning) for w in caught)
+
+
+def test_load_store_leaves_a_paused_cycle_collector_paused(checked, tmp_path: Path) -> None:
+    path = tmp_path / "store.jsonl"
+    append_record(path, rec(checked, {"unroll": 4}, 1.5e-6))
+    gc.disable()
+    try:
+        assert len(load_store(path)) == 1
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("line", ["42", '"a string"', "null", "true"])

@@ -38,7 +38,7 @@ from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
-from ..tuning.store import (Comparison, Record, best_tune, compare, host, load_store, middle_tune, other_versions, smallest,
+from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, host, load_store, middle_tune, other_versions, smallest,
                             speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
@@ -183,10 +183,14 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     store has one (store.middle_tune: what the budget may build instead)."""
     overrides = dict(overrides or {})
     want = tune_host or host()
-    mine: dict[str, list[Record]] = {}  # this target's records by kernel: each lookup below reads only its own
+    # This target's and host's records by kernel and quant type (ALL_QUANTS: of any type): each of
+    # the hundred-odd lookups below reads only its own (reading the whole store each time took
+    # 0.3-0.5 s of a 2.5 s target).
+    mine: dict[tuple[str, str | None], list[Record]] = {}
     for r in records or []:
-        if r.target == target:
-            mine.setdefault(r.kernel, []).append(r)
+        if r.target == target and r.host == want:
+            mine.setdefault((r.kernel, ALL_QUANTS), []).append(r)
+            mine.setdefault((r.kernel, r.quant), []).append(r)
     sources: dict[str, str] = {}
     upgrades: list[Upgrade] = []
     stale: dict[str, int] = {}  # tune keys left unpicked whose store timings are all of other versions
@@ -200,11 +204,11 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
         least = smallest(checked, name)
         quants = checked.quants if k.ast.generics else (None,)
         picks = {q: best for q in quants
-                 if (best := best_tune(mine.get(name, []), checked, name, target, want, least, q)) is not None}
+                 if (best := best_tune(mine.get((name, q), []), checked, name, target, want, least, q)) is not None}
         for q in quants:
-            if q not in picks and (n := other_versions(mine.get(name, []), checked, name, target, want, q)):
+            if q not in picks and (n := other_versions(mine.get((name, q), []), checked, name, target, want, q)):
                 stale[tune_key(name, q) if q else name] = n
-            elif q in picks and (gap := _partial(compare(mine[name], checked, name, target, want, q))):
+            elif q in picks and (gap := _partial(compare(mine[name, q], checked, name, target, want, q))):
                 partial[tune_key(name, q) if q else name] = gap
         if not picks:
             sources[name] = "default"
@@ -215,19 +219,19 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
                 overrides[tune_key(name, q)] = best
                 sources[tune_key(name, q)] = "store"
                 upgrades.append(Upgrade(tune_key(name, q), q, least, best,
-                                        speedup(mine[name], checked, name, target, want, best, least, q)))
-                if (mid := middle_tune(mine[name], checked, name, target, want, least, best, q)) is not None:
+                                        speedup(mine[name, q], checked, name, target, want, best, least, q)))
+                if (mid := middle_tune(mine[name, q], checked, name, target, want, least, best, q)) is not None:
                     upgrades.append(Upgrade(tune_key(name, q), q, least, mid,
-                                            speedup(mine[name], checked, name, target, want, mid, least, q), middle=True))
+                                            speedup(mine[name, q], checked, name, target, want, mid, least, q), middle=True))
     values = resolve_tune(checked, overrides)
     sources.update({key: "override" for key in overrides if key not in sources})
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
     for name in checked.jobs:
-        if (best := best_tune(mine.get(name, []), checked, name, target, want)) is not None:
+        if (best := best_tune(mine.get((name, ALL_QUANTS), []), checked, name, target, want)) is not None:
             pool[name] = best
-            if gap := _partial(compare(mine[name], checked, name, target, want)):
+            if gap := _partial(compare(mine[name, ALL_QUANTS], checked, name, target, want)):
                 partial[name] = gap
-        elif n := other_versions(mine.get(name, []), checked, name, target, want):
+        elif n := other_versions(mine.get((name, ALL_QUANTS), []), checked, name, target, want):
             stale[name] = n
     used_store = "store" in sources.values() or bool(pool)
     return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades,
