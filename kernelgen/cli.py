@@ -1,4 +1,4 @@
-"""The command line: `kernelgen build | check | list | tune | carry | bench`. User mistakes (bad DSL, bad
+"""The command line: `kernelgen build | check | list | tune | carry | prune | bench`. User mistakes (bad DSL, bad
 options, missing files) print a message and exit 2; nothing is written unless every target built."""
 from __future__ import annotations
 
@@ -261,6 +261,21 @@ def cmd_carry(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .tuning.store import prune
+
+    checked = check(parse(_read(args.dsl), str(args.dsl)))
+    store = args.store or STORE
+    if not store.is_file():
+        raise KernelgenError(f"--store {store}: no such file")
+    p = prune(store, checked, dry_run=args.dry_run)
+    verb = "would drop" if args.dry_run else "dropped"
+    print(f"{store}: {verb} {p.dropped} timing(s) of other versions of the source than {args.dsl}'s; kept {p.kept}"
+          + (f" and {p.unreadable} unreadable line(s), as they are" if p.unreadable else "")
+          + f" ({p.bytes_before / 1e6:.1f} MB -> {p.bytes_after / 1e6:.1f} MB)")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .tuning.bench import as_json, dram_table, format_table, run
 
@@ -403,6 +418,12 @@ def parser() -> argparse.ArgumentParser:
     ca.add_argument("old", type=Path, metavar="OLD_DSL", help="the source before the edit (e.g. git show HEAD:kernels.dsl)")
     ca.add_argument("--store", type=Path, help=f"tuning store (default {STORE})")
     ca.set_defaults(func=cmd_carry)
+    pr = sub.add_parser("prune", parents=[common],
+                        help="drop the store's timings of other versions of the source (a build cannot pick them;"
+                             " run after carry and tune, with version control holding the old store)")
+    pr.add_argument("--store", type=Path, help=f"tuning store (default {STORE})")
+    pr.add_argument("--dry-run", action="store_true", help="say what would be dropped, change nothing")
+    pr.set_defaults(func=cmd_prune)
     be = sub.add_parser("bench", parents=[common, stored], help="time the library, with ratios and goals")
     be.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     be.add_argument("--repeat", type=positive_int, default=1, metavar="N",

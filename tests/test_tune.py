@@ -6,6 +6,7 @@ tuner runs with a short measuring protocol. Everything is written under pytest's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import io
@@ -545,6 +546,67 @@ def test_carry_command_refuses_bad_input_with_exit_2(tmp_path, monkeypatch, args
     argv = [{"BAD": "bad.dsl", "OLD": "old.dsl"}.get(a, a) for a in args]
     code, _, err = run_cli("carry", *argv, "--dsl", str(DSL_PATH), *([] if "--store" in argv else ["--store", "store.jsonl"]))
     assert code == 2 and says in err, err
+
+
+def _store_to_prune(checked, path: Path) -> list[Record]:
+    """A store of two current timings (another host and engine among them), two of other versions
+    (an old source, a quant type no longer declared) and an unreadable line; the current ones back."""
+    current = [rec(checked, {"unroll": 4}, 1e-6),
+               dataclasses.replace(rec(checked, {"rows": 2, "accs": 1}, 1e-3, kernel="qmatvec", quant="q6_k",
+                                       host=HOST_B), engine="v8 11.3")]
+    for r in [current[0], rec(checked, {"unroll": 2}, 2e-6, dsl_hash="0" * 64), current[1],
+              rec(checked, {"rows": 1, "accs": 1}, 1e-3, kernel="qmatvec", quant="q3_k")]:
+        append_record(path, r)
+    with path.open("ab") as f:
+        f.write(b"\xff not a record\n")
+    return current
+
+
+def test_prune_drops_only_the_timings_of_other_versions(tmp_path, checked) -> None:
+    store = tmp_path / "store.jsonl"
+    current = _store_to_prune(checked, store)
+    before = store.read_bytes()
+    dry = S.prune(store, checked, dry_run=True)
+    assert store.read_bytes() == before
+    assert S.prune(store, checked) == dry == S.Pruned(2, 2, 1, len(before), store.stat().st_size)
+    lines = store.read_bytes().splitlines()
+    assert lines == [before.splitlines()[i] for i in (0, 2, 4)]  # as they were, the unreadable one too
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert load_store(store) == current
+    assert S.prune(store, checked).dropped == 0 and store.read_bytes() == b"\n".join(lines) + b"\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["store.jsonl"]  # no temporary file left
+
+
+def test_prune_leaves_a_store_that_changed_meanwhile_as_it_is(tmp_path, checked, monkeypatch) -> None:
+    """A tune appending while prune reads: the rewrite would lose its timing, so nothing is dropped."""
+    store = tmp_path / "store.jsonl"
+    _store_to_prune(checked, store)
+    hash_of = S.kernel_hash
+
+    def appending(*args):
+        append_record(store, rec(checked, {"unroll": 1}, 3e-6))
+        monkeypatch.setattr(S, "kernel_hash", hash_of)
+        return hash_of(*args)
+
+    monkeypatch.setattr(S, "kernel_hash", appending)
+    with pytest.raises(KernelgenError, match="changed while it was pruned"):
+        S.prune(store, checked)
+    assert len(store.read_bytes().splitlines()) == 6
+    assert [f.name for f in tmp_path.iterdir()] == ["store.jsonl"]
+
+
+def test_prune_command_says_what_it_dropped_and_refuses_a_missing_store(tmp_path, checked) -> None:
+    store = tmp_path / "store.jsonl"
+    _store_to_prune(checked, store)
+    size = store.stat().st_size
+    code, out, err = run_cli("prune", "--dsl", str(DSL_PATH), "--store", str(store), "--dry-run")
+    assert code == 0 and "would drop 2 timing(s)" in out and "kept 2 and 1 unreadable line(s)" in out, err
+    assert store.stat().st_size == size
+    code, out, err = run_cli("prune", "--dsl", str(DSL_PATH), "--store", str(store))
+    assert code == 0 and "dropped 2 timing(s)" in out and store.stat().st_size < size, err
+    code, _, err = run_cli("prune", "--dsl", str(DSL_PATH), "--store", str(tmp_path / "nowhere.jsonl"))
+    assert code == 2 and "nowhere.jsonl: no such file" in err
 
 
 # ---- builds that read the store ------------------------------------------------------------------

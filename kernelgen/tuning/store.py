@@ -23,7 +23,7 @@ from pathlib import Path
 from ..compiler import ast as A
 from ..compiler.assemble import wabt_version
 from ..compiler.check import Checked, resolve_tune
-from ..errors import DslError
+from ..errors import DslError, KernelgenError
 from ..host.manifest import MAX_THREADS
 from ..host.module import I32_MAX
 
@@ -243,6 +243,58 @@ def append_record(path: Path, rec: Record) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(rec.stored(), sort_keys=True) + "\n")
+
+
+@dataclass
+class Pruned:
+    """What prune kept and dropped, in lines of the store; `bytes_before` and `bytes_after` its size."""
+    kept: int
+    dropped: int
+    unreadable: int
+    bytes_before: int
+    bytes_after: int
+
+
+def prune(path: Path, checked: Checked, dry_run: bool = False) -> Pruned:
+    """Rewrite the store at `path` without the timings of other versions of the source than
+    `checked`'s (kernel_hash, as the build weighs them: those of a kernel or quant type it no longer
+    declares too). A build can pick only from the rest; carry keys timings to an edited source, so
+    the old ones are what its history (version control) holds. Lines that are no record of this
+    format stay as they are: prune drops only what it can read. The rewrite replaces the file at once,
+    and not at all when the store changed meanwhile (a tune appending): KernelgenError."""
+    before = path.stat()
+    raw = path.read_bytes()
+    kept: list[bytes] = []
+    dropped = unreadable = 0
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = _check_record(json.loads(line))
+        except (ValueError, RecursionError):  # undecodable, not JSON, not a record: kept as it is
+            unreadable += 1
+            kept.append(line)
+            continue
+        declared = rec.kernel in {**checked.kernels, **checked.jobs} and rec.quant in (None, *checked.quants)
+        if declared and rec.dsl_hash == kernel_hash(checked, rec.kernel, rec.quant):
+            kept.append(line)
+        else:
+            dropped += 1
+    out = b"".join(line + b"\n" for line in kept)
+    result = Pruned(len(kept) - unreadable, dropped, unreadable, len(raw), len(out))
+    if dry_run or not dropped:
+        return result
+    tmp = path.with_name(f".{path.name}.prune-{os.getpid()}")
+    try:
+        tmp.write_bytes(out)
+        os.chmod(tmp, before.st_mode & 0o7777)
+        now = path.stat()
+        if (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise KernelgenError(f"{path} changed while it was pruned (a tune appending to it?); nothing was dropped")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
 
 
 # A variant larger than the smallest is built only when it is this much faster than the smallest
