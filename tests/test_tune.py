@@ -217,6 +217,7 @@ def test_load_store_keeps_good_records_and_warns_about_each_bad_line(checked, tm
         warnings.simplefilter("always")
         loaded = load_store(path)
     assert loaded == [good, failed]
+    assert set(S._FIELD_TYPES) == set(Record.__dataclass_fields__) - {"origin"}  # every field checked
     assert gc.isenabled()  # load_store pauses the cycle collector, and only while it reads
     messages = [str(w.message) for w in caught]
     bad_lines = [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 15, 16, 17, 18, 19]

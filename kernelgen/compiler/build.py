@@ -38,8 +38,8 @@ from .assemble import assemble, wabt_version
 from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
-from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, host, load_store, middle_tune, other_versions, smallest,
-                            speedup, usable)
+from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, host, load_store, middle_tune,
+                            other_versions, smallest, speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T

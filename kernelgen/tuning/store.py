@@ -146,7 +146,6 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "host": (dict,), "tune": (dict,), "seconds": (float, int, type(None)), "status": (str,), "retimed": (bool,),
     "when": (float, int), "engine": (str,), "threads": (int,),
 }
-assert set(_FIELD_TYPES) == set(Record.__dataclass_fields__) - {"origin"}
 
 
 def _check_record(data: object) -> Record:
@@ -266,6 +265,7 @@ def prune(path: Path, checked: Checked, dry_run: bool = False) -> Pruned:
     raw = path.read_bytes()
     kept: list[bytes] = []
     dropped = unreadable = 0
+    kernels, quants = checked.kernels.keys() | checked.jobs.keys(), {None, *checked.quants}
     for line in raw.splitlines():
         if not line.strip():
             continue
@@ -275,7 +275,7 @@ def prune(path: Path, checked: Checked, dry_run: bool = False) -> Pruned:
             unreadable += 1
             kept.append(line)
             continue
-        declared = rec.kernel in {**checked.kernels, **checked.jobs} and rec.quant in (None, *checked.quants)
+        declared = rec.kernel in kernels and rec.quant in quants
         if declared and rec.dsl_hash == kernel_hash(checked, rec.kernel, rec.quant):
             kept.append(line)
         else:
