@@ -258,6 +258,8 @@ def cmd_carry(args: argparse.Namespace) -> int:
         for target, kernel, quant in sorted(found.changed, key=str):
             print(f"  kernelgen tune --target {target} --kernel {kernel}"
                   + (f" --quant {quant}" if quant else ""))
+    if found.records or found.changed:
+        print(f"the old source's timings stay in {store}; no build picks them: `kernelgen prune` drops them")
     return 0
 
 

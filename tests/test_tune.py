@@ -529,6 +529,7 @@ def test_carry_command_appends_and_names_what_to_time_again(tmp_path, checked) -
     code, out, err = run_cli("carry", str(old), "--dsl", str(new), "--store", str(store))
     assert code == 0, err
     assert "1 timing(s) of 1 kernel(s)" in out and "kernelgen tune --target simd128 --kernel qmatvec --quant q6_k" in out
+    assert "`kernelgen prune` drops them" in out
     stored = load_store(store)
     assert len(stored) == 3 and stored[2].quant == "q8_0"
     assert stored[2].dsl_hash == kernel_hash(checked_of(new.read_text(encoding="utf-8")), "qmatvec", "q8_0")
