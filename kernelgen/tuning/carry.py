@@ -26,7 +26,7 @@ from ..compiler.check import Checked, resolve_tune, select_quants, tune_key
 from ..compiler.lower import Lowered, lower
 from ..compiler.wat import Func, Writer
 from ..errors import DslError
-from .store import Record, kernel_hash
+from .store import Record, declares, kernel_hash
 
 _CALL = re.compile(r"\(call \$([A-Za-z0-9_]+)")
 _COMMENT = re.compile(r"\s*;;.*$")
@@ -97,8 +97,7 @@ def carry(records: Iterable[Record], old: Checked, new: Checked) -> Carried:
     and whose variant compiles to the same code from `new`; and which kernels the edit changed."""
     records = list(records)
     codes = _Code(old), _Code(new)
-    current = [r for r in records if r.dsl_hash == kernel_hash(old, r.kernel, r.quant)
-               and r.kernel in (*new.kernels, *new.jobs) and (r.quant is None or r.quant in new.quants)
+    current = [r for r in records if r.dsl_hash == kernel_hash(old, r.kernel, r.quant) and declares(new, r)
                and r.dsl_hash != kernel_hash(new, r.kernel, r.quant)]
     variants: dict[tuple[str, str, str | None], list[dict[str, int]]] = {}  # stored variants per kernel
     for r in current:

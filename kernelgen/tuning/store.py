@@ -89,6 +89,12 @@ def kernel_hash(checked: Checked, kernel: str, quant: str | None = None) -> str:
     return known
 
 
+def declares(checked: Checked, r: Record) -> bool:
+    """Whether `checked` declares r's kernel (or pool job) and quant type: the records of anything
+    else time code it no longer has (prune drops them, carry cannot key them to it)."""
+    return (r.kernel in checked.kernels or r.kernel in checked.jobs) and (r.quant is None or r.quant in checked.quants)
+
+
 def _kernel_hash(checked: Checked, kernel: str, quant: str | None) -> str:
     lines = checked.source.splitlines()
     seen: set[str] = set()
@@ -265,7 +271,6 @@ def prune(path: Path, checked: Checked, dry_run: bool = False) -> Pruned:
     raw = path.read_bytes()
     kept: list[bytes] = []
     dropped = unreadable = 0
-    kernels, quants = checked.kernels.keys() | checked.jobs.keys(), {None, *checked.quants}
     for line in raw.splitlines():
         if not line.strip():
             continue
@@ -275,8 +280,7 @@ def prune(path: Path, checked: Checked, dry_run: bool = False) -> Pruned:
             unreadable += 1
             kept.append(line)
             continue
-        declared = rec.kernel in kernels and rec.quant in quants
-        if declared and rec.dsl_hash == kernel_hash(checked, rec.kernel, rec.quant):
+        if declares(checked, rec) and rec.dsl_hash == kernel_hash(checked, rec.kernel, rec.quant):
             kept.append(line)
         else:
             dropped += 1
