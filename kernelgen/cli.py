@@ -438,7 +438,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--dram", metavar="[LAYERSx]ROWSxCOLS",
                     help="only the decode goals that assume weights from DRAM, at this shape (wasmtime): for a machine"
                          " whose last-level cache holds 8192x8192's weights, e.g. 16384x32768 (570 MB of Q8_0); with"
-                         " LAYERS, as many matrices read in turn, as decoding reads a model's layers, e.g. 32x4096x4096")
+                         " LAYERS, as many matrices read in turn, as decoding reads a model's layers, e.g. 32x4096x4096;"
+                         " on more than one core, the same bytes on the pool on every core too")
     be.set_defaults(func=cmd_bench)
     ls = sub.add_parser("list", parents=[common], help="list kernels, quant types and tune parameters")
     ls.add_argument("--json", action="store_true", help="print the list as JSON")

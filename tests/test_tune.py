@@ -12,6 +12,7 @@ import gc
 import io
 import json
 import math
+import os
 import shutil
 import time
 import types
@@ -1155,7 +1156,7 @@ def test_bench_tables_name_only_rows_they_define() -> None:
 def test_bench_dram_table_times_the_dram_goals_at_the_shape_asked(capsys) -> None:
     """--dram RxC: the streaming read and the goal types' mat-vecs at that shape, with the goals the
     full table sets at 8192x8192 (one place: bench's constants); bad shapes and engines exit 2."""
-    cases, ratios = bench.dram_table(8, 512)
+    cases, ratios = bench.dram_table(8, 512, cores=1)
     assert [c.key for c in cases] == ["stream of q8_0's packed bytes 8x512", *(f"qmatvec {q} 8x512" for q in bench.DRAM_TYPES)]
     goals = {(r.row, r.target): r.at_least for r in ratios}
     assert goals[("qmatvec q8_0 8x512", "relaxed-simd")] == bench.ROOFLINE_GOAL[f"{bench.BIG[0]}x{bench.BIG[1]}"]
@@ -1177,7 +1178,7 @@ def test_bench_dram_table_times_the_dram_goals_at_the_shape_asked(capsys) -> Non
 def test_bench_dram_layers_read_distinct_matrices_in_turn() -> None:
     """--dram LxRxC: L matrices of RxC, each mat-vec'd (and streamed) in turn, as decoding reads a
     model's layers; the rate counts every layer's weights, the chart every layer's bytes."""
-    cases, ratios = bench.dram_table(8, 512, layers=3)
+    cases, ratios = bench.dram_table(8, 512, layers=3, cores=1)
     shape = "3 layers of 8x512"
     assert [c.key for c in cases] == [f"stream of q8_0's packed bytes {shape}", *(f"qmatvec {q} {shape}" for q in bench.DRAM_TYPES)]
     assert all(c.work == 3 * 8 * 512 and c.weights[1:] == (24, 512) for c in cases)
@@ -1189,6 +1190,33 @@ def test_bench_dram_layers_read_distinct_matrices_in_turn() -> None:
     k.pack = lambda *a, **kw: packs.append(1) or pack(*a, **kw)  # type: ignore[method-assign]
     assert bench.qmatvec("q4_0", 8, 512, layers=3)(k) > 0
     assert len(packs) == 3  # three distinct matrices, not one read three times
+
+
+def test_bench_dram_table_on_every_core_reads_the_same_bytes_on_the_pool(capsys) -> None:
+    """With more than one core, --dram also times the streaming read and every DRAM type's mat-vec
+    on the pool on every core, over one matrix of all the layers' rows, each type against Q8_0 with
+    no goal (issue 13's goals are one thread's); the default is this machine's cores."""
+    cases, ratios = bench.dram_table(8, 512, layers=3, cores=2)
+    shape = "3 layers of 8x512"
+    pool = [c for c in cases if "pool" in c.key]
+    assert [c.key for c in pool] == [f"stream pool, 2 threads {shape}",
+                                     *(f"qmatvec {q} pool, 2 threads {shape}" for q in bench.DRAM_TYPES)]
+    assert all(c.work == 3 * 8 * 512 and c.weights[1:] == (24, 512) for c in pool)
+    pool_ratios = [r for r in ratios if "pool" in r.row]
+    assert {(r.row, r.versus) for r in pool_ratios} == {
+        (f"qmatvec q8_0 pool, 2 threads {shape}", f"stream pool, 2 threads {shape}"),
+        *((f"qmatvec {q} pool, 2 threads {shape}", f"qmatvec q8_0 pool, 2 threads {shape}")
+          for q in bench.DRAM_TYPES if q != "q8_0")}
+    assert all(r.at_least is None for r in pool_ratios)
+    one = {(r.row, r.at_least) for r in ratios if "pool" not in r.row}
+    assert one == {(r.row, r.at_least) for r in bench.dram_table(8, 512, layers=3, cores=1)[1]}
+    report = bench.run(SOURCE, ("relaxed-simd",), cases=pool, ratios=pool_ratios, limits=[])
+    assert len(report.ratios) == len(pool_ratios) and all(q.value.median > 0 for q in report.ratios)
+    assert len([c for c in bench.dram_table(8, 512)[0] if "pool" in c.key]) == (
+        0 if (os.cpu_count() or 1) == 1 else len(bench.DRAM_TYPES) + 1)
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="cores must be a positive int"):
+            bench.dram_table(8, 512, cores=bad)
 
 
 def test_bench_blocks_have_normal_scales_near_a_hundredth() -> None:

@@ -380,18 +380,25 @@ def _matvec_cases() -> list[Case]:
     return out
 
 
-DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL)
+# the goals' types and Q5_K (Q5_K_M files' type, no goal)
+DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL, "q5_k")
 DRAM_MAX_BYTES = 1 << 30  # Q8_0's packed weights at most: the module's memory holds 2 GiB
 Q8_0_PACKED = 36 / 32  # bytes per weight of packed Q8_0: 32 int8 codes and an f32 scale per block
 
 
-def dram_table(rows: int, cols: int, layers: int = 1) -> tuple[list[Case], list[Ratio]]:
+def dram_table(rows: int, cols: int, layers: int = 1, cores: int | None = None) -> tuple[list[Case], list[Ratio]]:
     """The decode goals that assume weights from DRAM, at a shape of the caller's choosing
     (`kernelgen bench --dram [LAYERSx]RxC`): where a last-level cache holds BIG's weights (the
     report's note), a shape beyond it measures what a model's mat-vecs read at every token. The
     streaming read of Q8_0's bytes and qmatvec of DRAM_TYPES, in wasmtime (the weights are packed in
     numpy: packing a few hundred MB in JS would take minutes a row). With `layers`, as many
-    matrices of RxC are read in turn (qmatvec's `layers`), one call each, the streaming read too."""
+    matrices of RxC are read in turn (qmatvec's `layers`), one call each, the streaming read too.
+    With `cores` > 1 (default: this machine's), the same reads on the pool on every core, as a
+    model decodes, against Q8_0's (no goals: issue 13's are one thread's), over one matrix of the
+    layers' rows (the same bytes; each thread's tiles stream within SLAB_ROWS windows, as in one
+    layer): once the cores together outrun DRAM, a type's rate is its bytes per weight."""
+    if cores is not None and not (isinstance(cores, int) and not isinstance(cores, bool) and cores > 0):
+        raise ValueError(f"dram_table: cores must be a positive int, not {cores!r}")
     if not all(isinstance(x, int) and x > 0 for x in (rows, cols, layers)) or cols % 256:
         raise ValueError(f"--dram {layers}x{rows}x{cols}: layers, rows and columns must be positive, the columns a "
                          f"multiple of 256 (a K-quant super-block)")
@@ -405,10 +412,23 @@ def dram_table(rows: int, cols: int, layers: int = 1) -> tuple[list[Case], list[
                   weights=("q8_0", layers * rows, cols)),
              *(Case(f"qmatvec {q}", shape, n, "weights", qmatvec(q, rows, cols, layers=layers),
                     weights=(q, layers * rows, cols)) for q in DRAM_TYPES)]
+
+    def versus_q8_0(row: Callable[[str], str], goals: bool) -> list[Ratio]:
+        return [Ratio(row(q), row("q8_0"), at_least=(Q4_0_GOAL if q == "q4_0" else K_QUANT_GOAL.get(q)) if goals else None)
+                for q in DRAM_TYPES if q != "q8_0"]
+
     ratios = [*(Ratio(row("q8_0"), stream_row, t, at_least=DRAM_ROOFLINE_GOAL if t == "relaxed-simd" else None)
-                for t in TARGET_NAMES),
-              Ratio(row("q4_0"), row("q8_0"), at_least=Q4_0_GOAL),
-              *(Ratio(row(q), row("q8_0"), at_least=goal) for q, goal in K_QUANT_GOAL.items())]
+                for t in TARGET_NAMES), *versus_q8_0(row, goals=True)]
+    if cores is None:
+        cores = os.cpu_count() or 1
+    if cores > 1:
+        pool = f"pool, {cores} threads"
+        stream_pool_row, pool_row = f"stream {pool} {shape}", lambda q: f"qmatvec {q} {pool} {shape}"
+        cases += [Case(f"stream {pool}", shape, n, "weights", stream_pool("q8_0", layers * rows, cols, cores),
+                       weights=("q8_0", layers * rows, cols)),
+                  *(Case(f"qmatvec {q} {pool}", shape, n, "weights", qmatvec(q, layers * rows, cols, cores),
+                         weights=(q, layers * rows, cols)) for q in DRAM_TYPES)]
+        ratios += [Ratio(pool_row("q8_0"), stream_pool_row), *versus_q8_0(pool_row, goals=False)]
     return cases, ratios
 
 
