@@ -396,7 +396,8 @@ def dram_table(rows: int, cols: int, layers: int = 1, cores: int | None = None) 
     With `cores` > 1 (default: this machine's), the same reads on the pool on every core, as a
     model decodes, against Q8_0's (no goals: issue 13's are one thread's), over one matrix of the
     layers' rows (the same bytes; each thread's tiles stream within SLAB_ROWS windows, as in one
-    layer): once the cores together outrun DRAM, a type's rate is its bytes per weight."""
+    layer): the more of DRAM's rate the cores use together, the more a type's rate follows its
+    packed bytes per weight."""
     if cores is not None and not (isinstance(cores, int) and not isinstance(cores, bool) and cores > 0):
         raise ValueError(f"dram_table: cores must be a positive int, not {cores!r}")
     if not all(isinstance(x, int) and x > 0 for x in (rows, cols, layers)) or cols % 256:
