@@ -171,6 +171,16 @@ export kernel widen8(src: ptr, dst: ptr) {
     i16x8.store(dst, i16x8.load8x8(src, 4));
 }
 
+# Shuffles with a constant zero operand (relaxed SIMD: a relaxed swizzle) and with -0.0 (not zero bits).
+export kernel zero_shuffles(src: ptr, dst: ptr) {
+    let v = i8x16.load(src);
+    i8x16.store(dst, i8x16.shuffle(v, i8x16.splat(0), 4, 16, 16, 16, 5, 17, 18, 19, 0, 1, 31, 15, 7, 16, 3, 2));
+    i8x16.store(dst, 16, i8x16.shuffle(i8x16.splat(0), v, 16, 0, 31, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7));
+    let f = f32x4.load(src);
+    f32x4.store(dst, 32, f32x4.shuffle(f, f32x4.splat(0.0), 0, 4, 3, 5));
+    f32x4.store(dst, 48, f32x4.shuffle(f, f32x4.splat(-0.0), 0, 4, 3, 5));
+}
+
 export kernel atomics(p: ptr) -> i32 {
     atomic_store(p, 5);
     let old = atomic_add(p, 3);
@@ -240,6 +250,30 @@ def test_load8x8_widens_eight_int8_at_its_offset(k) -> None:
     src, dst = k.module.put(raw), k.module.alloc(16)
     k.call("widen8", src, dst)
     assert k.module.get(dst, np.int16, 8).tolist() == raw[4:12].tolist()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("target", TARGETS)
+def test_shuffles_with_a_zero_operand_give_zeros_there(target, deterministic) -> None:
+    from kernelgen.compiler.build import compile_source, from_built
+    (built,) = compile_source(SOURCE, targets=(target,))
+    k = from_built(built, deterministic)
+    raw = np.arange(1, 17, dtype=np.uint8) * np.uint8(13)
+    src, dst = k.module.put(raw), k.module.alloc(64)
+    k.call("zero_shuffles", src, dst)
+    both = np.concatenate([raw, np.zeros(16, np.uint8)])
+    first = both[[4, 16, 16, 16, 5, 17, 18, 19, 0, 1, 31, 15, 7, 16, 3, 2]]
+    second = np.concatenate([np.zeros(16, np.uint8), raw])[[16, 0, 31, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7]]
+    words = raw.view(np.uint32)
+    floats = [words[0], 0, words[3], 0]
+    neg = [words[0], 0x80000000, words[3], 0x80000000]
+    got = k.module.get(dst, np.uint8, 64)
+    assert got[:16].tolist() == first.tolist() and got[16:32].tolist() == second.tolist()
+    assert got[32:].view(np.uint32).tolist() == floats + neg
+    body = built.wat.split("(func $zero_shuffles")[1].split("\n  (func ")[0]
+    relaxed = target == "relaxed-simd"
+    assert body.count("(i8x16.relaxed_swizzle") == (3 if relaxed else 0)
+    assert body.count("(i8x16.shuffle") == (1 if relaxed else 4)  # -0.0 has its sign bit: a shuffle
 
 
 def test_while_loop(k) -> None:

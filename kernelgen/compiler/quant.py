@@ -515,9 +515,9 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
         sign = "s" if x.signed else "u"
         ints = I("i32.add", first, I("i32.shl", I("i32.and", blk[1], I("i32.const", str(rec.blocks - 1))), I("i32.const", str(g.bit_length() - 1))))
         raw = I("v128.load32_zero", *_off(g * x.i_at), ints)
-        if form == "pairs":  # unsigned byte r (Q.int_scales) to i16 lanes 2r, 2r + 1, high bytes zero
-            return I("i8x16.shuffle", *(str(k) for r in range(4) for k in (r, 16, r, 16)), raw,
-                     I("v128.const", "i32x4", "0", "0", "0", "0"))
+        if form == "pairs":  # unsigned byte r (Q.int_scales: relaxed SIMD) to i16 lanes 2r, 2r + 1, high bytes
+            # zero (a relaxed swizzle's index with the high bit set: ops._shuffle_relaxed)
+            return I("i8x16.relaxed_swizzle", raw, I("v128.const", "i8x16", *(str(k) for r in range(4) for k in (r, 128, r, 128))))
         widened = I(f"i32x4.extend_low_i16x8_{sign}", I(f"i16x8.extend_low_i8x16_{sign}", raw))
         return I("f32x4.mul", I("f32x4.convert_i32x4_s", widened), I("v128.load", *_off(g * x.f_at), again))
     if x.i is None:

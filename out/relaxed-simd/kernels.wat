@@ -9086,12 +9086,20 @@
     (local $ss_1 v128) (local $b i32) (local $k i32) (local $k_end i32) (local $v v128) (local $av v128)
     (local $x v128) (local $t i32) (local $da v128) (local $m_0 v128) (local $m_1 v128) (local $q i32)
     (local $q_end i32) (local $sa_0 v128) (local $blk i32) (local $ints v128) (local $mf v128) (local $row i32)
-    (local $out i32) (local $i8x16_15 v128) (local $i32x4_0 v128) (local $f32x4_0_0 v128) (local $i8x16_0 v128)
+    (local $out i32) (local $i8x16_15 v128) (local $i8x16_const v128) (local $f32x4_0_0 v128) (local $i8x16_const_2 v128) (local $i8x16_const_3 v128)
+    (local $i8x16_const_4 v128) (local $i8x16_const_5 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
-    (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
+    (local.set $i8x16_const (v128.const i8x16 0 128 0 128 1 128 1 128 2 128 2 128 3 128 3 128))
     (local.set $f32x4_0_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
-    (local.set $i8x16_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
+    (local.set $i8x16_const_2
+      (v128.const i8x16 0 128 128 128 1 128 128 128 2 128 128 128 3 128 128 128))
+    (local.set $i8x16_const_3
+      (v128.const i8x16 4 128 128 128 5 128 128 128 6 128 128 128 7 128 128 128))
+    (local.set $i8x16_const_4
+      (v128.const i8x16 8 128 128 128 9 128 128 128 10 128 128 128 11 128 128 128))
+    (local.set $i8x16_const_5
+      (v128.const i8x16 12 128 128 128 13 128 128 128 14 128 128 128 15 128 128 128))
     ;; kernels.dsl:960: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
     (local.set $wg_0
       (i32.add (local.get $w_q) (i32.mul (i32.mul (local.get $g0) (local.get $nb)) (i32.const 64))))
@@ -9357,7 +9365,7 @@
             (local.set $dot_0
               (i32x4.dot_i16x8_s
                 (local.get $part_0)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -9369,14 +9377,14 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1002: var x: i32x4 = i32x4.splat(0);
-            (local.set $x (local.get $i32x4_0))
+            (local.set $x (v128.const i32x4 0 0 0 0))
             ;; kernels.dsl:1014: dot[i] = x;
             (local.set $dot_1
               (i32x4.dot_i16x8_s
                 (local.get $part_1)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -9390,7 +9398,7 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1023: let da = f32x4.splat(f32.load(ad + ((t0 + t * ts) * nb + k) * 4));
             (local.set $da
               (f32x4.splat
@@ -9488,9 +9496,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 0 16 16 16 1 16 16 16 2 16 16 16 3 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_2))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -9500,9 +9506,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 4 16 16 16 5 16 16 16 6 16 16 16 7 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_3))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -9512,9 +9516,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 8 16 16 16 9 16 16 16 10 16 16 16 11 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_4))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -9526,9 +9528,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 12 16 16 16 13 16 16 16 14 16 16 16 15 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_5))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -9555,9 +9555,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 0 16 16 16 1 16 16 16 2 16 16 16 3 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_2))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -9567,9 +9565,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 4 16 16 16 5 16 16 16 6 16 16 16 7 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_3))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -9579,9 +9575,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 8 16 16 16 9 16 16 16 10 16 16 16 11 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_4))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -9593,9 +9587,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 12 16 16 16 13 16 16 16 14 16 16 16 15 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_5))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -9760,11 +9752,19 @@
     (local $ss_1 v128) (local $b i32) (local $k i32) (local $k_end i32) (local $v v128) (local $av v128)
     (local $x v128) (local $t i32) (local $da v128) (local $m_0 v128) (local $m_1 v128) (local $q i32)
     (local $q_end i32) (local $sa_0 v128) (local $blk i32) (local $ints v128) (local $mf v128) (local $row i32)
-    (local $out i32) (local $i32x4_0 v128) (local $f32x4_0_0 v128) (local $i8x16_0 v128)
+    (local $out i32) (local $i8x16_const v128) (local $f32x4_0_0 v128) (local $i8x16_const_2 v128) (local $i8x16_const_3 v128) (local $i8x16_const_4 v128)
+    (local $i8x16_const_5 v128)
     ;; vector constants used more than once
-    (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
+    (local.set $i8x16_const (v128.const i8x16 0 128 0 128 1 128 1 128 2 128 2 128 3 128 3 128))
     (local.set $f32x4_0_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
-    (local.set $i8x16_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
+    (local.set $i8x16_const_2
+      (v128.const i8x16 0 128 128 128 1 128 128 128 2 128 128 128 3 128 128 128))
+    (local.set $i8x16_const_3
+      (v128.const i8x16 4 128 128 128 5 128 128 128 6 128 128 128 7 128 128 128))
+    (local.set $i8x16_const_4
+      (v128.const i8x16 8 128 128 128 9 128 128 128 10 128 128 128 11 128 128 128))
+    (local.set $i8x16_const_5
+      (v128.const i8x16 12 128 128 128 13 128 128 128 14 128 128 128 15 128 128 128))
     ;; kernels.dsl:960: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
     (local.set $wg_0
       (i32.add
@@ -9884,7 +9884,7 @@
             (local.set $dot_0
               (i32x4.dot_i16x8_s
                 (local.get $part_0)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -9896,12 +9896,12 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1014: dot[i] = x;
             (local.set $dot_1
               (i32x4.dot_i16x8_s
                 (local.get $part_1)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -9915,7 +9915,7 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:975: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
             (local.set $u_0
               (v128.load offset=64
@@ -10016,7 +10016,7 @@
             (local.set $x
               (i32x4.dot_i16x8_s
                 (local.get $part_0)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -10028,14 +10028,14 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1016: dot[i] = dot[i] + x;
             (local.set $dot_0 (i32x4.add (local.get $dot_0) (local.get $x)))
             ;; kernels.dsl:1009: x = pairsum(part[i], Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));
             (local.set $x
               (i32x4.dot_i16x8_s
                 (local.get $part_1)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -10049,7 +10049,7 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1016: dot[i] = dot[i] + x;
             (local.set $dot_1 (i32x4.add (local.get $dot_1) (local.get $x)))
             ;; kernels.dsl:1023: let da = f32x4.splat(f32.load(ad + ((t0 + t * ts) * nb + k) * 4));
@@ -10149,9 +10149,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 0 16 16 16 1 16 16 16 2 16 16 16 3 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_2))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -10161,9 +10159,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 4 16 16 16 5 16 16 16 6 16 16 16 7 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_3))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -10173,9 +10169,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 8 16 16 16 9 16 16 16 10 16 16 16 11 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_4))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -10187,9 +10181,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 12 16 16 16 13 16 16 16 14 16 16 16 15 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_5))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -10216,9 +10208,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 0 16 16 16 1 16 16 16 2 16 16 16 3 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_2))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -10228,9 +10218,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 4 16 16 16 5 16 16 16 6 16 16 16 7 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_3))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -10240,9 +10228,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 8 16 16 16 9 16 16 16 10 16 16 16 11 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_4))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -10254,9 +10240,7 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 12 16 16 16 13 16 16 16 14 16 16 16 15 16 16 16
-                  (local.get $ints)
-                  (local.get $i8x16_0))))
+                (i8x16.relaxed_swizzle (local.get $ints) (local.get $i8x16_const_5))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_1
               (f32x4.relaxed_madd
@@ -11955,13 +11939,11 @@
     (local $k_end i32) (local $v v128) (local $av v128) (local $x v128) (local $t i32) (local $da v128)
     (local $m_0 v128) (local $m_1 v128) (local $m_2 v128) (local $m_3 v128) (local $q i32) (local $q_end i32)
     (local $sa_0 v128) (local $sa_1 v128) (local $sa_2 v128) (local $sa_3 v128) (local $blk i32) (local $ints v128)
-    (local $mf v128) (local $row i32) (local $out i32) (local $i8x16_15 v128) (local $i32x4_0 v128) (local $f32x4_0_0 v128)
-    (local $i8x16_0 v128)
+    (local $mf v128) (local $row i32) (local $out i32) (local $i8x16_15 v128) (local $i8x16_const v128) (local $f32x4_0_0 v128)
     ;; vector constants used more than once
     (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
-    (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
+    (local.set $i8x16_const (v128.const i8x16 0 128 0 128 1 128 1 128 2 128 2 128 3 128 3 128))
     (local.set $f32x4_0_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
-    (local.set $i8x16_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
     ;; kernels.dsl:960: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
     (local.set $wg_0
       (i32.add (local.get $w_q) (i32.mul (i32.mul (local.get $g0) (local.get $nb)) (i32.const 64))))
@@ -12433,7 +12415,7 @@
             (local.set $dot_0
               (i32x4.dot_i16x8_s
                 (local.get $part_0)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -12445,12 +12427,12 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1014: dot[i] = x;
             (local.set $dot_1
               (i32x4.dot_i16x8_s
                 (local.get $part_1)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -12462,12 +12444,12 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1014: dot[i] = x;
             (local.set $dot_2
               (i32x4.dot_i16x8_s
                 (local.get $part_2)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -12479,14 +12461,14 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1002: var x: i32x4 = i32x4.splat(0);
-            (local.set $x (local.get $i32x4_0))
+            (local.set $x (v128.const i32x4 0 0 0 0))
             ;; kernels.dsl:1014: dot[i] = x;
             (local.set $dot_3
               (i32x4.dot_i16x8_s
                 (local.get $part_3)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -12498,7 +12480,7 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1023: let da = f32x4.splat(f32.load(ad + ((t0 + t * ts) * nb + k) * 4));
             (local.set $da
               (f32x4.splat
@@ -12714,9 +12696,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 0 16 16 16 1 16 16 16 2 16 16 16 3 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 0 128 128 128 1 128 128 128 2 128 128 128 3 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -12744,9 +12726,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 4 16 16 16 5 16 16 16 6 16 16 16 7 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 4 128 128 128 5 128 128 128 6 128 128 128 7 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -12774,9 +12756,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 8 16 16 16 9 16 16 16 10 16 16 16 11 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 8 128 128 128 9 128 128 128 10 128 128 128 11 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -12812,9 +12794,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 12 16 16 16 13 16 16 16 14 16 16 16 15 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 12 128 128 128 13 128 128 128 14 128 128 128 15 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -13121,11 +13103,10 @@
     (local $b i32) (local $k i32) (local $k_end i32) (local $v v128) (local $av v128) (local $x v128)
     (local $t i32) (local $da v128) (local $m_0 v128) (local $m_1 v128) (local $q i32) (local $q_end i32)
     (local $sa_0 v128) (local $sa_1 v128) (local $blk i32) (local $ints v128) (local $mf v128) (local $row i32)
-    (local $out i32) (local $i32x4_0 v128) (local $f32x4_0_0 v128) (local $i8x16_0 v128)
+    (local $out i32) (local $i8x16_const v128) (local $f32x4_0_0 v128)
     ;; vector constants used more than once
-    (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
+    (local.set $i8x16_const (v128.const i8x16 0 128 0 128 1 128 1 128 2 128 2 128 3 128 3 128))
     (local.set $f32x4_0_0 (v128.const f32x4 0.0 0.0 0.0 0.0))
-    (local.set $i8x16_0 (v128.const i8x16 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0))
     ;; kernels.dsl:960: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
     (local.set $wg_0
       (i32.add
@@ -13256,7 +13237,7 @@
             (local.set $dot_0
               (i32x4.dot_i16x8_s
                 (local.get $part_0)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -13268,12 +13249,12 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1014: dot[i] = x;
             (local.set $dot_1
               (i32x4.dot_i16x8_s
                 (local.get $part_1)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -13285,7 +13266,7 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:975: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
             (local.set $u_0
               (v128.load offset=64
@@ -13400,7 +13381,7 @@
             (local.set $x
               (i32x4.dot_i16x8_s
                 (local.get $part_0)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -13412,14 +13393,14 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1016: dot[i] = dot[i] + x;
             (local.set $dot_0 (i32x4.add (local.get $dot_0) (local.get $x)))
             ;; kernels.dsl:1009: x = pairsum(part[i], Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));
             (local.set $x
               (i32x4.dot_i16x8_s
                 (local.get $part_1)
-                (i8x16.shuffle 0 16 0 16 1 16 1 16 2 16 2 16 3 16 3 16
+                (i8x16.relaxed_swizzle
                   (v128.load32_zero offset=32
                     (i32.add
                       (i32.add
@@ -13431,7 +13412,7 @@
                             (i32.const 3))
                           (i32.const 96)))
                       (i32.shl (i32.and (local.get $t) (i32.const 7)) (i32.const 2))))
-                  (local.get $i32x4_0))))
+                  (local.get $i8x16_const))))
             ;; kernels.dsl:1016: dot[i] = dot[i] + x;
             (local.set $dot_1 (i32x4.add (local.get $dot_1) (local.get $x)))
             ;; kernels.dsl:1023: let da = f32x4.splat(f32.load(ad + ((t0 + t * ts) * nb + k) * 4));
@@ -13551,9 +13532,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 0 16 16 16 1 16 16 16 2 16 16 16 3 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 0 128 128 128 1 128 128 128 2 128 128 128 3 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -13569,9 +13550,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 4 16 16 16 5 16 16 16 6 16 16 16 7 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 4 128 128 128 5 128 128 128 6 128 128 128 7 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -13587,9 +13568,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 8 16 16 16 9 16 16 16 10 16 16 16 11 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 8 128 128 128 9 128 128 128 10 128 128 128 11 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
@@ -13609,9 +13590,9 @@
             ;; kernels.dsl:1071: let mf = f32x4.convert(bytelanes[c](ints));
             (local.set $mf
               (f32x4.convert_i32x4_s
-                (i8x16.shuffle 12 16 16 16 13 16 16 16 14 16 16 16 15 16 16 16
+                (i8x16.relaxed_swizzle
                   (local.get $ints)
-                  (local.get $i8x16_0))))
+                  (v128.const i8x16 12 128 128 128 13 128 128 128 14 128 128 128 15 128 128 128))))
             ;; kernels.dsl:1073: m[t * G + g] = madd(mf, f32x4.shuffle(sa[t], sa[t], c, c, c, c), m[t * G + g]);
             (local.set $m_0
               (f32x4.relaxed_madd
