@@ -171,6 +171,17 @@ export kernel widen8(src: ptr, dst: ptr) {
     i16x8.store(dst, i16x8.load8x8(src, 4));
 }
 
+# Equal vector loads read once (Lowerer.load_once) while their address's locals stay as they are.
+export kernel shared_loads(src: ptr, dst: ptr, k: i32) {
+    let a = i32x4.load(src + k * 16, 16);
+    let b = i32x4.load(src + k * 16, 16);
+    var p: ptr = src + k * 16;
+    let c = i32x4.load(p);
+    p = p + 16;
+    let d = i32x4.load(p);
+    i32x4.store(dst, a + b * i32x4.splat(10) + c * i32x4.splat(100) + d * i32x4.splat(1000));
+}
+
 # Shuffles with a constant zero operand (relaxed SIMD: a relaxed swizzle) and with -0.0 (not zero bits).
 export kernel zero_shuffles(src: ptr, dst: ptr) {
     let v = i8x16.load(src);
@@ -250,6 +261,22 @@ def test_load8x8_widens_eight_int8_at_its_offset(k) -> None:
     src, dst = k.module.put(raw), k.module.alloc(16)
     k.call("widen8", src, dst)
     assert k.module.get(dst, np.int16, 8).tolist() == raw[4:12].tolist()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_equal_loads_are_read_once_until_their_address_changes(target) -> None:
+    from kernelgen.compiler.build import compile_source, from_built
+    (built,) = compile_source(SOURCE, targets=(target,))
+    k = from_built(built)
+    raw = np.arange(48, dtype=np.int32)
+    src, dst = k.module.put(raw), k.module.alloc(16)
+    k.call("shared_loads", src, dst, 1)
+    x = raw.reshape(-1, 4)
+    assert k.module.get(dst, np.int32, 4).tolist() == (x[2] * 11 + x[1] * 100 + x[2] * 1000).tolist()
+    body = built.wat.split("(func $shared_loads")[1].split("\n  (func ")[0]
+    # a and b name one load's local (no copy); c and d differ (p was set between them)
+    assert body.count("(v128.load") == 3 and body.count("(local.get $loaded)") == 2, body
+    assert "$a" not in body and "$b" not in body, body
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -494,11 +494,13 @@ def test_carry_keys_to_the_edit_the_timings_whose_code_it_leaves_alone(checked) 
 
 
 def test_carry_keeps_timings_whose_code_declares_its_locals_in_another_order(checked) -> None:
-    """qgtile's activations inlined into alanes again: Q6_K's zero then loads them twice (changed
-    code), Q4_0's code is the same but declares its locals in another order (kept)."""
-    load = "i32x4.load(arow[t] + k * Q.block * ACT_BYTES, j / 4 * 16)"
-    edited = edit(edit(SOURCE, f"let v = {load};\n                    let av = alanes[j % 4](v);",
-                       f"let av = alanes[j % 4]({load});"), "i8x16.bits(v)", f"i8x16.bits({load})")
+    """qgtile's dot and part declared in the other order: Q4_0's code is the same but declares its
+    locals in another order (kept); Q6_K's zero also reads the activations at an address spelled
+    another way (the offset in the sum), a load of its own (changed code)."""
+    dot = "    var dot[M * G]: i32x4 = i32x4.splat(0);  # a block's dot i = t * G + g: token t with group g's rows\n"
+    part = "    var part[M * G]: i16x8 = i16x8.splat(0);  # its pairs of the lane groups since the last widening\n"
+    elsewhere = "i32x4.load(arow[t] + k * Q.block * ACT_BYTES + j / 4 * 16)"
+    edited = edit(edit(SOURCE, dot + part, part + dot), "i8x16.bits(v)", f"i8x16.bits({elsewhere})")
     records = [rec(checked, {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant=quant,
                    target="relaxed-simd") for quant in ("q4_0", "q6_k")]
     found = carried(checked, records, edited)

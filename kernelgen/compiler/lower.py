@@ -23,7 +23,7 @@ from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
 from ..quantformat import SUB_SCALES, Int, Lookup, QuantFormat
 from .quant import lower_scales, unpack_lanes
 from .wat import (Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, forward_copies, locals_named, number,
-                  share_vector_constants)
+                  share_vector_constants, untee_unread, walk as _walk)
 
 _QUALIFIABLE = {"load", "load8x8", "store", "splat", "convert", "trunc_sat", "narrow", "extend_low", "extend_high", "bits",
                 "shuffle", "iota"}
@@ -171,11 +171,12 @@ class Frame:
     labels: set[str] = field(default_factory=set)
     temps: list[str] = field(default_factory=list)
     body: list[Stmt] = field(default_factory=list)
-    # shared loads (Lowerer.load_once): (op, offset, address local) -> the local holding the value,
-    # for the statements emitted so far in `body` since the last control flow, store or call; and
-    # loads handed out as a `local.tee` not yet emitted
-    loads: dict[tuple[str, int, str], str] = field(default_factory=dict)
-    pending: list[tuple[tuple[str, int, str], str]] = field(default_factory=list)
+    # shared loads (Lowerer.load_once): (op, offset, address) -> the local holding the value, for
+    # the statements emitted so far in `body` since the last control flow, store or call; and loads
+    # handed out as a `local.tee` not yet emitted
+    loads: dict[tuple[str, int, Instr], str] = field(default_factory=dict)
+    pending: list[tuple[tuple[str, int, Instr], str]] = field(default_factory=list)
+    shared: set[str] = field(default_factory=set)  # the locals of load_once: each set once, never changed
 
     def params(self, params: list[tuple[str, str]]) -> None:
         """Declare the parameters (in scope for the whole function; params and locals share one namespace)."""
@@ -228,28 +229,23 @@ class Frame:
         if not (isinstance(s, Instr) and s.op == "local.set") or _writes_memory(s):
             self.forget_loads()
             return
-        teed = {x.imms[0] for x in _walk(s) if x.op == "local.tee"}
+        teed = {x.imms[0] for x in _walk(s) if x.op == "local.tee"} | {s.imms[0]}
         for entry in [e for e in self.pending if f"${e[1]}" in teed]:
             self.pending.remove(entry)
             self.loads[entry[0]] = entry[1]
-        set_local = s.imms[0].removeprefix("$")
-        for key in [k for k in self.loads if k[2] == set_local]:
+        set_local = s.imms[0]
+        for key in [k for k in self.loads if set_local in _locals_read(k[2])]:
             del self.loads[key]
+
+
+def _locals_read(code: Instr) -> set[str]:
+    """The locals an expression reads ("$name")."""
+    return {x.imms[0] for x in _walk(code) if x.op == "local.get"}
 
 
 def _known(v: Val) -> bool:
     """A compile-time integer."""
     return v.const is not None and v.code is None
-
-
-def _walk(code: Instr) -> Iterator[Instr]:
-    """Every instruction of `code`'s tree, in no particular order (a stack, not nested generators:
-    each statement is walked as it is emitted)."""
-    todo = [code]
-    while todo:
-        x = todo.pop()
-        yield x
-        todo.extend(x.args)
 
 
 # Scalar integer operators without effects or traps: an operand made only of these (and local
@@ -402,7 +398,8 @@ class Lowerer:
         finally:
             for b in self._scopes.pop().values():
                 for n in (b.names if isinstance(b, Array) else (b.name,) if isinstance(b, Local) else ()):
-                    self._frame.live.discard(n)
+                    if n not in self._frame.shared:  # a shared load's local outlives a name for it
+                        self._frame.live.discard(n)
 
     @contextmanager
     def _context(self, frame: Frame | None, scopes: list[dict[str, Binding]], span: A.Span | None) -> Iterator[None]:
@@ -441,19 +438,35 @@ class Lowerer:
 
     def load_once(self, op: str, offset: int, addr: Instr) -> Instr:
         """`op` (a v128 load) at `addr` + `offset`, loaded once for the statements that follow while
-        nothing can change it (Frame.emitted): a later load of the same local + offset reads the
-        value from a local. Engines need not merge equal loads: V8 (TurboFan in Node 20) loads every
-        one, so a GEMM tile's rows each loaded the activations they share again (a mat-vec tile of
-        two rows: 12 loads per block pass where 8 differ, and vectors spilled)."""
+        nothing can change it (Frame.emitted): a later load of the same address (integer arithmetic
+        of locals and constants) + offset reads the value from a local, which is dropped where no
+        later load reads it (wat.untee_unread). Engines need not merge equal loads: V8 (TurboFan in
+        Node 20) loads every one, so a GEMM tile's rows each loaded the activations they share again
+        (a mat-vec tile of two rows: 12 loads per block pass where 8 differ, and vectors spilled),
+        and the grouped layout's kernels loaded a block's codes once per nibble and its activations
+        once per lane group (relaxed qmatvec at 256x4096 in Node 20: Q4_0 1.13x, Q4_K 1.11x, Q6_K
+        1.13x, Q5_K 1.02x with them merged; wasmtime and Chromium 156 merge them already: 0.98-1.02x).
+        DSL vector loads go through here too."""
         load = Instr(op, (f"offset={offset}",) if offset else (), (addr,))
-        if addr.op != "local.get" or addr.imms[0].removeprefix("$") in self._frame.temps:
+        if (any(x.op != "local.get" and x.op not in _PURE_INT for x in _walk(addr))
+                or any(name.removeprefix("$") in self._frame.temps for name in _locals_read(addr))):
             return load
-        key = (op, offset, addr.imms[0].removeprefix("$"))
+        key = (op, offset, addr)
         if key in self._frame.loads:
             return I("local.get", f"${self._frame.loads[key]}")
         tmp = self._frame.new_local("loaded", "v128")  # never freed: code built earlier may read it
+        self._frame.shared.add(tmp)
         self._frame.pending.append((key, tmp))
         return I("local.tee", f"${tmp}", load)
+
+    def _shared_load(self, code: Instr, t: str) -> Local | None:
+        """A load_once local as the binding of a name given `code` that reads it (its first read, a
+        `local.tee`, emitted as the local's set): no copy of it under the name."""
+        if code.op not in ("local.get", "local.tee") or code.imms[0][1:] not in self._frame.shared:
+            return None
+        if code.op == "local.tee":
+            self.emit(I("local.set", code.imms[0], code.args[0]))
+        return Local(code.imms[0][1:], t, False)
 
     def reuse(self, v: Val) -> tuple[Instr, Instr]:
         """Code for `v` twice: a constant or local read repeats, anything else goes through a temp."""
@@ -529,7 +542,7 @@ class Lowerer:
             shown = f"{shown} on the thread pool: its {par.items} {par.begin}..{par.end}"
         doc = [f"{shown} -- {where}"] + [f"  {d}" for d in k.doc]
         result = T.wasm_type(frame.result) if frame.result else None  # f32x4 -> v128
-        body = drop_dead_stores(forward_copies(frame.body, {n for n, _ in params}), {n for n, _ in params})
+        body = untee_unread(drop_dead_stores(forward_copies(frame.body, {n for n, _ in params}), {n for n, _ in params}))
         body, consts = share_vector_constants(body, {n for n, _ in frame.locals})
         named = locals_named(body)
         local_vars = [(n, t) for n, t in frame.locals[len(params):] if f"${n}" in named]
@@ -602,8 +615,12 @@ class Lowerer:
                 self._bind(s.name, Val(None, t, v.const))
                 return
             self._comment(s)
+            code = self.materialize(v, t)
+            if (held := self._shared_load(code, t)) is not None:
+                self._bind(s.name, held)
+                return
             local = self._new_local(s.name, t)
-            self.emit(I("local.set", f"${local}", self.materialize(v, t)))
+            self.emit(I("local.set", f"${local}", code))
             self._bind(s.name, Local(local, t, False))
         elif isinstance(s, A.VarStmt):
             self._comment(s)
@@ -1112,7 +1129,9 @@ class Lowerer:
                 for p, a in zip(k.ast.params, args):
                     # a local read or a constant binds as itself: a constant stays visible to the
                     # ops (idot of a zero accumulator adds nothing); anything else is computed once
-                    if isinstance(a, Val) and a.code is not None and not _repeatable(a.code):
+                    if isinstance(a, Val) and a.code is not None and (held := self._shared_load(a.code, a.type)):
+                        a = held
+                    elif isinstance(a, Val) and a.code is not None and not _repeatable(a.code):
                         local = self._new_local(p.name, a.type)
                         self.emit(I("local.set", f"${local}", a.code))
                         a = Local(local, a.type, False)

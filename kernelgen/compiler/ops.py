@@ -226,9 +226,10 @@ def _load(c: Ctx, q: str | None, args: list[Val]) -> Val:
     if len(args) not in (1, 2):
         raise c.error(f"{t}.load(ptr[, offset]) takes 1 or 2 arguments, got {len(args)}")
     off = _offset(c, args, 1, "load")
-    op = "v128.load" if T.is_vector(t) else f"{t}.load"
+    if T.is_vector(t):  # an equal load before it (nothing written since) is read from its local
+        return Val(c.load_once("v128.load", off, c.materialize(args[0], "i32")), t)
     imms = (f"offset={off}",) if off else ()
-    return Val(Instr(op, imms, (c.materialize(args[0], "i32"),)), t)
+    return Val(Instr(f"{t}.load", imms, (c.materialize(args[0], "i32"),)), t)
 
 
 def _load8x8(c: Ctx, q: str | None, args: list[Val]) -> Val:

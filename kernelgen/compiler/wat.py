@@ -124,6 +124,35 @@ def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt
     return sets + _map_stmts(body, swap), [(name, "v128") for name in names.values()]
 
 
+def walk(code: Instr) -> Iterator[Instr]:
+    """Every instruction of `code`'s tree, in no particular order (a stack, not nested generators:
+    each statement is walked as it is emitted)."""
+    todo = [code]
+    while todo:
+        x = todo.pop()
+        yield x
+        todo.extend(x.args)
+
+
+def untee_unread(body: list[Stmt]) -> list[Stmt]:
+    """`body` with each `local.tee` of a local nothing reads replaced by its value: what a load
+    shared in case of a second use (Lowerer.load_once) becomes when it has none."""
+    reads: set[str] = set()
+
+    def note(x: Instr) -> Instr:
+        reads.update(y.imms[0] for y in walk(x) if y.op == "local.get")
+        return x
+
+    _map_stmts(body, note)
+
+    def untee(x: Instr) -> Instr:
+        if x.op == "local.tee" and x.imms[0] not in reads:
+            return untee(x.args[0])
+        return Instr(x.op, x.imms, tuple(untee(a) for a in x.args)) if x.args else x
+
+    return _map_stmts(body, untee)
+
+
 _BRANCHES = frozenset({"br", "br_if", "br_table", "return", "unreachable"})
 _LOCAL_OPS = frozenset({"local.get", "local.set", "local.tee"})
 _PURE_VALUES = frozenset({"local.get", "i32.const", "i64.const", "f32.const", "f64.const", "v128.const"})
