@@ -270,8 +270,10 @@ def text(node: Node) -> str:
     return fold(node, _Text())
 
 
-_FLOAT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide}
-_INT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.floor_divide, "%": np.mod, "|": np.bitwise_or,
+# The operators of quant formulas, as numpy evaluates them (runtime/pack.mjs has the same two tables):
+# the checker (compiler.quant) accepts exactly these.
+FLOAT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide}
+INT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.floor_divide, "%": np.mod, "|": np.bitwise_or,
             "&": np.bitwise_and, "<<": np.left_shift, ">>": np.right_shift,
             "<": lambda a, b: np.less(a, b).astype(np.int32)}
 
@@ -335,16 +337,17 @@ class NumpyEval:
 
     def on_op(self, n: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         if np.asarray(a).dtype.kind == "f" or np.asarray(b).dtype.kind == "f":
-            return _FLOAT_OPS[n.op](np.float32(a) if np.ndim(a) == 0 else np.asarray(a, np.float32),
+            return FLOAT_OPS[n.op](np.float32(a) if np.ndim(a) == 0 else np.asarray(a, np.float32),
                                     np.float32(b) if np.ndim(b) == 0 else np.asarray(b, np.float32))
-        return _INT_OPS[n.op](a, b)
+        return INT_OPS[n.op](a, b)
 
 
 class IntRange:
-    """The interval [lo, hi] an integer formula's values lie in (for a block of `block` values)."""
+    """The interval [lo, hi] an integer formula's values lie in (for a block of `block` values, in
+    `subs` sub-blocks where known; else s is bounded as i, sub-blocks being fewer than elements)."""
 
-    def __init__(self, block: int, fields: dict[str, str]) -> None:
-        self.block, self.fields = block, fields
+    def __init__(self, block: int, fields: dict[str, str], subs: int | None = None) -> None:
+        self.block, self.fields, self.subs = block, fields, subs or block
 
     def on_int(self, n: Int) -> tuple[int, int]:
         return n.value, n.value
@@ -352,7 +355,8 @@ class IntRange:
     def on_i(self, n: Elem) -> tuple[int, int]:
         return 0, self.block - 1
 
-    on_s = on_i  # (sub-blocks are fewer than elements)
+    def on_s(self, n: SubBlock) -> tuple[int, int]:
+        return 0, self.subs - 1
 
     def _type(self, field: str) -> tuple[int, int]:
         t = self.fields[field]

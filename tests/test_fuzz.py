@@ -7,8 +7,8 @@ what was done to it, and `mutants()` regenerates it. Most mutants are taken from
 kernels.dsl (one exported kernel with the declarations it uses and, if it is generic, one quant
 type), because a full `check` lowers every kernel for both targets; every 30th mutates the whole
 file. Mutations: delete, duplicate or swap tokens or characters, insert a character, replace an
-identifier with another (or a keyword), set a number to 0, -1, 3 or 99999, delete or duplicate a
-line, truncate, or two to four of these at once.
+identifier with another (or a keyword), set a number to 0, -1, 3 or 99999, replace a binary
+operator with another, delete or duplicate a line, truncate, or two to four of these at once.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ _TOKEN = re.compile(r"[A-Za-z_]\w*|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|\.\.|->|[<>=!]
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
 _NONSPACE = re.compile(r"\S")
+_OPERATOR = re.compile(r"->|<<|>>|[<>=!]=|[-+*/%<>&|^](?!=)")  # `->` matched only to be skipped
+_OPERATORS = ["+", "-", "*", "/", "%", "<<", ">>", "<", ">", "<=", ">=", "==", "!=", "&", "|", "^"]
 _COMMENT = re.compile(r"#[^\n]*")
 _LOCATED = re.compile(r"^(?P<file>.*):(?P<line>\d+):(?P<col>\d+): .+")
 _INSERTABLE = list("{}()[];:,.=+-*/%<>&|^~#@$\"'\\\t\n0aZ_") + ["é", "\x00", "..", "->", "static ", "packed "]
@@ -108,7 +110,7 @@ def _code_spans(rx: re.Pattern[str], s: str) -> list[tuple[int, int]]:
 
 
 _KINDS = ("tok_del", "tok_dup", "tok_swap", "chr_del", "chr_dup", "chr_swap", "chr_ins", "ident", "ident",
-          "number", "number", "line_del", "line_dup", "truncate", "multi")
+          "number", "number", "operator", "line_del", "line_dup", "truncate", "multi")
 
 
 def _mutate(rng: random.Random, s: str, depth: int = 0) -> tuple[str, str]:
@@ -155,6 +157,13 @@ def _mutate(rng: random.Random, s: str, depth: int = 0) -> tuple[str, str]:
         pool = sorted({s[x:y] for x, y in spans}) + _KEYWORDS if kind == "ident" else ["0", "-1", "3", "99999"]
         new = rng.choice(pool)
         return s[:a] + new + s[b:], f"{kind} {s[a:b]!r}->{new!r}@{a}"
+    if kind == "operator":  # one binary operator for another (a formula may take fewer than a kernel)
+        spans = [(a, b) for a, b in _code_spans(_OPERATOR, s) if s[a:b] != "->"]
+        if not spans:
+            return s, "noop"
+        a, b = spans[rng.randrange(len(spans))]
+        new = rng.choice(_OPERATORS)
+        return s[:a] + new + s[b:], f"operator {s[a:b]!r}->{new!r}@{a}"
     lines = s.splitlines(keepends=True)
     if kind in ("line_del", "line_dup") and lines:
         code = [k for k, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")] or [0]

@@ -15,8 +15,8 @@ from . import ast as A
 from ..errors import DslError
 import numpy as np
 
-from ..quantformat import (CALLS, FIELD_BYTES, KERNEL_BLOCK, Call, Elem, Field, FieldInfo, Float, Index, Int, Lookup, Neg,
-                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, fold, nodes)
+from ..quantformat import (CALLS, FIELD_BYTES, FLOAT_OPS, INT_OPS, KERNEL_BLOCK, Call, Elem, Field, FieldInfo, Float, Index, Int, Lookup, Neg,
+                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, fold, nodes, text)
 from .wat import I, Instr
 
 LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
@@ -195,41 +195,52 @@ class _MentionsQ:
 class _CheckSuper:
     """A super-block's formulas: unpack (over `i`, integers only) and scale/offset (over the
     sub-block `s`). Array fields are indexed by integer formulas of that index alone, checked to
-    stay inside the field for every element or sub-block."""
+    stay inside the field for every element or sub-block. Each node returns whether its value is a
+    float, so that every operator is one the packers evaluate for its operands (INT_OPS, FLOAT_OPS)."""
 
     def __init__(self, q: A.QuantDecl, fields: dict[str, FieldInfo], what: str, var: str, count: int) -> None:
         self.q, self.fields, self.what, self.var = q, fields, what, var
         self.at = {var: np.arange(count)}  # the index's values
+        self.subs = count if var == "s" else None
         self.used: list[tuple[str, str]] = []
 
     def err(self, node: Node, msg: str) -> DslError:
         return DslError(node.span, f"quant {self.q.name}: {self.what}: {msg}")
 
-    def on_int(self, n: Node, *_: None) -> None:
-        pass
+    def on_int(self, n: Node) -> bool:
+        return False
 
-    on_neg = on_select = on_int
+    def on_neg(self, n: Neg, a: bool) -> bool:
+        return a
 
-    def on_float(self, n: Node, *_: None) -> None:
+    def on_select(self, n: Select, c: bool, a: bool, b: bool) -> bool:
+        if c:
+            raise self.err(n.cond, "a select's condition is an integer (a comparison with <)")
+        return a or b
+
+    def on_float(self, n: Node, *_: bool) -> bool:
         if self.var == "i":
             raise self.err(n, "unpack is integer arithmetic")
+        return True
 
     on_pow2 = on_float
 
-    def _index(self, n: Node) -> None:
+    def _index(self, n: Node) -> bool:
         if n.kind != self.var:
             raise self.err(n, f"{n.kind!r} is not defined here (the index is {self.var!r})")
+        return False
 
     on_i = on_s = _index
 
-    def on_field(self, n: Field) -> None:
+    def on_field(self, n: Field) -> bool:
         f = self.fields.get(n.field)
         if f is None or f.count is not None:
             raise self.err(n, f"{n.field!r} is not a scalar field of the block (index an array field)")
         if self.var == "i" and f.type[0] == "f":
             raise self.err(n, "unpack is integer arithmetic")
+        return f.type[0] == "f"
 
-    def on_index(self, n: Index, _: None) -> None:
+    def on_index(self, n: Index, _: bool) -> bool:
         f = self.fields.get(n.field)
         if f is None or f.count is None or f.type[0] == "f":
             raise self.err(n, f"{n.field!r} is not an integer array field")
@@ -241,15 +252,27 @@ class _CheckSuper:
             k = int(np.flatnonzero((at < 0) | (at >= f.count))[0])
             raise self.err(n, f"{n.field}[...] reads element {at[k]} of {f.count} at {self.var} = {k}")
         self.used.append((f.name, "index"))
+        return False
 
     def on_call(self, n: Node) -> None:
         raise self.err(n, "nib/nibi/bit read flat blocks; in a super-block index the bytes: (f[i / 64 * 32 + i % 32] >> ...) & 15")
 
     on_lookup = on_call
 
-    def on_op(self, n: Op, *_: None) -> None:
-        if self.var == "i" and n.op not in ("+", "-", "*", "/", "%", "|", "&", "<<", ">>", "<"):
-            raise self.err(n, f"operator {n.op} is not integer arithmetic")
+    def on_op(self, n: Op, a: bool, b: bool) -> bool:
+        if (a or b) and n.op not in FLOAT_OPS:
+            raise self.err(n, f"operator {n.op} does not take a float (floats: {' '.join(FLOAT_OPS)})")
+        if n.op not in INT_OPS:
+            raise self.err(n, f"operator {n.op} is not one of a formula's ({' '.join(INT_OPS)})")
+        if n.op in ("<<", ">>"):  # numpy's and JavaScript's int32 shifts differ outside 0..31
+            try:
+                types = {f.name: f.type for f in self.fields.values()}
+                lo, hi = fold(n.right, IntRange(self.q.block, types, self.subs))
+            except ValueError as e:
+                raise self.err(n.right, f"cannot bound the shift amount ({e})") from None
+            if lo < 0 or hi > 31:
+                raise self.err(n.right, f"a shift amount lies in 0..31; {text(n.right)} spans {lo}..{hi}")
+        return a or b
 
 
 
