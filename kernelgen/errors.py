@@ -12,6 +12,15 @@ class KernelgenError(Exception):
     """An error the user can fix (bad input, not a bug in kernelgen); the CLI prints it and exits 2."""
 
 
+class UnknownName(KeyError, ValueError):
+    """A name this build does not have (an export, a kernel, a quant type, a pool job): API misuse,
+    so a ValueError, and a failed lookup, so a KeyError. Its message reads as written (a KeyError's
+    str is the repr of its argument)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class DslError(KernelgenError):
     """A mistake at a place in the DSL source."""
 

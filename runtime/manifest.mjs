@@ -49,7 +49,7 @@ export async function loadBuild(dir) {
 export async function checkManifest(manifest, wasm, where, notes = []) {
   const fail = (message) => new Error(`${where}: ${message}; rebuild with \`kernelgen build\``);
   if (manifest === null || typeof manifest !== 'object' || Array.isArray(manifest)) throw fail('not a kernelgen manifest (not a JSON object)');
-  const missing = ['target', 'memory', 'exports', 'jobs', 'quants', 'constants', 'wasm_sha256'].filter((k) => !(k in manifest));
+  const missing = ['target', 'memory', 'exports', 'jobs', 'quants', 'constants', 'activation', 'wasm_sha256'].filter((k) => !(k in manifest));
   if (missing.length) throw fail(`not a kernelgen manifest of this version (no ${missing.join(', ')})`);
   if (globalThis.crypto?.subtle) {
     const digest = await sha256Hex(wasm);
@@ -88,6 +88,17 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     if (t != null && !(isInt(t.threads) && isInt(t.chunk) && t.threads >= 1 && t.threads <= MAX_THREADS && t.chunk >= 1 && t.chunk <= I32_MAX)) {
       throw fail(`jobs.${name}.tuned must give threads in 1..${MAX_THREADS} and chunk in 1..${I32_MAX}, got ${JSON.stringify(t)}`);
     }
+  }
+  const isObject = (v) => v !== null && typeof v === 'object' && !Array.isArray(v);
+  if (!isObject(manifest.exports) || !isObject(manifest.quants)) throw fail('exports and quants must be objects');
+  for (const [name, e] of Object.entries(manifest.exports)) {
+    if (!(isObject(e) && typeof e.kernel === 'string' && (e.quant === null || typeof e.quant === 'string') && Array.isArray(e.params))) {
+      throw fail(`exports.${name} needs a kernel name, a quant type name or null, and its params`);
+    }
+  }
+  const act = manifest.activation;
+  if (!(isObject(act) && typeof act.dtype === 'string' && typeof act.sums === 'string' && typeof act.split === 'boolean' && isInt(act.max))) {
+    throw fail('activation must give dtype, sums, split and max');
   }
   return notes;
 }

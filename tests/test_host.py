@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -205,7 +206,19 @@ def test_scope_frees_what_it_allocated(mod: Module):
             mod.alloc(10)
         mod.free(x)  # freed inside: the scope skips it
         mod.alloc(300)
-    assert mod.in_use() == before and mod.is_live(keep)
+    assert mod.in_use() == before and mod.serial(keep) is not None
+
+
+def test_a_scope_does_not_free_another_threads_allocation_at_an_address_it_freed(mod: Module):
+    got: list[int] = []
+    with mod.scope():
+        x = mod.alloc(256)
+        mod.free(x)
+        t = threading.Thread(target=lambda: got.append(mod.alloc(256)))  # outside any scope: first fit, x
+        t.start()
+        t.join(10)
+    assert got == [x] and mod.serial(x) is not None  # the scope ended and left it
+    mod.free(x)
 
 
 def test_out_of_memory_says_asked_free_and_what_to_do(mod: Module):

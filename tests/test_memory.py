@@ -75,6 +75,19 @@ def test_freed_weights_are_refused_not_read(k) -> None:
     assert t.live and np.isfinite(k.qdot(t, act))
 
 
+def test_weights_freed_by_their_scope_stay_refused_when_their_memory_is_reused(k) -> None:
+    act = k.quantize_act(np.ones(64, np.float32))
+    with k.scope():
+        old = k.pack("q8_0", weights(2, 64, 6))
+    new = k.pack("q8_0", weights(2, 64, 7))  # takes old's addresses: first fit
+    assert new.planes == old.planes and new.live and not old.live
+    with pytest.raises(ValueError, match="freed \\(at the end of their scope\\)"):
+        k.qmatvec(old, act)  # not new's rows under old's name
+    old.free()  # a no-op: new keeps its memory
+    assert new.live and k.qmatvec(new, act).shape == (2,)
+    new.free()
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_limit_is_reached_with_the_documented_error(target: str) -> None:
     (built,) = compile_source(DSL_PATH.read_text(encoding="utf-8"), targets=(target,), max_pages=16)

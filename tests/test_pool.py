@@ -216,7 +216,7 @@ def test_bad_requests(kernels) -> None:
             pool.call("count_items", [0])
         with pytest.raises(ValueError, match="no 'parallel' declaration"):
             pool.call("pool_stop", [])
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError, match="already has a pool"):
             Pool(kernels, 2)  # one pool per module at a time
     with pytest.raises(ValueError):
         Pool(kernels, 0)

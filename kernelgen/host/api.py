@@ -27,15 +27,15 @@ import numpy as np
 
 from . import module as host
 from .manifest import check_manifest
-from .module import I32_MAX, as_int, as_real
+from .module import I32_MAX, PAGE_SIZE, WASM_BYTES, as_int, as_real
 from .. import library
-from ..errors import KernelgenError
+from ..errors import KernelgenError, UnknownName
 from ..names import parse_variant
 from ..quantformat import QuantFormat
 from .pool import POOL_EXPORTS, Pool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Packed:
     """A quantized matrix in the kernels' layout, living in a module's memory until `free()` (or
     the end of its `with` block, or of the `Kernels.scope()` it was packed in, or `reset()`)."""
@@ -44,10 +44,12 @@ class Packed:
     rows: int
     k: int
     planes: dict[str, int]  # plane name -> address
-    # The Kernels whose memory holds the planes and its reset() count when they were packed: a
-    # handle from another Kernels or from before a reset() would name memory that is not its own.
+    # The Kernels whose memory holds the planes, its reset() count when they were packed and the
+    # planes' allocation serials: a handle from another Kernels, from before a reset() or whose
+    # memory was freed (and perhaps reused: addresses are, serials are not) names memory not its own.
     owner: Any = field(default=None, repr=False, compare=False)
     generation: int = 0
+    serials: tuple[int, ...] = ()
     freed: bool = False
 
     @property
@@ -57,7 +59,8 @@ class Packed:
     @property
     def live(self) -> bool:
         m = self.owner.module
-        return not self.freed and self.generation == m.generation and all(m.is_live(a) for a in self.args)
+        return (not self.freed and self.generation == m.generation
+                and [m.serial(a) for a in self.args] == list(self.serials))
 
     def free(self) -> None:
         """Give the matrix's memory back to the module (again: nothing happens)."""
@@ -65,7 +68,7 @@ class Packed:
             if self.live:
                 for addr in self.args:
                     self.owner.module.free(addr)
-            self.freed = True
+            object.__setattr__(self, "freed", True)  # the one field that changes: frozen against mistakes
 
     def __enter__(self) -> Packed:
         return self
@@ -104,7 +107,22 @@ def _f32(name: str, x: Any, ndim: int) -> np.ndarray:
         raise TypeError(f"{name}: expected dtype float32, got {x.dtype} (convert with .astype(np.float32))")
     if x.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim}-D, got shape {x.shape}")
+    if x.nbytes > WASM_BYTES:  # before the copy below (of a broadcast view, say)
+        raise ValueError(f"{name}: {x.nbytes} bytes of float32 {x.shape} exceed a wasm memory's {WASM_BYTES}")
     return np.ascontiguousarray(x)
+
+
+def _flag(what: str, value: Any) -> bool:
+    """A yes/no argument: a bool (a string such as "no" would be true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what}: expected True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _name(what: str, name: Any, optional: bool = False) -> None:
+    """A kernel's, quant type's or export's name is a str (None too where `optional`)."""
+    if not (isinstance(name, str) or optional and name is None):
+        raise TypeError(f"{what}: expected a name (str{' or None' if optional else ''}), got {type(name).__name__}")
 
 
 def _each_call_locked(cls: type) -> type:
@@ -148,12 +166,14 @@ class Kernels:
     # ---- generic access
     def export_name(self, kernel: str, quant: str | None = None) -> str:
         """The exported variant of `kernel` (for `quant`), e.g. qmatvec_q8_0__rows4."""
+        _name("export_name kernel", kernel)
+        _name("export_name quant", quant, optional=True)
         try:
             return self._exports[(kernel, quant)]
         except KeyError:
             have = sorted({k for k, _ in self._exports})
-            raise KeyError(f"no export for kernel {kernel!r}{f' and quant {quant!r}' if quant else ''};"
-                           f" kernels: {', '.join(have)}") from None
+            raise UnknownName(f"no export for kernel {kernel!r}{f' and quant {quant!r}' if quant else ''};"
+                              f" kernels: {', '.join(have)}") from None
 
     def pool(self, threads: int = 2) -> Pool:
         """Start a thread pool on this module (close it, or use it in a `with` block)."""
@@ -165,6 +185,10 @@ class Kernels:
         `parallel`, on `pool`'s threads, `chunk` items per claim (same results, bit for bit: every
         output element is computed by one thread in a fixed order)."""
         name = self.export_name(kernel, quant)
+        if pool is not None and not isinstance(pool, Pool):
+            raise TypeError(f"{kernel}: pool must be a Pool from Kernels.pool(), got {type(pool).__name__}")
+        if chunk is not None:  # checked with or without a pool: a mistake is one either way
+            as_int(f"{kernel} chunk", chunk, 1, I32_MAX)
         if pool is None:
             return self.call(name, *args)
         if pool.kernels is not self:
@@ -197,8 +221,9 @@ class Kernels:
         return self.module.scope()
 
     def _quant(self, name: str) -> QuantFormat:
+        _name("quant type", name)
         if name not in self.quants:
-            raise KeyError(f"unknown quant type {name!r}; this build has {', '.join(self.quants)}")
+            raise UnknownName(f"unknown quant type {name!r}; this build has {', '.join(self.quants)}")
         return self.quants[name]
 
     # ---- weights and activations
@@ -210,6 +235,9 @@ class Kernels:
             raise ValueError(f"pack({quant}): expected a 2-D array of blocks per row, got "
                              f"{getattr(blocks, 'shape', type(blocks).__name__)}")
         b = q.as_blocks(blocks)
+        if b.shape[0] == 0 or b.shape[1] == 0:
+            raise ValueError(f"pack({quant}): expected at least one row of at least one block, got {b.shape[0]} rows"
+                             f" of {b.shape[1]} blocks")
         planes = q.pack(b)
         addrs: dict[str, int] = {}
         try:
@@ -219,7 +247,8 @@ class Kernels:
             for addr in addrs.values():
                 self.module.free(addr)
             raise
-        return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs, self, self.module.generation)
+        return Packed(quant, b.shape[0], b.shape[1] * q.block, addrs, self, self.module.generation,
+                      tuple(self.module.serial(a) for a in addrs.values()))
 
     def quantize_act(self, x: np.ndarray, pool: Pool | None = None, chunk: int | None = None) -> Act:
         """f32[k] (one token) or f32[m, k] (m tokens, for qmatmul), k a multiple of 32 -> activations
@@ -251,14 +280,35 @@ class Kernels:
         """act.q's values in order. The kernels read act.q as stored (the manifest's activation
         "split": each 16 as the 8 at even positions, then the 8 at odd ones), so hosts pass it on
         as it is and only a reader of the values reorders them."""
+        self._check_act_values(act, "act_values")
         return self._act_order(act.q, (2, 8))
+
+    def _check_act_values(self, act: Any, what: str) -> None:
+        """act is an Act whose values are stored as this target stores them (another target's, say
+        simd128's int16 in its split order on relaxed SIMD, would be misread)."""
+        if not isinstance(act, Act):
+            raise TypeError(f"{what}: activations must come from quantize_act or act_from_values, got {type(act).__name__}")
+        if not isinstance(act.q, np.ndarray) or act.q.dtype != self._act_dtype:
+            got = act.q.dtype if isinstance(act.q, np.ndarray) else type(act.q).__name__
+            raise TypeError(f"{what}: activation values must be {np.dtype(self._act_dtype)} on {self.target}, got {got}"
+                            " (activations of another target?)")
+        if act.q.ndim not in (1, 2) or act.q.shape[-1] == 0 or act.q.shape[-1] % 32:
+            raise ValueError(f"{what}: activation values must be [k] or [m, k] with k a positive multiple of 32,"
+                             f" got shape {act.q.shape}")
 
     def act_from_values(self, q: np.ndarray, d: np.ndarray) -> Act:
         """Activations of int8 values q in order (any integer dtype, [..., k]) and their scales d,
         stored as quantize_act stores them (with each block's sum): the inverse of act_values."""
         q = np.asarray(q)
-        if q.shape[-1] % 32:
-            raise ValueError(f"activations come in blocks of 32, got {q.shape[-1]} values per token")
+        if q.dtype.kind not in "iu":
+            raise TypeError(f"act_from_values q: expected integer values, got dtype {q.dtype}")
+        if q.ndim not in (1, 2) or q.shape[-1] == 0 or q.shape[-1] % 32:
+            raise ValueError(f"act_from_values q: expected [k] or [m, k] values with k a positive multiple of 32"
+                             f" (activations come in blocks of 32), got shape {q.shape}")
+        d = _f32("act_from_values d", d, q.ndim)
+        if d.shape != (*q.shape[:-1], q.shape[-1] // 32):
+            raise ValueError(f"act_from_values d: expected one scale per 32 values, shape"
+                             f" {(*q.shape[:-1], q.shape[-1] // 32)}, got {d.shape}")
         act_max = self.manifest["activation"]["max"]
         if q.size and (q.min() < -act_max or q.max() > act_max):  # (relaxed SIMD's idots reads |a| in 7 bits)
             raise ValueError(f"activation values must lie in [-{act_max}, {act_max}] (quantize_act's range),"
@@ -279,8 +329,7 @@ class Kernels:
     def _act_args(self, act: Act, k: int, what: str, tokens: bool = False) -> list[int]:
         """Addresses of act's values and scales, checked: one token's f32[k] quantized, or with
         `tokens` an [m, k] array's."""
-        if not isinstance(act, Act):
-            raise TypeError(f"{what}: activations must come from quantize_act, got {type(act).__name__}")
+        self._check_act_values(act, what)
         if act.q.ndim != (2 if tokens else 1):
             want = "of an [m, k] array (quantize_act of m tokens)" if tokens else "of one token (quantize_act of f32[k])"
             raise ValueError(f"{what}: expected activations {want}, got values of shape {act.q.shape}")
@@ -292,8 +341,21 @@ class Kernels:
         want_d = (*act.q.shape[:-1], k // 32)
         if act.d.dtype != np.float32 or act.d.shape != want_d:
             raise ValueError(f"{what}: activation scales must be float32{list(want_d)}, got {act.d.dtype}{list(act.d.shape)}")
-        if act.s.dtype != self._act_sums or act.s.shape != want_d:
-            raise ValueError(f"{what}: activation sums must be {self._act_sums}{list(want_d)}, got {act.s.dtype}{list(act.s.shape)}")
+        if not isinstance(act.s, np.ndarray) or act.s.dtype != self._act_sums or act.s.shape != want_d:
+            got = f"{act.s.dtype}{list(act.s.shape)}" if isinstance(act.s, np.ndarray) else type(act.s).__name__
+            raise ValueError(f"{what}: activation sums must be {self._act_sums}{list(want_d)}, got {got}")
+        # The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's
+        # sum (the zero or minimum of a weight type comes off with it): a hand-made Act is checked.
+        q = act.q.astype(np.int32)
+        act_max = self.manifest["activation"]["max"]
+        if q.min() < -act_max or q.max() > act_max:
+            raise ValueError(f"{what}: activation values must lie in [-{act_max}, {act_max}] (quantize_act's range),"
+                             f" got {q.min()} .. {q.max()}")
+        sums = q.reshape(*want_d, 32).sum(-1)
+        if not np.array_equal(sums, act.s):
+            at = tuple(int(i) for i in np.argwhere(sums != act.s)[0])
+            raise ValueError(f"{what}: activation sums do not match the values (block {at}: {act.s[at]}, the values sum"
+                             f" to {sums[at]}); make activations with quantize_act or act_from_values")
         return self.put_act(act)
 
     def put_act(self, act: Act) -> list[int]:
@@ -379,6 +441,7 @@ class Kernels:
         f32[m, n]. Error bounds: see matmul_f32_nt / matmul_f32_nn in kernels.dsl. On `pool` the
         rows of a are split, `chunk` per claim."""
         a, b = _f32("matmul_f32 a", a, 2), _f32("matmul_f32 b", b, 2)
+        b_transposed = _flag("matmul_f32 b_transposed", b_transposed)
         k = a.shape[1]
         n, kb = (b.shape if b_transposed else b.shape[::-1])
         if kb != k:
@@ -446,9 +509,10 @@ class Kernels:
             raise ValueError(f"{what}: rows must hold a positive multiple of 4 values, got shape {x.shape}")
         return x
 
-    def _put_row_vector(self, what: str, v: np.ndarray | None, n: int) -> int:
-        """Address of f32[n] `v` in memory (zeros for None: the kernels always add a bias)."""
-        if v is None:
+    def _put_row_vector(self, what: str, v: np.ndarray | None, n: int, optional: bool = False) -> int:
+        """Address of f32[n] `v` in memory (zeros for an `optional` one left None: the kernels always
+        add a bias)."""
+        if v is None and optional:
             v = np.zeros(n, np.float32)
         v = _f32(what, v, 1)
         if v.size != n:
@@ -461,7 +525,7 @@ class Kernels:
         x = self._rows("gelu_f32 x", x)
         rows, n = x.shape
         with self.module.scope():
-            pb = self._put_row_vector("gelu_f32 bias", bias, n)
+            pb = self._put_row_vector("gelu_f32 bias", bias, n, optional=True)
             px = self.module.put(x)
             self.run("gelu_f32", None, [px, pb, px, rows, n], pool, chunk)
             return self.module.get(px, np.float32, x.size).reshape(x.shape)
@@ -489,7 +553,7 @@ class Kernels:
         with self.module.scope():
             pg = self._put_row_vector("layernorm_f32 gamma", gamma, n)
             pbeta = self._put_row_vector("layernorm_f32 beta", beta, n)
-            pb = self._put_row_vector("layernorm_f32 bias", bias, n)
+            pb = self._put_row_vector("layernorm_f32 bias", bias, n, optional=True)
             pr = self.module.put(np.zeros_like(x) if residual is None else np.ascontiguousarray(residual))
             px = self.module.put(x)
             args = [px, pr, pb, pg, pbeta, px]
@@ -510,7 +574,7 @@ class Kernels:
                              f"got {width} for heads={heads}")
         lengths = np.asarray(lengths)
         if lengths.ndim != 1 or lengths.size == 0 or lengths.dtype.kind not in "iu" or (lengths < 1).any() \
-                or int(lengths.sum()) != rows:
+                or (lengths > rows).any() or int(lengths.sum()) != rows:  # (each <= rows: the sum cannot wrap)
             raise ValueError(f"attention_f32: lengths must be positive integers, one per sentence, summing to the "
                              f"{rows} rows of qkv; got {lengths.tolist() if lengths.ndim == 1 else lengths}")
         seqs, d = lengths.size, width // (3 * heads)
@@ -598,6 +662,9 @@ class Kernels:
         pos0, theta = as_int("rope_table pos0", pos0, 0, I32_MAX - npos), as_real("rope_table theta", theta)
         if dim % 2 or not 1 <= theta < float("inf"):
             raise ValueError(f"rope_table: need an even dim > 0 and a finite theta >= 1; got dim={dim}, theta={theta}")
+        if 2 * 4 * npos * (dim // 2) > self.module.max_pages * PAGE_SIZE:
+            raise ValueError(f"rope_table: two tables of npos={npos} x dim/2={dim // 2} f32 exceed the module's"
+                             f" {self.module.max_pages * PAGE_SIZE} bytes of memory")
         with self.module.scope():
             n = npos * (dim // 2)
             pc, ps = self.module.alloc(4 * n), self.module.alloc(4 * n)
@@ -611,6 +678,7 @@ class Kernels:
         pairs (x[2i], x[2i+1]), else (x[i], x[i + dim/2]). Returns the rotated copy."""
         x = _f32("rope x", x, 2)
         cos, sin = _f32("rope cos", cos, 1), _f32("rope sin", sin, 1)
+        interleaved = _flag("rope interleaved", interleaved)
         heads, dim = x.shape
         if dim % 8 or cos.size != dim // 2 or sin.size != dim // 2:
             raise ValueError(f"rope: dim must be a multiple of 8 and cos/sin hold dim / 2 values; got x {x.shape},"
@@ -629,6 +697,12 @@ SINCOS_MAX = 2**20 * np.pi / 2  # sin_f64/cos_f64 reduce exactly by n pi/2 for |
 def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
     """x[rows, t] -> f32[rows, stride] with stride rounded up to a multiple of 4 (the vector width):
     the layout softmax_f32 needs, so a row's last vector never reaches into the next row."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype.kind not in "fiu":
+        raise TypeError(f"padded_rows x: expected a 2-D numpy array of real numbers, got "
+                        f"{f'{x.dtype} {x.shape}' if isinstance(x, np.ndarray) else type(x).__name__}")
+    fill = as_real("padded_rows fill", fill)
+    if x.nbytes > WASM_BYTES:
+        raise ValueError(f"padded_rows x: {x.shape} is larger than a wasm memory holds")
     rows, t = x.shape
     out = np.full((rows, -(-t // 4) * 4), fill, np.float32)
     out[:, :t] = x
@@ -638,12 +712,19 @@ def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
 def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
     """Load out_dir/<target>/kernels.wasm with its manifest; with no out_dir, the library's build that
     ships with kernelgen (kernelgen/library.py)."""
+    if not isinstance(target, str):
+        raise TypeError(f"load target: expected a target name (str), got {type(target).__name__}")
+    deterministic = _flag("load deterministic", deterministic)
+    if not (out_dir is None or isinstance(out_dir, (str, Path))):
+        raise TypeError(f"load out_dir: expected a path (str or Path) or None, got {type(out_dir).__name__}")
     d = Path(library.out() if out_dir is None else out_dir) / target
     try:
         manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
         wasm = (d / "kernels.wasm").read_bytes()
     except FileNotFoundError as e:
         raise KernelgenError(f"{d}: no build for target {target!r} ({e.filename} is missing); run kernelgen build") from None
-    except json.JSONDecodeError as e:
+    except OSError as e:  # a file where a directory should be, a directory where a file, no permission
+        raise KernelgenError(f"{d}: cannot read the build for target {target!r} ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
     return Kernels(wasm, manifest, deterministic, str(d / "kernels.json"))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..quantformat import QuantFormat
+from .module import I32_MAX, as_int
 
 if TYPE_CHECKING:
     from .api import Kernels, Packed
@@ -107,6 +108,8 @@ def _check(op: str, name: str, a: np.ndarray, shapes: list[tuple[int, ...]], att
 
 def _blocks(op: str, q4_onnx: QuantFormat, k: int, n: int, block_size: int) -> int:
     """Check the sizes the kernels can take; returns q4_onnx blocks per quantization block."""
+    k, n, block_size = (as_int(f"{op} {what}", v, -I32_MAX, I32_MAX)
+                        for what, v in (("K", k), ("N", n), ("block_size", block_size)))
     if q4_onnx.block != 32 or [f.name for f in q4_onnx.fields] != ["d", "z", "qs"]:
         raise ValueError(f"{op}: expected the q4_onnx quant type (d: f32, z: u8, qs: u8[16], block 32)")
     if k <= 0 or n <= 0 or k % 32:
@@ -141,6 +144,7 @@ def matmul_nbits_blocks(q4_onnx: QuantFormat, B: np.ndarray, scales: np.ndarray,
     blocks (N, K / 32). Without zero_points the zero point is 8, as the operator defines."""
     op = "MatMulNBits"
     per = _blocks(op, q4_onnx, K, N, block_size)
+    bits = as_int(f"{op} bits", bits, -I32_MAX, I32_MAX)
     if bits != 4:
         raise ValueError(f"{op}: bits={bits}: q4_onnx holds 4-bit values")
     nb = -(-K // block_size)

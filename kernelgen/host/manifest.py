@@ -12,9 +12,9 @@ import hashlib
 from typing import Any
 
 from ..errors import KernelgenError
-from .module import I32_MAX, PAGE_SIZE
+from .module import I32_MAX, PAGE_SIZE, WASM_BYTES
 
-MAX_PAGES = 65536  # a 32-bit wasm memory: 4 GiB
+MAX_PAGES = WASM_BYTES // PAGE_SIZE  # a 32-bit wasm memory: 4 GiB
 MAX_THREADS = 256  # POOL_GEN's low 8 bits count the helpers of a job (kernels.dsl)
 # The words the hosts' pools read and write (kernelgen/host/pool.py, runtime/pool.mjs).
 POOL_WORDS = ("POOL_GEN", "POOL_LEFT", "POOL_READY", "POOL_NEXT", "POOL_JOB", "POOL_COUNT", "POOL_CHUNK",
@@ -32,7 +32,7 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
 
     if not isinstance(manifest, dict):
         raise fail("not a kernelgen manifest (not a JSON object)")
-    missing = [k for k in ("target", "memory", "exports", "jobs", "quants", "constants", "wasm_sha256")
+    missing = [k for k in ("target", "memory", "exports", "jobs", "quants", "constants", "activation", "wasm_sha256")
                if k not in manifest]
     if missing:
         raise fail(f"not a kernelgen manifest of this version (no {', '.join(missing)})")
@@ -69,3 +69,13 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
         if tuned is not None and not (isinstance(tuned, dict) and _int(tuned.get("threads")) and _int(tuned.get("chunk"))
                                       and 1 <= tuned["threads"] <= MAX_THREADS and 1 <= tuned["chunk"] <= I32_MAX):
             raise fail(f"jobs.{name}.tuned must give threads in 1..{MAX_THREADS} and chunk in 1..{I32_MAX}, got {tuned}")
+    if not isinstance(manifest["exports"], dict) or not isinstance(manifest["quants"], dict):
+        raise fail("exports and quants must be objects")
+    for name, e in manifest["exports"].items():
+        if not (isinstance(e, dict) and isinstance(e.get("kernel"), str)
+                and (e.get("quant") is None or isinstance(e["quant"], str)) and isinstance(e.get("params"), list)):
+            raise fail(f"exports.{name} needs a kernel name, a quant type name or null, and its params")
+    act = manifest["activation"]
+    if not (isinstance(act, dict) and isinstance(act.get("dtype"), str) and isinstance(act.get("sums"), str)
+            and isinstance(act.get("split"), bool) and _int(act.get("max"))):
+        raise fail("activation must give dtype, sums, split and max")

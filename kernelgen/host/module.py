@@ -28,9 +28,12 @@ import numpy as np
 import wasmtime
 from wasmtime import _ffi as ffi
 
+from ..errors import UnknownName
+
 __all__ = ["I32_MAX", "PAGE_SIZE", "Module", "as_int", "engine"]
 
 PAGE_SIZE = 65536  # bytes in a wasm page
+WASM_BYTES = 65536 * PAGE_SIZE  # the most a wasm32 memory holds: no input larger fits
 I32_MAX = 2**31 - 1
 # What each wasm value type accepts from Python: i32/i64 in their signed or unsigned range (wasm
 # integers have no sign; the bits are the same), floats any real number.
@@ -129,9 +132,12 @@ class Module:
         self._params = {name: [str(p) for p in f.type(self.store).params] for name, f in self._funcs.items()}
         self.lock = threading.RLock()
         self._top = self.heap_base  # the end of the highest allocation
-        self._live: dict[int, tuple[int, int]] = {}  # address -> the range it took
+        # address -> the range it took and the allocation's serial number: an address is reused,
+        # a serial never is, so a holder of (address, serial) can tell its allocation is gone
+        self._live: dict[int, tuple[int, int, int]] = {}
+        self._serial = 0
         self._holes: list[tuple[int, int]] = []  # freed ranges below _top, sorted and merged
-        self._threads = threading.local()  # .scopes: this thread's open scopes, each a list of (generation, address)
+        self._threads = threading.local()  # .scopes: this thread's open scopes, each a list of (address, serial)
         # Counts reset()s: what was allocated before one (e.g. a Packed) carries the old value.
         self.generation = 0
 
@@ -191,10 +197,11 @@ class Module:
 
     def _keep(self, addr: int, start: int, end: int) -> int:
         """Record an allocation: the range it took (alignment padding included) is what free returns."""
-        self._live[addr] = (start, end)
+        self._serial += 1
+        self._live[addr] = (start, end, self._serial)
         scopes = getattr(self._threads, "scopes", None)
         if scopes:
-            scopes[-1].append((self.generation, addr))
+            scopes[-1].append((addr, self._serial))
         return addr
 
     def _out_of_memory(self, nbytes: int, what: str) -> str:
@@ -218,7 +225,7 @@ class Module:
 
     def _free(self, addr: int) -> None:
         try:
-            start, end = self._live.pop(addr)
+            start, end, _ = self._live.pop(addr)
         except KeyError:
             raise ValueError(f"free({addr}): not a live allocation of this module (freed already?)") from None
         holes = self._holes
@@ -233,8 +240,12 @@ class Module:
         else:
             holes.insert(i, (start, end))
 
-    def is_live(self, addr: int) -> bool:
-        return addr in self._live
+    def serial(self, addr: int) -> int | None:
+        """The serial number of the live allocation at `addr` (None: there is none). Equal to the one
+        an allocation had when made only while that allocation lives: a later one at the same
+        address has another."""
+        live = self._live.get(addr)
+        return None if live is None else live[2]
 
     def in_use(self) -> int:
         """Bytes from address 0 to the end of the highest live allocation, less the freed ranges below it."""
@@ -250,8 +261,8 @@ class Module:
             yield
         finally:
             with self.lock:
-                for generation, addr in reversed(scopes.pop()):
-                    if generation == self.generation and addr in self._live:
+                for addr, serial in reversed(scopes.pop()):
+                    if self.serial(addr) == serial:  # not freed already (its address perhaps reused)
                         self._free(addr)
 
     def reset(self) -> None:
@@ -279,6 +290,8 @@ class Module:
         The padding lets SIMD kernels read whole vectors past the end of the data.
         """
         pad = as_int("put pad", pad, 0, self.max_pages * PAGE_SIZE)
+        if array.nbytes + pad > self.max_pages * PAGE_SIZE:  # before a copy (of a broadcast view, say)
+            raise MemoryError(self._out_of_memory(array.nbytes + pad, what))
         data = np.ascontiguousarray(array)
         addr = self.alloc(data.nbytes + pad, align, what)
         dst = self.view(addr, np.uint8, data.nbytes + pad)
@@ -322,12 +335,14 @@ class Module:
         i32/i64, numbers for f32/f64: wasmtime itself wraps 2**40 to 0). Returns None, one value,
         or a list for multi-value results.
         """
+        if not isinstance(name, str):
+            raise TypeError(f"call: an export's name is a str, got {type(name).__name__}")
         try:
             func = self._funcs[name]
         except KeyError:
             close = difflib.get_close_matches(name, self._funcs, n=5, cutoff=0.5)
             hint = f"; close: {close}" if close else f"; exports: {sorted(self._funcs)}"
-            raise KeyError(f"no exported function {name!r}{hint}") from None
+            raise UnknownName(f"no exported function {name!r}{hint}") from None
         params = self._params[name]
         if len(args) != len(params):
             raise TypeError(f"{name} takes {len(params)} arguments ({', '.join(params)}), got {len(args)}")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import wasmtime
 
+from ..errors import UnknownName
 from .manifest import MAX_THREADS
 from .module import I32_MAX, as_int, as_real
 
@@ -60,7 +61,7 @@ def job_call(manifest: dict, export: str, args: Sequence[int | float]) -> JobCal
     manifest "parallel" entry."""
     entry = manifest["exports"].get(export)
     if entry is None:
-        raise KeyError(f"no export {export!r}")
+        raise UnknownName(f"no export {export!r}")
     par = entry.get("parallel")
     if par is None:
         raise ValueError(f"{entry['kernel']} has no pool job (its kernel has no 'parallel' declaration)")
@@ -102,7 +103,7 @@ class Pool:
         self._threads: list[threading.Thread] = []
         self.size = threads
         if self._word["POOL_READY"][0] != 0:
-            raise RuntimeError("this module's memory already has a pool (close it first)")
+            raise ValueError("this module's memory already has a pool (close it first)")
         self._word["POOL_STOP"][0] = 0
         self._word["POOL_WANT"][0] = threads - 1
         for i in range(threads - 1):
@@ -127,7 +128,7 @@ class Pool:
     def job_index(self, job: str) -> int:
         jobs = self.kernels.manifest["jobs"]
         if job not in jobs:
-            raise KeyError(f"no job {job!r}; jobs: {', '.join(jobs)}")
+            raise UnknownName(f"no job {job!r}; jobs: {', '.join(jobs)}")
         return jobs[job]["index"]
 
     def call(self, export: str, args: Sequence[int | float], chunk: int | None = None) -> None:
@@ -156,7 +157,7 @@ class Pool:
         """
         spec = self.kernels.manifest["jobs"].get(job)
         if spec is None:
-            raise KeyError(f"no job {job!r}; jobs: {', '.join(self.kernels.manifest['jobs'])}")
+            raise UnknownName(f"no job {job!r}; jobs: {', '.join(self.kernels.manifest['jobs'])}")
         if len(args) != len(spec["args"]):
             raise ValueError(f"{job} takes {len(spec['args'])} arguments "
                              f"({', '.join(a['name'] for a in spec['args'])}), got {len(args)}")
@@ -171,7 +172,7 @@ class Pool:
 
     def _run(self, job: str, spec: dict, count: int, chunk: int, args: list[int | float]) -> None:
         if not self._threads and self.size > 1:
-            raise RuntimeError("pool is closed")
+            raise ValueError("pool is closed: start another with Kernels.pool()")
         words = self.module.view(self._args_addr, np.int32, self._arg_words)
         for slot, (value, a) in enumerate(zip(args, spec["args"])):
             words[slot:slot + 1].view(np.float32 if a["type"] == "f32" else np.uint32 if value > I32_MAX else np.int32)[0] = value
