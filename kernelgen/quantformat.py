@@ -279,8 +279,9 @@ INT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.floor_divide
 
 
 def _typed(v: np.ndarray) -> np.ndarray:
-    """A field's values as the formulas compute with them: int32 or float32."""
-    return v.astype(np.float32 if v.dtype.kind == "f" else np.int32)
+    """A field's values as the formulas compute with them: float32, or int32 (a u32 as int64: the
+    checker lets one only into float arithmetic, where it counts unsigned, as in runtime/pack.mjs)."""
+    return v.astype(np.float32 if v.dtype.kind == "f" else np.int64 if v.dtype == np.uint32 else np.int32)
 
 
 class NumpyEval:
@@ -309,7 +310,8 @@ class NumpyEval:
         return v[..., None] if self.per else v
 
     def on_index(self, n: Index, at: np.ndarray) -> np.ndarray:
-        return _typed(self.blocks[n.field][..., at])
+        v = _typed(self.blocks[n.field][..., at])
+        return v[..., None] if self.per and np.ndim(at) == 0 else v  # a constant index: one value per block
 
     def on_select(self, n: Select, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(c != 0, a, b)
@@ -342,9 +344,47 @@ class NumpyEval:
         return INT_OPS[n.op](a, b)
 
 
+def _int32(n: Node, r: tuple[int, int]) -> tuple[int, int]:
+    if r[0] < -2**31 or r[1] > 2**31 - 1:
+        raise ValueError(f"{text(n)} may leave int32 ({r[0]}..{r[1]})")
+    return r
+
+
+class IsFloat:
+    """Whether a formula's value is a float (a float field or constant, pow2, or arithmetic with
+    one): the packers compute it in float32, else in int32."""
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        self.fields = fields
+
+    def on_int(self, n: Node, *_: bool) -> bool:
+        return False
+
+    on_i = on_s = on_index = on_call = on_lookup = on_int
+
+    def on_float(self, n: Node, *_: bool) -> bool:
+        return True
+
+    on_pow2 = on_float
+
+    def on_field(self, n: Field) -> bool:
+        return self.fields.get(n.field, "i")[0] == "f"
+
+    def on_neg(self, n: Neg, a: bool) -> bool:
+        return a
+
+    def on_select(self, n: Select, c: bool, a: bool, b: bool) -> bool:
+        return a or b
+
+    def on_op(self, n: Op, a: bool, b: bool) -> bool:
+        return a or b
+
+
 class IntRange:
     """The interval [lo, hi] an integer formula's values lie in (for a block of `block` values, in
-    `subs` sub-blocks where known; else s is bounded as i, sub-blocks being fewer than elements)."""
+    `subs` sub-blocks where known; else s is bounded as i, sub-blocks being fewer than elements).
+    ValueError where that is not within int32, the integers both packers compute in (numpy's int32
+    and JavaScript's `| 0` agree only there), or where the formula is not integer arithmetic."""
 
     def __init__(self, block: int, fields: dict[str, str], subs: int | None = None) -> None:
         self.block, self.fields, self.subs = block, fields, subs or block
@@ -358,9 +398,16 @@ class IntRange:
     def on_s(self, n: SubBlock) -> tuple[int, int]:
         return 0, self.subs - 1
 
+    def on_float(self, n: Node, *_: object) -> tuple[int, int]:
+        raise ValueError(f"{text(n)} is not an integer")
+
+    on_pow2 = on_float
+
     def _type(self, field: str) -> tuple[int, int]:
         t = self.fields[field]
         bits = 8 * FIELD_BYTES[t]
+        if t[0] == "f" or t == "u32":
+            raise ValueError(f"{field} ({t}) is not an integer of at most 31 bits (a u32 takes float arithmetic only)")
         return (-(1 << bits - 1), (1 << bits - 1) - 1) if t[0] == "i" else (0, (1 << bits) - 1)
 
     def on_field(self, n: Field) -> tuple[int, int]:
@@ -379,24 +426,35 @@ class IntRange:
         return min(a[0], b[0]), max(a[1], b[1])
 
     def on_neg(self, n: Neg, a: tuple[int, int]) -> tuple[int, int]:
-        return -a[1], -a[0]
+        return _int32(n, (-a[1], -a[0]))
 
     def on_op(self, n: Op, a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+        return _int32(n, self._op(n, a, b))
+
+    def _op(self, n: Op, a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
         (a0, a1), (b0, b1) = a, b
-        corners = lambda f: (min(f(x, y) for x in a for y in b), max(f(x, y) for x in a for y in b))  # noqa: E731
+        corners = lambda f, ys=b: (min(f(x, y) for x in a for y in ys), max(f(x, y) for x in a for y in ys))  # noqa: E731
         if n.op in ("+", "-", "*"):
             return corners({"+": int.__add__, "-": int.__sub__, "*": int.__mul__}[n.op])
         if n.op == "<":
             return 0, 1
-        if a0 < 0 or b0 < 0:  # bit operations, / and % here are on non-negative values
-            raise ValueError(f"{n.op} of a possibly negative value")
-        if n.op == "&":
-            return 0, min(a1, b1)
-        if n.op == "|":
-            return 0, (1 << max(a1, b1).bit_length()) - 1
-        if n.op == "%":
-            return 0, min(a1, b1 - 1)
-        return corners({"/": lambda x, y: x // max(y, 1), "<<": int.__lshift__, ">>": int.__rshift__}[n.op])
+        if n.op in ("<<", ">>"):  # monotone in each operand (>> floors, as int32's arithmetic shift)
+            if b0 < 0 or b1 > 31:  # numpy's and JavaScript's shifts differ there
+                raise ValueError(f"a shift amount lies in 0..31; {text(n.right)} spans {b0}..{b1}")
+            return corners(int.__lshift__ if n.op == "<<" else int.__rshift__)
+        if n.op == "/":  # floors (numpy's floor_divide, JavaScript's Math.floor); by 0: 0 in both
+            divisors = [y for y in (b0, b1, -1, 1) if b0 <= y <= b1 and y != 0]
+            return corners(int.__floordiv__, divisors) if divisors else (0, 0)
+        if n.op == "%" and b0 > 0:
+            return 0, min(a1, b1 - 1) if a0 >= 0 else b1 - 1
+        if a0 >= 0 and b0 >= 0:
+            if n.op == "&":
+                return 0, min(a1, b1)
+            if n.op == "|":
+                return 0, (1 << max(a1, b1).bit_length()) - 1
+        # & | of a negative value, % by a possibly negative one: within the widest operand's bits
+        bits = max(abs(v).bit_length() for v in (a0, a1, b0, b1))
+        return -(1 << bits), (1 << bits) - 1
 
 
 # ---- the block format --------------------------------------------------------------------------
@@ -533,12 +591,17 @@ class QuantFormat:
         if not per_sub or not rest:
             raise ValueError(f"with sub-blocks of {self.sub}, write the scale as a product of factors of the super-block"
                              " and integer factors of s (d * scales[s])")
-        lo, hi = fold(_product(per_sub), IntRange(self.block, {f.name: f.type for f in self.fields}))
+        lo, hi = fold(_product(per_sub), self.ranges)
         if max(-lo, hi) > SUB_SCALE_MAX:
             raise ValueError(f"the integer sub-block scale {text(_product(per_sub))} spans {lo}..{hi};"
                              f" the kernels take at most {SUB_SCALE_MAX} in magnitude (a 16-value dot times it stays"
                              " within i32 and it fits relaxed SIMD's i16 lanes: idot7zs)")
         return _product(rest), _product(per_sub)
+
+    @functools.cached_property
+    def ranges(self) -> IntRange:
+        """Bounds of this block's integer formulas (i over the block, s over its sub-blocks)."""
+        return IntRange(self.block, {f.name: f.type for f in self.fields}, self.block // self.sub if self.sub else None)
 
     @functools.cached_property
     def record(self) -> Record | None:
@@ -562,7 +625,7 @@ class QuantFormat:
                 parts[name] = split
         if not all(_float_field(f, self) for f, _ in parts.values()):
             return None
-        ranges = IntRange(self.block, {f.name: f.type for f in self.fields})
+        ranges = self.ranges
         at = 4 * len(parts)
         factors = {}
         for name, (f, i) in parts.items():
@@ -579,7 +642,7 @@ class QuantFormat:
         core = formula.arg if neg else formula
         if not (isinstance(core, Op) and core.op == "*"):
             return None
-        ranges = IntRange(self.block, {f.name: f.type for f in self.fields})
+        ranges = self.ranges
         for f, i in ((core.left, core.right), (core.right, core.left)):
             if not (isinstance(f, Field) and any(x.kind == "s" for x in nodes(i))):
                 continue
@@ -594,7 +657,7 @@ class QuantFormat:
     @functools.cached_property
     def value_range(self) -> tuple[int, int]:
         """The least and largest value `unpack` can give (from the fields' types)."""
-        return fold(self.unpack, IntRange(self.block, {f.name: f.type for f in self.fields}))
+        return fold(self.unpack, self.ranges)
 
     @functools.cached_property
     def encoding(self) -> tuple[str, int]:
@@ -629,7 +692,7 @@ class QuantFormat:
             codes, zero = u.left, Int(-u.right.value)
         else:
             codes, zero = u, Int(0)
-        ranges = IntRange(kb.block, {f.name: f.type for f in kb.fields})
+        ranges = kb.ranges
         try:
             lo, hi = fold(codes, ranges)
             fits = 0 <= lo and hi <= 127 and (isinstance(zero, Field) or 0 <= min(fold(zero, ranges))
@@ -648,7 +711,7 @@ class QuantFormat:
             lo, hi = self.value_range
             return hi - lo
         kb = self.kernel
-        return fold(self.codes[0], IntRange(kb.block, {f.name: f.type for f in kb.fields}))[1]
+        return fold(self.codes[0], kb.ranges)[1]
 
     # ---- layout
     @property

@@ -105,12 +105,23 @@ const formulaConsumer = (fields) => ({
   },
   lookup: (t, code) => ({ int: true, at: (v, o, x) => t.values[code.at(v, o, x)] }),
   pow2: (t, a) => ({ int: false, at: (v, o, x) => r(2 ** a.at(v, o, x)) }),
-  select: (t, c, a, b) => ({ int: a.int && b.int, at: (v, o, x) => (c.at(v, o, x) !== 0 ? a : b).at(v, o, x) }),
+  select: (t, c, a, b) => {
+    if (a.int === b.int) return { int: a.int, at: (v, o, x) => (c.at(v, o, x) !== 0 ? a : b).at(v, o, x) };
+    const f = (e) => (e.int ? (v, o, x) => r(e.at(v, o, x)) : e.at); // one float branch: both are (numpy's where)
+    const fa = f(a);
+    const fb = f(b);
+    return { int: false, at: (v, o, x) => (c.at(v, o, x) !== 0 ? fa : fb)(v, o, x) };
+  },
   neg: (t, a) => ({ int: a.int, at: a.int ? (v, o, x) => -a.at(v, o, x) | 0 : (v, o, x) => -a.at(v, o, x) }),
   op: (t, a, b) => {
-    const op = (a.int && b.int ? INT_OPS : FLOAT_OPS)[t.op];
+    const int = a.int && b.int;
+    const op = (int ? INT_OPS : FLOAT_OPS)[t.op];
     if (!op) throw new Error(`formula: unknown operator ${t.op}`);
-    return { int: a.int && b.int, at: (v, o, x) => op(a.at(v, o, x), b.at(v, o, x)) };
+    if (int) return { int, at: (v, o, x) => op(a.at(v, o, x), b.at(v, o, x)) };
+    // an integer meets a float as a float32 first, as in numpy (quantformat.NumpyEval.on_op)
+    const fa = a.int ? (v, o, x) => r(a.at(v, o, x)) : a.at;
+    const fb = b.int ? (v, o, x) => r(b.at(v, o, x)) : b.at;
+    return { int, at: (v, o, x) => op(fa(v, o, x), fb(v, o, x)) };
   },
 });
 

@@ -399,3 +399,65 @@ def test_a_new_parallel_kernel_runs_threaded_from_node(tmp_path: Path) -> None:
 
 def kernelgen_dsl() -> str:
     return (ROOT / "kernels.dsl").read_text(encoding="utf-8")
+
+
+# Formulas where numpy and JavaScript part ways unless both packers take care (found by a
+# differential fuzz of random declarations): an array read at a constant index in a super-block's
+# per-sub-block formula, a select between an integer and a float, integers past 2^24 meeting a
+# float (rounded to float32 first), and a u32 field in float arithmetic (its unsigned value).
+EDGE_TYPES = """
+quant edge_k {
+    block 256;
+    sub 32;
+    field d: f16;
+    field z: u32;
+    field scales: u8[8];
+    field qs: u8[128];
+    unpack (qs[i / 64 * 32 + i % 32] >> (i / 32 % 2 * 4)) & 15;
+    dequant d * select(s < 4, scales[0], 0.5) * q - (d * 16777217) * z;
+}
+quant edge_f {
+    block 32;
+    field d: f16;
+    field e: i32;
+    field qs: u8[16];
+    unpack nib(qs, i) - 8;
+    dequant (d * e) * q;
+}
+"""
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_python_and_js_packers_agree_where_numpy_and_javascript_part_ways(tmp_path: Path, target: str) -> None:
+    need(NODE, "node is not installed")
+    source = (ROOT / "kernels.dsl").read_text(encoding="utf-8") + EDGE_TYPES
+    (built,) = compile_source(source, targets=(target,), quants=("edge_k", "edge_f"))
+    manifest = tmp_path / "kernels.json"
+    manifest.write_text(json.dumps(built.manifest))
+    rng = np.random.default_rng(7)
+    jobs = []
+    for name, rows, nblocks in (("edge_k", 3, 2), ("edge_f", 5, 4)):
+        qf = kernelgen.quantformat.QuantFormat.from_json(name, built.manifest["quants"][name])
+        b = qf.as_blocks(rng.integers(0, 256, (rows, nblocks * qf.stored_bytes), dtype=np.uint8))
+        b["d"] = rng.uniform(-2, 2, b.shape).astype(np.float16)
+        if name == "edge_k":
+            b["z"] = rng.integers(2**31, 2**32, b.shape, dtype=np.uint64)  # past int32
+        else:
+            b["e"] = rng.integers(2**24, 2**31, b.shape) * rng.choice([-1, 1], b.shape)  # past float32's integers
+        blocks = tmp_path / f"{name}.bin"
+        blocks.write_bytes(b.tobytes())
+        jobs.append((name, rows, nblocks * qf.block, blocks, qf.pack(b)))
+    script = (f"import {{ readFileSync }} from 'node:fs';\nimport {{ packPlanes }} from {json.dumps((ROOT / 'runtime' / 'pack.mjs').as_uri())};\n"
+              f"const m = JSON.parse(readFileSync({json.dumps(str(manifest))}, 'utf8'));\nconst out = {{}};\n")
+    for name, rows, k, blocks, _ in jobs:
+        script += (f"{{ const raw = readFileSync({json.dumps(str(blocks))});\n"
+                   f"  const p = packPlanes(m.quants.{name}, new Uint8Array(raw.buffer, raw.byteOffset, raw.byteLength), {rows}, {k});\n"
+                   f"  out.{name} = Object.fromEntries(Object.entries(p).map(([n, a]) => [n, Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString('hex')])); }}\n")
+    script += "console.log(JSON.stringify(out));\n"
+    proc = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    for name, _, _, _, planes in jobs:
+        assert set(got[name]) == set(planes), name
+        for plane, arr in planes.items():
+            assert got[name][plane] == np.ascontiguousarray(arr).tobytes().hex(), f"{name} plane {plane} on {target}"

@@ -16,7 +16,8 @@ from ..errors import DslError
 import numpy as np
 
 from ..quantformat import (CALLS, FIELD_BYTES, FLOAT_OPS, INT_OPS, KERNEL_BLOCK, Call, Elem, Field, FieldInfo, Float, Index, Int, Lookup, Neg,
-                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, fold, nodes, text)
+                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, IsFloat, fold, nodes,
+                           text)
 from .wat import I, Instr
 
 LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
@@ -60,6 +61,8 @@ def _formula(e: A.Expr, err: Callable[[A.Node, str], DslError], unsupported: str
     if isinstance(e, A.Name) and e.id in ("i", "s"):
         return (Elem if e.id == "i" else SubBlock)(span=e.span)
     if isinstance(e, A.IntLit):
+        if e.value > 2**31 - 1:  # (a negative one is a Neg of its magnitude)
+            raise err(e, f"{e.value} is not an int32 (formulas compute in int32 and float32)")
         return Int(e.value, span=e.span)
     if isinstance(e, A.FloatLit):
         return Float(e.value, span=e.span)
@@ -201,7 +204,6 @@ class _CheckSuper:
     def __init__(self, q: A.QuantDecl, fields: dict[str, FieldInfo], what: str, var: str, count: int) -> None:
         self.q, self.fields, self.what, self.var = q, fields, what, var
         self.at = {var: np.arange(count)}  # the index's values
-        self.subs = count if var == "s" else None
         self.used: list[tuple[str, str]] = []
 
     def err(self, node: Node, msg: str) -> DslError:
@@ -264,14 +266,6 @@ class _CheckSuper:
             raise self.err(n, f"operator {n.op} does not take a float (floats: {' '.join(FLOAT_OPS)})")
         if n.op not in INT_OPS:
             raise self.err(n, f"operator {n.op} is not one of a formula's ({' '.join(INT_OPS)})")
-        if n.op in ("<<", ">>"):  # numpy's and JavaScript's int32 shifts differ outside 0..31
-            try:
-                types = {f.name: f.type for f in self.fields.values()}
-                lo, hi = fold(n.right, IntRange(self.q.block, types, self.subs))
-            except ValueError as e:
-                raise self.err(n.right, f"cannot bound the shift amount ({e})") from None
-            if lo < 0 or hi > 31:
-                raise self.err(n.right, f"a shift amount lies in 0..31; {text(n.right)} spans {lo}..{hi}")
         return a or b
 
 
@@ -337,9 +331,19 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
     value_fields = tuple(f.name for f in fields if f.name in used_names)
     interleaved = tuple(dict.fromkeys(f for f, how in checker.used if how == "nibi"))
     qf = QuantFormat(q.name, q.block, tuple(fields), unpack, scale, off, value_fields, interleaved, q.sub)
+    floats = IsFloat({f.name: f.type for f in fields})
+    _check_arithmetic(unpack, err_in("unpack"), qf.ranges, floats)
+    for formula in (scale, off):
+        if formula is not None:
+            _check_arithmetic(formula, err_in("dequant"), qf.ranges, floats)
+    if q.sub is None:
+        lo, hi = fold(unpack, qf.ranges)  # (bounded: _check_arithmetic)
+        if hi < -128 or lo > 127:  # some blocks may still fall outside: pack refuses those
+            raise DslError(q.unpack.span, f"quant {q.name}: unpack: its values ({lo}..{hi}) cannot fit int8: the"
+                                          " kernels' weights are int8")
     if q.sub is not None:
         try:
-            lo, hi = fold(unpack, IntRange(q.block, {f.name: f.type for f in fields}))
+            lo, hi = fold(unpack, qf.ranges)
         except ValueError as e:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack: cannot bound its values ({e})") from None
         try:
@@ -350,7 +354,7 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
             raise DslError(q.dequant.span, f"quant {q.name}: dequant: sub-blocks of {q.sub} take no offset (+ M)")
         if split:
             try:
-                ilo, ihi = fold(split[1], IntRange(q.block, {f.name: f.type for f in fields}))
+                ilo, ihi = fold(split[1], qf.ranges)
             except (ValueError, AttributeError):
                 ilo, ihi = -1 << 40, 1 << 40
             if ilo < -128 or ihi > 127:
@@ -360,6 +364,19 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack: values may fall outside int8 ({lo}..{hi}): the"
                                           " kernels' weights are int8")
     return qf
+
+
+def _check_arithmetic(formula: Node, err: Callable[[A.Node, str], DslError], ranges: IntRange, floats: IsFloat) -> None:
+    """Every integer operation of `formula` stays within int32 (IntRange), where numpy and
+    runtime/pack.mjs compute alike, and pow2 takes an integer: so both packers give the same bits."""
+    for n in reversed(nodes(formula)):  # operands before what they make: the error at the innermost
+        if isinstance(n, Pow2) and fold(n.arg, floats):
+            raise err(n, "pow2 takes an integer exponent")
+        if isinstance(n, (Op, Neg, Select)) and not fold(n, floats):
+            try:
+                fold(n, ranges)
+            except ValueError as e:
+                raise err(n, f"{e} (integer formulas compute in int32, alike in both packers only there)") from None
 
 
 def _tables(q: A.QuantDecl, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ...]]:
