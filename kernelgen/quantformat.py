@@ -338,10 +338,11 @@ class NumpyEval:
         return -a
 
     def on_op(self, n: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        if np.asarray(a).dtype.kind == "f" or np.asarray(b).dtype.kind == "f":
-            return FLOAT_OPS[n.op](np.float32(a) if np.ndim(a) == 0 else np.asarray(a, np.float32),
-                                    np.float32(b) if np.ndim(b) == 0 else np.asarray(b, np.float32))
-        return INT_OPS[n.op](a, b)
+        with np.errstate(divide="ignore", invalid="ignore"):  # by 0: an integer 0, a float inf or NaN, as in JS
+            if np.asarray(a).dtype.kind == "f" or np.asarray(b).dtype.kind == "f":
+                return FLOAT_OPS[n.op](np.float32(a) if np.ndim(a) == 0 else np.asarray(a, np.float32),
+                                        np.float32(b) if np.ndim(b) == 0 else np.asarray(b, np.float32))
+            return INT_OPS[n.op](a, b)
 
 
 def _int32(n: Node, r: tuple[int, int]) -> tuple[int, int]:
