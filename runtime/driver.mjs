@@ -5,9 +5,9 @@
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
 import { I32_MAX, MAX_THREADS, loadBuild } from './manifest.mjs';
-import { packInto, paddedRows, planeLayout } from './pack.mjs';
+import { byteLengthOf, checkBlocks, classOf, lengthOf, packInto, paddedRows, planeLayout, typedArray } from './pack.mjs';
 import { hardwareThreads, isNode } from './platform.mjs';
-import { Pool } from './pool.mjs';
+import { POOL_EXPORTS, Pool } from './pool.mjs';
 
 const PAGE_BYTES = 65536;
 const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
@@ -21,9 +21,18 @@ export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32
   'softmax', 'rope', 'ropeTable', 'silu', 'swiglu', 'erf', 'gelu', 'addBias', 'linear', 'layerNorm', 'attention',
   'meanPool', 'l2Normalize', 'hold', 'read', 'run', 'setThreads', 'runJob', 'free', 'reset', 'bench'];
 
-function f32Array(what, x) {
-  if (!(x instanceof Float32Array)) throw new TypeError(`${what}: expected a Float32Array, got ${x?.constructor?.name ?? typeof x}`);
-  return x;
+const f32Array = (what, x) => typedArray(what, x, Float32Array);
+
+/** An optional yes/no option: undefined or a boolean (a string such as "no" would count as true). */
+function flag(what, v) {
+  if (v !== undefined && typeof v !== 'boolean') throw new TypeError(`${what}: expected true or false, got ${typeof v} ${String(v)}`);
+}
+
+/** opts as an object ({} for undefined or null), else a TypeError. */
+function options(what, opts) {
+  if (opts === undefined || opts === null) return {};
+  if (typeof opts !== 'object' || Array.isArray(opts)) throw new TypeError(`${what}: options must be an object, got ${typeof opts}`);
+  return opts;
 }
 
 /** A held array (Driver.hold, or a kernel's result with {hold: true}): its memory stays in the module. */
@@ -107,8 +116,10 @@ export class Driver {
   #holes = []; // freed [start, end) ranges below #top, sorted and merged
   #allocated = new Map(); // address -> the [start, end) it took
   #scopes = []; // the allocations of each open #scoped call
-  #packed = new Set(); // ids of the Packed handles not yet freed
-  #held = new Set(); // ids of the held arrays not yet freed
+  // The Packed handles and held arrays not yet freed, by id: a handle's fields must be those it was
+  // given (a copy cloned through postMessage has them; an edited one names memory not its own).
+  #packed = new Map();
+  #held = new Map();
   #nextPacked = 0; // ids of Packed handles and held arrays
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
@@ -152,6 +163,7 @@ export class Driver {
    * growing the memory up to the build's maximum (as kernelgen/host/module.py does). */
   #alloc(nbytes, what = 'a buffer') {
     const { align, max_pages: maxPages } = this.manifest.memory;
+    if (!Number.isSafeInteger(nbytes) || nbytes < 0) throw new RangeError(`${what}: cannot allocate ${nbytes} bytes`);
     const n = Math.max(nbytes, 1); // every allocation its own address
     for (let i = 0; i < this.#holes.length; i++) {
       const [start, end] = this.#holes[i];
@@ -224,14 +236,16 @@ export class Driver {
 
   /** Copy typed array `array` to `addr` (a multiple of its element size: #alloc's alignment). */
   #copyIn(array, addr) {
-    this.#view(array.constructor).set(array, addr / array.BYTES_PER_ELEMENT);
+    const C = classOf(array);
+    this.#view(C).set(array, addr / C.BYTES_PER_ELEMENT);
   }
 
   /** Copy a typed array into fresh memory followed by `pad` zero bytes. */
   #put(array, pad = 0) {
-    const addr = this.#alloc(array.byteLength + pad);
+    const bytes = byteLengthOf.call(array);
+    const addr = this.#alloc(bytes + pad);
     this.#copyIn(array, addr);
-    if (pad) this.#view(Uint8Array).fill(0, addr + array.byteLength, addr + array.byteLength + pad);
+    if (pad) this.#view(Uint8Array).fill(0, addr + bytes, addr + bytes + pad);
     return addr;
   }
 
@@ -268,7 +282,10 @@ export class Driver {
     this.#live();
     if (isHeld(w)) {
       this.#heldAddr(w, 'free', true);
-      if (w.generation === this.#generation && this.#held.delete(w.id)) this.#free(w.addr);
+      if (w.generation === this.#generation && this.#held.has(w.id)) {
+        this.#free(w.addr);
+        this.#held.delete(w.id);
+      }
       return;
     }
     this.#packedArgs(w, 'free', true);
@@ -302,8 +319,9 @@ export class Driver {
    * its own that no scope frees. */
   #holdAt(addr, length) {
     const id = this.#nextPacked++;
-    this.#held.add(id);
-    return Object.freeze({ held: true, length, addr, owner: this.#id, generation: this.#generation, id });
+    const h = Object.freeze({ held: true, length, addr, owner: this.#id, generation: this.#generation, id });
+    this.#held.set(id, h);
+    return h;
   }
 
   /** The address of held array h, checked: these kernels', not freed, from after the last reset(). */
@@ -312,6 +330,10 @@ export class Driver {
       throw new TypeError(`${what}: a held array must come from hold() or {hold: true}`);
     }
     if (h.owner !== this.#id) throw new RangeError(`${what}: this array is held by other kernels`);
+    const mine = this.#held.get(h.id);
+    if (mine && h.generation === this.#generation && (mine.addr !== h.addr || mine.length !== h.length)) {
+      throw new TypeError(`${what}: this held array's fields were changed: use the one hold() returned`);
+    }
     if (freeing) return h.addr;
     if (h.generation !== this.#generation) throw new RangeError(`${what}: this array was held before reset(), which freed it`);
     if (!this.#held.has(h.id)) throw new RangeError(`${what}: this held array was freed (free())`);
@@ -345,7 +367,8 @@ export class Driver {
   /** Run `kernel`'s export here, or with {threads: true}, for a kernel declared `parallel`, through
    * the pool, {chunk} items per claim (same bits: every output element is computed by one thread
    * in a fixed order). */
-  #run(kernel, quant, args, opts = {}) {
+  #run(kernel, quant, args, opts) {
+    opts = options(kernel, opts);
     const name = this.exportName(kernel, quant);
     if (!opts?.threads) return this.#exports[name](...args);
     this.#pool.call(name, args, opts.chunk);
@@ -357,10 +380,27 @@ export class Driver {
    * call. {threads, chunk} as for the kernels below. Returns {result, arrays}: the export's
    * result (undefined through the pool) and the typed arrays as the kernel left them. */
   run(kernel, quant, args, opts) {
+    this.#live();
+    opts = options('run', opts);
+    const name = this.exportName(kernel, quant);
+    const spec = this.manifest.exports[name];
+    if (POOL_EXPORTS.has(spec.kernel)) throw new RangeError(`run: ${name} is the thread pool's own (it waits for helpers or runs a loop)`);
+    if (!Array.isArray(args) || args.length !== spec.params.length) {
+      throw new TypeError(`run: ${name} takes ${spec.params.length} arguments (${spec.params.map((p) => p.name).join(', ')})`);
+    }
+    const heap = this.manifest.memory.heap_base;
+    args.forEach((a, i) => {
+      const p = spec.params[i];
+      if (ArrayBuffer.isView(a)) typedArray(`run ${name} ${p.name}`, a, classOf(a) ?? Float32Array);
+      else if (p.dsl_type === 'ptr' && !(Number.isInteger(a) && a >= heap && a < 2 ** 32)) {
+        // below heap_base are the pool's words, which a stray write would corrupt (a hang, later)
+        throw new RangeError(`run: ${name} ${p.name}: an address at or above heap_base (${heap}) or a typed array, got ${a}`);
+      }
+    });
     return this.#scoped(() => {
       const addrs = args.map((a) => (ArrayBuffer.isView(a) ? this.#put(a, VECTOR_BYTES) : a));
       const result = this.#run(kernel, quant, addrs, opts);
-      const arrays = args.flatMap((a, i) => (ArrayBuffer.isView(a) ? [this.#get(addrs[i], a.constructor, a.length)] : []));
+      const arrays = args.flatMap((a, i) => (ArrayBuffer.isView(a) ? [this.#get(addrs[i], classOf(a), lengthOf.call(a))] : []));
       return { result, arrays };
     });
   }
@@ -412,17 +452,11 @@ export class Driver {
    * {quant, rows, k, planes: {name: address}} to weights that stay in memory until free() or reset(). */
   pack(quant, blocks, rows, k) {
     this.#live();
-    const spec = this.manifest.quants[quant];
-    if (!spec) throw new Error(`unknown quant type ${quant}; this build has ${Object.keys(this.manifest.quants).join(', ')}`);
-    if (!(blocks instanceof Uint8Array)) throw new TypeError(`pack(${quant}): blocks must be a Uint8Array`);
-    positiveInt(`pack(${quant}) rows`, rows);
-    positiveInt(`pack(${quant}) k`, k);
-    if (k % spec.block) throw new RangeError(`pack(${quant}): k=${k} is not a multiple of the block, ${spec.block}`);
-    const nblocks = rows * (k / spec.block);
-    if (blocks.length !== nblocks * spec.stored_bytes) {
-      throw new RangeError(`pack(${quant}): ${rows} rows of ${k} need ${nblocks * spec.stored_bytes} bytes `
-        + `(${nblocks} blocks of ${spec.stored_bytes}), got ${blocks.length}`);
+    if (typeof quant !== 'string' || !Object.hasOwn(this.manifest.quants, quant)) {
+      throw new TypeError(`unknown quant type ${String(quant)}; this build has ${Object.keys(this.manifest.quants).join(', ')}`);
     }
+    const spec = this.manifest.quants[quant];
+    checkBlocks(`pack(${quant})`, spec, blocks, rows, k);
     const planes = {};
     const views = {};
     const held = paddedRows(spec, rows) * (k / spec.block); // blocks the planes hold: whole groups of rows
@@ -437,17 +471,23 @@ export class Driver {
       throw e instanceof RangeError && e.message.startsWith('out of memory') ? e : new RangeError(`pack(${quant}): ${e.message}`);
     }
     const id = this.#nextPacked++;
-    this.#packed.add(id);
-    return Object.freeze({ quant, rows, k, planes: Object.freeze(planes), owner: this.#id, generation: this.#generation, id });
+    const w = Object.freeze({ quant, rows, k, planes: Object.freeze(planes), owner: this.#id, generation: this.#generation, id });
+    this.#packed.set(id, w);
+    return w;
   }
 
   #packedArgs(w, what, freeing = false) {
-    const spec = this.manifest.quants[w?.quant];
+    const spec = typeof w?.quant === 'string' && Object.hasOwn(this.manifest.quants, w.quant) ? this.manifest.quants[w.quant] : null;
     const names = spec && Object.keys(spec.planes);
     if (!spec || !w.planes || names.some((n) => !Number.isInteger(w.planes[n])) || !Number.isInteger(w.rows) || !Number.isInteger(w.k)) {
       throw new TypeError(`${what}: weights must come from pack()`);
     }
     if (w.owner !== this.#id) throw new RangeError(`${what}: these weights were packed by other kernels; pack them with these`);
+    const mine = this.#packed.get(w.id);
+    if (mine && w.generation === this.#generation && (mine.quant !== w.quant || mine.rows !== w.rows || mine.k !== w.k
+        || names.some((n) => mine.planes[n] !== w.planes[n]))) {
+      throw new TypeError(`${what}: these weights' fields were changed: use the handle pack() returned`);
+    }
     if (freeing) return null;
     if (w.generation !== this.#generation) throw new RangeError(`${what}: these weights were packed before reset(), which freed them; pack them again`);
     if (!this.#packed.has(w.id)) throw new RangeError(`${what}: these weights were freed (free()); pack them again`);
@@ -461,10 +501,27 @@ export class Driver {
       throw new TypeError(`${what}: activations must come from quantizeAct (q a ${this.#actArray.name} on ${this.info.target}, `
         + `d a Float32Array, s an ${this.#sumsArray.name})`);
     }
+    const q = typedArray(`${what} act.q`, act.q, this.#actArray);
+    const s = typedArray(`${what} act.s`, act.s, this.#sumsArray);
+    typedArray(`${what} act.d`, act.d, Float32Array);
     const nb = (tokens * k) / ACT_BLOCK;
-    if (act.q.length !== tokens * k || act.d.length !== nb || act.s.length !== nb) {
-      throw new RangeError(`${what}: activations have ${act.q.length} values, ${act.d.length} scales and ${act.s.length} sums, `
+    if (q.length !== tokens * k || act.d.length !== nb || s.length !== nb) {
+      throw new RangeError(`${what}: activations have ${q.length} values, ${act.d.length} scales and ${s.length} sums, `
         + `${tokens} token(s) of the weights' rows need ${tokens * k}`);
+    }
+    // The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's sum (a
+    // weight type's zero or minimum comes off with it): a hand-made activation object is checked.
+    const max = this.manifest.activation.max;
+    for (let b = 0; b < nb; b++) {
+      let sum = 0;
+      for (let i = b * ACT_BLOCK; i < (b + 1) * ACT_BLOCK; i++) {
+        if (q[i] < -max || q[i] > max) throw new RangeError(`${what}: activation values must lie in [-${max}, ${max}] (quantizeAct's range), got ${q[i]}`);
+        sum += q[i];
+      }
+      if (sum !== s[b]) {
+        throw new RangeError(`${what}: activation sums do not match the values (block ${b}: ${s[b]}, the values sum to ${sum}); `
+          + 'make activations with quantizeAct');
+      }
     }
     const pd = this.#alloc(act.d.byteLength + act.s.byteLength);
     this.#copyIn(act.d, pd);
@@ -541,7 +598,9 @@ export class Driver {
 
   /** a[m, k] b[k, n] (attention's P V), or with {bTransposed: true} a[m, k] b[n, k]^T (Q K^T), all
    * row-major -> Float32Array(m * n). Threaded, the rows of a are split. */
-  matmulF32(a, b, m, n, opts = {}) {
+  matmulF32(a, b, m, n, opts) {
+    opts = options('matmulF32', opts);
+    flag('matmulF32 bTransposed', opts.bTransposed);
     f32Array('matmulF32 a', a);
     f32Array('matmulF32 b', b);
     positiveInt('matmulF32 m', m);
@@ -623,6 +682,7 @@ export class Driver {
 
   /** x + bias per row of bias.length values. */
   addBias(x, bias) {
+    f32Array('addBias x', x); // copied in: not a held array
     const rows = this.#rows('addBias x', x, f32Array('addBias bias', bias).length);
     return this.#scoped(() => {
       const pb = this.#put(bias);
@@ -636,7 +696,8 @@ export class Driver {
    * qmatmul and add_bias_f32 in one call, the activations and the product never leaving the
    * module's memory. Bit for bit addBias(qmatmul(w, quantizeAct(x, m)), bias). Threaded, the
    * quantization's blocks and then W's rows are split ({chunk} is qmatmul's). */
-  linear(w, x, bias, opts = {}) {
+  linear(w, x, bias, opts) {
+    opts = options('linear', opts);
     const planes = this.#packedArgs(w, 'linear');
     const m = f32Input('linear x', x).length / w.k;
     if (!Number.isInteger(m) || m < 1) throw new RangeError(`linear: x holds ${x.length} values, not whole rows of the weights' ${w.k}`);
@@ -688,7 +749,7 @@ export class Driver {
       throw new RangeError(`attention: qkv must hold rows (the lengths' sum, ${rows}) of 3 * heads * d values with d a multiple of 16; `
         + `got ${qkv.length} values for heads=${heads}`);
     }
-    const stride = Math.ceil(Math.max(...lengths) / LANES) * LANES;
+    const stride = Math.ceil(lengths.reduce((a, b) => Math.max(a, b), 0) / LANES) * LANES;
     const starts = new Int32Array(lengths.length + 1);
     lengths.forEach((l, s) => { starts[s + 1] = starts[s] + l; });
     return this.#scoped(() => {
@@ -722,6 +783,7 @@ export class Driver {
 
   /** Each row of n values at unit length (a zero row stays zero). */
   l2Normalize(x, n) {
+    f32Array('l2Normalize x', x); // copied in: not a held array
     const rows = this.#rows('l2Normalize x', x, n);
     return this.#scoped(() => {
       const px = this.#put(x);
@@ -769,8 +831,10 @@ export class Driver {
     f32Array('rope x', x);
     f32Array('rope cos', cos);
     f32Array('rope sin', sin);
+    opts = options('rope', opts);
+    flag('rope interleaved', opts.interleaved);
     const dim = 2 * cos.length;
-    if (dim % 8 || sin.length !== cos.length || x.length % dim) {
+    if (dim === 0 || dim % 8 || sin.length !== cos.length || x.length % dim) {
       throw new RangeError(`rope: cos and sin hold dim / 2 values with dim a multiple of 8, x whole heads; got `
         + `${x.length} values, cos ${cos.length}, sin ${sin.length}`);
     }
@@ -793,8 +857,15 @@ export class Driver {
    * at most `maxIterations` times. A nonzero stop flag ends the loop early.
    * Returns {iterations, msPerCall, stopped}.
    */
-  bench(method, args, { minMs = 200, warmupMs = minMs / 4, maxIterations = 10_000 } = {}) {
-    if (!API.includes(method) || method === 'bench') throw new Error(`bench: not an API method: ${method}`);
+  bench(method, args, opts) {
+    const { minMs = 200, warmupMs = minMs / 4, maxIterations = 10_000 } = options('bench', opts);
+    if (!API.includes(method) || method === 'bench') throw new TypeError(`bench: not an API method: ${method}`);
+    if (!Array.isArray(args)) throw new TypeError(`bench: args must be an array of ${method}'s arguments`);
+    for (const [name, v, most] of [['minMs', minMs, 600_000], ['warmupMs', warmupMs, 600_000], ['maxIterations', maxIterations, 1e9]]) {
+      if (typeof v !== 'number' || !(v >= 0 && v <= most) || (name === 'maxIterations' && !(Number.isInteger(v) && v >= 1))) {
+        throw new RangeError(`bench: ${name} must be a number in 0..${most}${name === 'maxIterations' ? ' (an integer >= 1)' : ''}, got ${v}`);
+      }
+    }
     const flag = this.stopFlag;
     if (flag) Atomics.store(flag, 0, 0);
     const loop = (ms, most) => {

@@ -96,7 +96,11 @@ function startDriver(options) {
  *            without shared memory, i.e. on a page that is not cross-origin isolated)
  * The returned Kernels' `info` says what was chosen and why.
  */
-export async function loadKernels({ baseUrl, dir, target, threads } = {}) {
+export async function loadKernels(opts = {}) {
+  if (opts === null || typeof opts !== 'object') {
+    throw new TypeError(`loadKernels: options must be an object ({baseUrl, dir, target, threads}), got ${opts === null ? 'null' : typeof opts}`);
+  }
+  const { baseUrl, dir, target, threads } = opts;
   const base = await outUrl(baseUrl, dir);
   // A bench loop checks this flag between calls: the driver cannot take messages while it runs.
   const stopFlag = typeof SharedArrayBuffer === 'function' ? new Int32Array(new SharedArrayBuffer(4)) : null;

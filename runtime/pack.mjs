@@ -15,6 +15,8 @@
 // byte at a time, integer sub-block scales an int8 pair at a time); a scalar byte value field takes
 // a granule, its byte four times.
 
+import { I32_MAX } from './manifest.mjs';
+
 const INT8_MIN = -128; // unpacked weights must fit the kernels' int8 lanes (QuantFormat.pack checks the same)
 const INT8_MAX = 127;
 const FIELD_BYTES = { i8: 1, u8: 1, i16: 2, u16: 2, f16: 2, i32: 4, u32: 4, f32: 4 };
@@ -32,6 +34,39 @@ const FIELD_READERS = {
 const PLANE_ARRAYS = { '|u1': Uint8Array, '<f4': Float32Array, '<i4': Int32Array };
 const GRANULE = 4; // bytes of a row side by side with its group's other rows (quantformat.GRANULE)
 const SUB_SCALE_GRANULE = 2; // bytes of an int8 sub-block scale in the grouped layout, stored twice (quantformat.SUB_SCALE_GRANULE)
+
+// A typed array's own length, byte length and class, which an object cannot override (an own
+// `length` or `constructor` property would have the copies read or write the wrong memory).
+const TYPED_ARRAY = Object.getPrototypeOf(Int8Array.prototype);
+export const lengthOf = Object.getOwnPropertyDescriptor(TYPED_ARRAY, 'length').get;
+export const byteLengthOf = Object.getOwnPropertyDescriptor(TYPED_ARRAY, 'byteLength').get;
+const TYPED_CLASSES = [Float32Array, Float64Array, Int8Array, Uint8Array, Uint8ClampedArray, Int16Array, Uint16Array,
+  Int32Array, Uint32Array, BigInt64Array, BigUint64Array];
+export const classOf = (a) => TYPED_CLASSES.find((C) => a instanceof C);
+
+/** x if it is a typed array of class C whose length is its own, else a TypeError. */
+export function typedArray(what, x, C) {
+  if (!(x instanceof C)) throw new TypeError(`${what}: expected a ${C.name}, got ${x?.constructor?.name ?? typeof x}`);
+  if (x.length !== lengthOf.call(x) || x.byteLength !== byteLengthOf.call(x)) {
+    throw new TypeError(`${what}: a ${C.name} whose length or byteLength is overridden`);
+  }
+  return x;
+}
+
+/** `rows` rows (1 .. I32_MAX) of k values (a positive multiple of the block) of stored blocks:
+ * a Uint8Array of exactly their bytes, else a TypeError or RangeError. */
+export function checkBlocks(what, spec, blocks, rows, k) {
+  typedArray(`${what} blocks`, blocks, Uint8Array);
+  for (const [name, v] of [['rows', rows], ['k', k]]) {
+    if (!Number.isInteger(v) || v < 1 || v > I32_MAX) throw new RangeError(`${what} ${name}: expected an integer in 1..${I32_MAX}, got ${v}`);
+  }
+  if (k % spec.block) throw new RangeError(`${what}: k=${k} is not a multiple of the block, ${spec.block}`);
+  const nblocks = rows * (k / spec.block);
+  if (blocks.length !== nblocks * spec.stored_bytes) {
+    throw new RangeError(`${what}: ${rows} rows of ${k} need ${nblocks * spec.stored_bytes} bytes `
+      + `(${nblocks} blocks of ${spec.stored_bytes}), got ${blocks.length}`);
+  }
+}
 
 /** IEEE binary16 bits -> the number (exact: every half is a float32). */
 export function halfToFloat(h) {
@@ -318,6 +353,10 @@ function splitNibbles(src, dst) {
 
 /** Pack `rows` rows of k values into fresh typed arrays: {q, scale, offset?}. */
 export function packPlanes(spec, blocks, rows, k) {
+  if (spec === null || typeof spec !== 'object' || typeof spec.block !== 'number' || typeof spec.planes !== 'object') {
+    throw new TypeError('packPlanes: spec must be a quant type of a manifest (manifest.quants[name])');
+  }
+  checkBlocks('packPlanes', spec, blocks, rows, k);
   const planes = {};
   for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) {
     planes[name] = new Array(perBlock * paddedRows(spec, rows) * (k / spec.block));

@@ -21,6 +21,9 @@ const STOP_TIMEOUT_MS = 10_000;
 const POLL_MS = 1;
 const ERROR_SLOT_BYTES = 1024; // one helper's trap message, UTF-8, cut to fit
 const MAX_ITEMS = 2 ** 30; // items per job: with the chunk bound in run, the claims stay within an i32
+// The pool's own exports (they wait for helpers or run a helper's loop): run by the pool only, as
+// POOL_EXPORTS in kernelgen/host/pool.py.
+export const POOL_EXPORTS = new Set(['pool_helper', 'pool_done', 'pool_wait', 'par_for', 'pool_stop']);
 
 export class JobError extends Error {
   /** A job trapped on the driver and/or in helpers; the pool is still usable. */
@@ -230,11 +233,11 @@ export class Pool {
    * only how the items are split, never a result. */
   run(job, count, chunk, args) {
     const jobs = this.manifest.jobs;
+    if (typeof job !== 'string' || !Object.hasOwn(jobs, job)) throw new TypeError(`no job ${JSON.stringify(job)}; jobs: ${Object.keys(jobs).join(', ')}`);
     const spec = jobs[job];
-    if (!spec) throw new Error(`no job ${JSON.stringify(job)}; jobs: ${Object.keys(jobs).join(', ')}`);
     if (this.#exports === null) throw new Error('pool is closed');
-    if (args.length !== spec.args.length) {
-      throw new TypeError(`${job} takes ${spec.args.length} arguments (${spec.args.map((a) => a.name).join(', ')}), got ${args.length}`);
+    if (!Array.isArray(args) || args.length !== spec.args.length) {
+      throw new TypeError(`${job} takes ${spec.args.length} arguments (${spec.args.map((a) => a.name).join(', ')}), got ${args?.length}`);
     }
     if (!Number.isInteger(count) || count < 0 || count > MAX_ITEMS || !Number.isInteger(chunk) || chunk < 1 || chunk > I32_MAX) {
       throw new RangeError(`${job}: need integers count in 0..${MAX_ITEMS} and chunk in 1..${I32_MAX}, got count=${count}, chunk=${chunk}`);

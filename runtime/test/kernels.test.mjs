@@ -124,6 +124,37 @@ for (const [target, unusable] of TARGETS) {
       await k.setThreads(THREADS);
     });
 
+    test('misuse found by fuzzing is refused, and the kernels compute on', async () => {
+      const rand = random(5);
+      const w = await k.pack('q4_1', randomBlocks(k.manifest.quants.q4_1, 2 * 2, rand), 2, 64);
+      const act = await k.quantizeAct(normals(rand, 64));
+      const want = await k.qmatvec(w, act);
+      const held = await k.hold(new Float32Array(8));
+      const lying = new Float32Array(1);
+      Object.defineProperty(lying, 'length', { value: 64 });
+      const misuse = [
+        [() => k.addBias(held, new Float32Array(4)), TypeError, /addBias x: expected a Float32Array/],
+        [() => k.free({ ...held, addr: w.planes.q }), TypeError, /fields were changed/],
+        [() => k.qmatvec({ ...w, rows: 8 }, act), TypeError, /fields were changed/],
+        [() => k.read({ ...held, length: 4096 }), TypeError, /fields were changed/],
+        [() => k.run('pool_stop', null, []), RangeError, /the thread pool's own/],
+        [() => k.run('exp_f32', null, [0, 0, 128]), RangeError, /at or above heap_base/],
+        [() => k.bench('dotF32', [lying, lying], { minMs: Infinity }), RangeError, /minMs must be a number/],
+        [() => k.dotF32(lying, lying), TypeError, /length or byteLength is overridden/],
+        [() => k.qmatvec(w, { ...act, s: act.s.map((v) => v + 1000) }), RangeError, /sums do not match the values/],
+        [() => k.rope(new Float32Array(32), new Float32Array(0), new Float32Array(0)), RangeError, /cos and sin hold dim/],
+        [() => k.matmulF32(new Float32Array(4), new Float32Array(4), 2, 2, 5), TypeError, /options must be an object/],
+        [() => k.matmulF32(new Float32Array(16), new Float32Array(16), 4, 4, { bTransposed: 'no' }), TypeError, /expected true or false/],
+        [() => k.pack('__proto__', new Uint8Array(18), 1, 32), TypeError, /unknown quant type __proto__/],
+        [() => k.runJob('toString', 1, 1, []), TypeError, /no job "toString"/],
+      ];
+      for (const [call, Type, message] of misuse) await assert.rejects(async () => call(), (e) => e instanceof Type && message.test(e.message), String(call));
+      await k.free(held);
+      assert.equal(firstDifference(await k.qmatvec(w, act), want), null);
+      assert.equal(firstDifference(await k.qmatvec(w, act, { threads: true }), want), null);
+      await k.free(w);
+    });
+
     test('2,000 small jobs in a row neither deadlock nor differ', async () => {
       const x = normals(random(11), 64);
       const want = await k.silu(x);
