@@ -198,8 +198,7 @@ class _MentionsQ:
 class _CheckSuper:
     """A super-block's formulas: unpack (over `i`, integers only) and scale/offset (over the
     sub-block `s`). Array fields are indexed by integer formulas of that index alone, checked to
-    stay inside the field for every element or sub-block. Each node returns whether its value is a
-    float, so that every operator is one the packers evaluate for its operands (INT_OPS, FLOAT_OPS)."""
+    stay inside the field for every element or sub-block."""
 
     def __init__(self, q: A.QuantDecl, fields: dict[str, FieldInfo], what: str, var: str, count: int) -> None:
         self.q, self.fields, self.what, self.var = q, fields, what, var
@@ -209,40 +208,31 @@ class _CheckSuper:
     def err(self, node: Node, msg: str) -> DslError:
         return DslError(node.span, f"quant {self.q.name}: {self.what}: {msg}")
 
-    def on_int(self, n: Node) -> bool:
-        return False
+    def on_int(self, n: Node, *_: None) -> None:
+        pass
 
-    def on_neg(self, n: Neg, a: bool) -> bool:
-        return a
+    on_neg = on_select = on_int
 
-    def on_select(self, n: Select, c: bool, a: bool, b: bool) -> bool:
-        if c:
-            raise self.err(n.cond, "a select's condition is an integer (a comparison with <)")
-        return a or b
-
-    def on_float(self, n: Node, *_: bool) -> bool:
+    def on_float(self, n: Node, *_: None) -> None:
         if self.var == "i":
             raise self.err(n, "unpack is integer arithmetic")
-        return True
 
     on_pow2 = on_float
 
-    def _index(self, n: Node) -> bool:
+    def _index(self, n: Node) -> None:
         if n.kind != self.var:
             raise self.err(n, f"{n.kind!r} is not defined here (the index is {self.var!r})")
-        return False
 
     on_i = on_s = _index
 
-    def on_field(self, n: Field) -> bool:
+    def on_field(self, n: Field) -> None:
         f = self.fields.get(n.field)
         if f is None or f.count is not None:
             raise self.err(n, f"{n.field!r} is not a scalar field of the block (index an array field)")
         if self.var == "i" and f.type[0] == "f":
             raise self.err(n, "unpack is integer arithmetic")
-        return f.type[0] == "f"
 
-    def on_index(self, n: Index, _: bool) -> bool:
+    def on_index(self, n: Index, _: None) -> None:
         f = self.fields.get(n.field)
         if f is None or f.count is None or f.type[0] == "f":
             raise self.err(n, f"{n.field!r} is not an integer array field")
@@ -254,19 +244,15 @@ class _CheckSuper:
             k = int(np.flatnonzero((at < 0) | (at >= f.count))[0])
             raise self.err(n, f"{n.field}[...] reads element {at[k]} of {f.count} at {self.var} = {k}")
         self.used.append((f.name, "index"))
-        return False
 
     def on_call(self, n: Node) -> None:
         raise self.err(n, "nib/nibi/bit read flat blocks; in a super-block index the bytes: (f[i / 64 * 32 + i % 32] >> ...) & 15")
 
     on_lookup = on_call
 
-    def on_op(self, n: Op, a: bool, b: bool) -> bool:
-        if (a or b) and n.op not in FLOAT_OPS:
-            raise self.err(n, f"operator {n.op} does not take a float (floats: {' '.join(FLOAT_OPS)})")
+    def on_op(self, n: Op, *_: None) -> None:  # (before an index that holds it is evaluated)
         if n.op not in INT_OPS:
             raise self.err(n, f"operator {n.op} is not one of a formula's ({' '.join(INT_OPS)})")
-        return a or b
 
 
 
@@ -367,11 +353,16 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
 
 
 def _check_arithmetic(formula: Node, err: Callable[[A.Node, str], DslError], ranges: IntRange, floats: IsFloat) -> None:
-    """Every integer operation of `formula` stays within int32 (IntRange), where numpy and
-    runtime/pack.mjs compute alike, and pow2 takes an integer: so both packers give the same bits."""
+    """Every operation of `formula` is one both packers compute alike: floats take + - * /
+    (FLOAT_OPS), integer operations stay within int32 (IntRange), where numpy and runtime/pack.mjs
+    agree, and pow2 and a select's condition take integers."""
     for n in reversed(nodes(formula)):  # operands before what they make: the error at the innermost
+        if isinstance(n, Op) and n.op not in FLOAT_OPS and fold(n, floats):
+            raise err(n, f"operator {n.op} does not take a float (floats: {' '.join(FLOAT_OPS)})")
         if isinstance(n, Pow2) and fold(n.arg, floats):
             raise err(n, "pow2 takes an integer exponent")
+        if isinstance(n, Select) and fold(n.cond, floats):
+            raise err(n.cond, "a select's condition is an integer (a comparison with <)")
         if isinstance(n, (Op, Neg, Select)) and not fold(n, floats):
             try:
                 fold(n, ranges)
