@@ -120,6 +120,7 @@ export class Driver {
   // given (a copy cloned through postMessage has them; an edited one names memory not its own).
   #packed = new Map();
   #held = new Map();
+  #madeHere = new WeakSet(); // activations quantizeAct returned: #actArgs skips their value checks
   #nextPacked = 0; // ids of Packed handles and held arrays
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
@@ -438,7 +439,9 @@ export class Driver {
       const nb = x.length / ACT_BLOCK;
       const [pq, pd] = this.#actBuffers(x.length);
       this.#exports[this.exportName('quantize_act')](px, x.length, pq, pd);
-      return { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, nb), s: this.#get(pd + nb * 4, this.#sumsArray, nb) };
+      const act = { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, nb), s: this.#get(pd + nb * 4, this.#sumsArray, nb) };
+      this.#madeHere.add(act);
+      return act;
     });
   }
 
@@ -510,9 +513,10 @@ export class Driver {
         + `${tokens} token(s) of the weights' rows need ${tokens * k}`);
     }
     // The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's sum (a
-    // weight type's zero or minimum comes off with it): a hand-made activation object is checked.
+    // weight type's zero or minimum comes off with it): a hand-made activation object is checked
+    // (one cloned through postMessage too), one quantizeAct made here is not (the cost per call).
     const max = this.manifest.activation.max;
-    for (let b = 0; b < nb; b++) {
+    for (let b = 0; b < nb && !this.#madeHere.has(act); b++) {
       let sum = 0;
       for (let i = b * ACT_BLOCK; i < (b + 1) * ACT_BLOCK; i++) {
         if (q[i] < -max || q[i] > max) throw new RangeError(`${what}: activation values must lie in [-${max}, ${max}] (quantizeAct's range), got ${q[i]}`);

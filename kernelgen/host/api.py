@@ -88,6 +88,14 @@ class Act:
     q: np.ndarray
     d: np.ndarray
     s: np.ndarray
+    # Made by quantize_act or act_from_values, whose sums and range hold: the kernels' checks of a
+    # hand-made Act (Kernels._act_args, 5% of a 256x4096 qmatvec) skip it. Not an init field, so
+    # dataclasses.replace() of one gives an Act that is checked.
+    made_here: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def _made_here(self) -> Act:
+        object.__setattr__(self, "made_here", True)
+        return self
 
     @property
     def n(self) -> int:
@@ -268,7 +276,7 @@ class Kernels:
             self.run("quantize_act", None, [px, x.size, pq, pd], pool, chunk)
             return Act(self.module.get(pq, self._act_dtype, x.size).reshape(x.shape),
                        self.module.get(pd, np.float32, nb).reshape(*x.shape[:-1], k // 32),
-                       self.module.get(pd + nb * 4, self._act_sums, nb).reshape(*x.shape[:-1], k // 32))
+                       self.module.get(pd + nb * 4, self._act_sums, nb).reshape(*x.shape[:-1], k // 32))._made_here()
 
     def _act_buffers(self, n: int) -> tuple[int, int]:
         """Fresh buffers for quantize_act of n values, sized as the manifest's activation entry says:
@@ -314,7 +322,7 @@ class Kernels:
             raise ValueError(f"activation values must lie in [-{act_max}, {act_max}] (quantize_act's range),"
                              f" got {q.min()} .. {q.max()}")
         sums = q.astype(np.int64).reshape(*q.shape[:-1], -1, 32).sum(-1).astype(self._act_sums)
-        return Act(self._act_order(q.astype(self._act_dtype), (8, 2)), d, sums)
+        return Act(self._act_order(q.astype(self._act_dtype), (8, 2)), d, sums)._made_here()
 
     def _act_order(self, q: np.ndarray, groups: tuple[int, int]) -> np.ndarray:
         """q with each 16 values read as `groups` rows and transposed: (8, 2) splits them into even
@@ -344,6 +352,8 @@ class Kernels:
         if not isinstance(act.s, np.ndarray) or act.s.dtype != self._act_sums or act.s.shape != want_d:
             got = f"{act.s.dtype}{list(act.s.shape)}" if isinstance(act.s, np.ndarray) else type(act.s).__name__
             raise ValueError(f"{what}: activation sums must be {self._act_sums}{list(want_d)}, got {got}")
+        if act.made_here:
+            return self.put_act(act)
         # The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's
         # sum (the zero or minimum of a weight type comes off with it): a hand-made Act is checked.
         q = act.q.astype(np.int32)
