@@ -88,14 +88,17 @@ class Act:
     q: np.ndarray
     d: np.ndarray
     s: np.ndarray
-    # Made by quantize_act or act_from_values, whose sums and range hold: the kernels' checks of a
-    # hand-made Act (Kernels._act_args, 5% of a 256x4096 qmatvec) skip it. Not an init field, so
-    # dataclasses.replace() of one gives an Act that is checked.
-    made_here: bool = field(default=False, init=False, repr=False, compare=False)
-
     def _made_here(self) -> Act:
-        object.__setattr__(self, "made_here", True)
+        """Mark an Act quantize_act or act_from_values made, whose sums and range hold: the
+        kernels' checks of a hand-made Act (Kernels._act_args, 5% of a 256x4096 qmatvec) skip it.
+        An attribute, not a field: dataclasses.replace() of one gives an Act that is checked, and
+        astuple() gives the arrays alone."""
+        object.__setattr__(self, "_made_by_kernels", True)
         return self
+
+    @property
+    def made_here(self) -> bool:
+        return getattr(self, "_made_by_kernels", False)
 
     @property
     def n(self) -> int:
