@@ -499,6 +499,8 @@ export class Driver {
 
   /** Addresses of act's values and of its scales followed by its sums: `tokens` rows of k values
    * (1 for qdot and qmatvec). */
+  // Reading act may run code (a getter) that frees or repacks weights: callers check their weights
+  // again after it.
   #actArgs(act, k, what, tokens = 1) {
     if (!(act?.q instanceof this.#actArray) || !(act.d instanceof Float32Array) || !(act.s instanceof this.#sumsArray)) {
       throw new TypeError(`${what}: activations must come from quantizeAct (q a ${this.#actArray.name} on ${this.info.target}, `
@@ -538,22 +540,23 @@ export class Driver {
   /** Dot of a one-row packed matrix with quantized activations: qmatvec of that row (the library
    * holds one row sum per quant type, not a second copy for a dot export). */
   qdot(w, act) {
-    const planes = this.#packedArgs(w, 'qdot');
+    this.#packedArgs(w, 'qdot');
     if (w.rows !== 1) throw new RangeError(`qdot: expected one packed row, got ${w.rows} (use qmatvec)`);
     return this.#scoped(() => {
       const py = this.#alloc(4);
-      this.#run('qmatvec', w.quant, [...planes, ...this.#actArgs(act, w.k, 'qdot'), py, 1, w.k]);
+      const a = this.#actArgs(act, w.k, 'qdot');
+      this.#run('qmatvec', w.quant, [...this.#packedArgs(w, 'qdot'), ...a, py, 1, w.k]); // (again: see #actArgs)
       return this.#get(py, Float32Array, 1)[0];
     });
   }
 
   /** y = W a, Float32Array(rows). */
   qmatvec(w, act, opts) {
-    const planes = this.#packedArgs(w, 'qmatvec');
+    this.#packedArgs(w, 'qmatvec');
     return this.#scoped(() => {
       const a = this.#actArgs(act, w.k, 'qmatvec');
       const py = this.#alloc(4 * w.rows);
-      this.#run('qmatvec', w.quant, [...planes, ...a, py, w.rows, w.k], opts);
+      this.#run('qmatvec', w.quant, [...this.#packedArgs(w, 'qmatvec'), ...a, py, w.rows, w.k], opts); // (again: see #actArgs)
       return this.#get(py, Float32Array, w.rows);
     });
   }
@@ -562,7 +565,7 @@ export class Driver {
    * Float32Array(m * rows), row-major: row t is qmatvec of token t, bit for bit. Threaded, the rows
    * of W are split. */
   qmatmul(w, act, opts) {
-    const planes = this.#packedArgs(w, 'qmatmul');
+    this.#packedArgs(w, 'qmatmul');
     const m = act?.q?.length / w.k;
     if (!Number.isInteger(m) || m < 1) {
       throw new RangeError(`qmatmul: activations hold ${act?.q?.length} values, not whole rows of the weights' ${w.k}`);
@@ -570,7 +573,7 @@ export class Driver {
     return this.#scoped(() => {
       const a = this.#actArgs(act, w.k, 'qmatmul', m);
       const py = this.#alloc(4 * m * w.rows);
-      const args = [...planes, ...a, py, m, w.rows, w.k];
+      const args = [...this.#packedArgs(w, 'qmatmul'), ...a, py, m, w.rows, w.k]; // (again: see #actArgs)
       this.#run('qmatmul', w.quant, args, opts);
       return this.#get(py, Float32Array, m * w.rows);
     });

@@ -149,6 +149,10 @@ for (const [target, unusable] of TARGETS) {
         [() => k.runJob('toString', 1, 1, []), TypeError, /no job "toString"/],
       ];
       for (const [call, Type, message] of misuse) await assert.rejects(async () => call(), (e) => e instanceof Type && message.test(e.message), String(call));
+      const doomed = await k.pack('q4_1', randomBlocks(k.manifest.quants.q4_1, 2 * 2, rand), 2, 64);
+      let freed = false; // an activation getter that frees the weights while the call reads it
+      const sly = { get q() { if (!freed) { freed = true; k.free(doomed); } return act.q; }, d: act.d, s: act.s };
+      await assert.rejects(async () => k.qmatvec(doomed, sly), /these weights were freed/);
       await k.free(held);
       assert.equal(firstDifference(await k.qmatvec(w, act), want), null);
       assert.equal(firstDifference(await k.qmatvec(w, act, { threads: true }), want), null);
