@@ -20,9 +20,19 @@ def roundf(v: np.ndarray) -> np.ndarray:
     return t + np.copysign(np.abs(v - t) >= np.float32(0.5), v).astype(np.float32)
 
 
+def _values(x: np.ndarray, block: int, what: str) -> np.ndarray:
+    """x as float32 [..., k] with k a positive multiple of `block`: real numbers only (a complex
+    value would lose its imaginary part in the cast, an object array fail inside numpy)."""
+    a = np.asarray(x) if not isinstance(x, np.ma.MaskedArray) else None
+    if a is None or a.dtype.kind not in "fiub" or a.ndim < 1 or a.shape[-1] == 0 or a.shape[-1] % block:
+        got = "a masked array" if a is None else f"dtype {a.dtype}, shape {a.shape}"
+        raise ValueError(f"{what}: expected real values [..., k] with k a positive multiple of {block}, got {got}")
+    return a.astype(np.float32)
+
+
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """f32[rows, k] (k a multiple of 32) -> GGUF Q8_0 blocks, structured (rows, k // 32)."""
-    x = np.asarray(x, np.float32)
+    x = _values(x, 32, "quantize_q8_0")
     xb = x.reshape(x.shape[:-1] + (-1, 32))
     amax = np.abs(xb).max(axis=-1)
     d = amax / np.float32(127)
@@ -92,7 +102,7 @@ def _quantize_offset(x: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's reference rule of Q4_0 (half = 8) and Q5_0 (half = 16), per block of 32:
     d = (the value of largest magnitude) / -half, q = min(2 half - 1, trunc(x / d + half + 0.5));
     value d * (q - half). Returns d (f32) and q (int32)."""
-    xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
+    xb = _values(x, 32, "quantize").reshape(np.shape(x)[:-1] + (-1, 32))
     idx = np.abs(xb).argmax(axis=-1)
     vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
     d = vmax / np.float32(-half)
@@ -105,7 +115,7 @@ def _quantize_min(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, n
     """llama.cpp's reference rule of Q4_1 (16 levels) and Q5_1 (32), per block of 32: m = min,
     d = (max - min) / (levels - 1), q = trunc((x - m) / d + 0.5), as the C code's byte (Q4_1 clamps
     it to 15; Q5_1 keeps its low five bits). Returns d, q (int32) and m (f32)."""
-    xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
+    xb = _values(x, 32, "quantize").reshape(np.shape(x)[:-1] + (-1, 32))
     lo, hi = xb.min(axis=-1), xb.max(axis=-1)
     d = (hi - lo) / np.float32(levels - 1)
     with np.errstate(divide="ignore"):
@@ -161,7 +171,7 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     """A simple valid IQ4_NL quantizer (not llama.cpp's, which searches scales): d = (the value of
     largest magnitude) / -127 as f16, so that value is the codebook's first entry, then each value
     the nearest codebook entry times d (the first of two at equal distance)."""
-    xb = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 32))
+    xb = _values(x, 32, "quantize").reshape(np.shape(x)[:-1] + (-1, 32))
     idx = np.abs(xb).argmax(axis=-1)
     vmax = np.take_along_axis(xb, idx[..., None], axis=-1)[..., 0]
     d = (vmax / np.float32(-127)).astype(np.float16)
@@ -213,7 +223,7 @@ def quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
     nearest code of the stored (f16) scales, clamped to 0 .. 2^bits - 1. (Not llama.cpp's bytes:
     its rounding and the refit of the 6-bit scales differ.)"""
     top = (1 << bits) - 1
-    xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 8, 32))
+    xs = _values(x, 256, "quantize_k").reshape(np.shape(x)[:-1] + (-1, 8, 32))
     steps, mins = _fit_step_min(xs, top)
     d = (steps.max(axis=-1) / np.float32(63)).astype(np.float16)
     dmin = (mins.max(axis=-1) / np.float32(63)).astype(np.float16)
@@ -264,7 +274,7 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     step's magnitude over 127 (f16); each sub-block's int8 scale the nearest multiple of d; values
     the nearest of the stored scale, clamped to -32..31. (Not llama.cpp's bytes: it maps the
     largest scale to -128 and rounds otherwise.)"""
-    xs = np.asarray(x, np.float32).reshape(np.shape(x)[:-1] + (-1, 16, 16))
+    xs = _values(x, 256, "quantize_q6_k").reshape(np.shape(x)[:-1] + (-1, 16, 16))
     steps = _fit_signed_step(xs, 32)
     d = (np.abs(steps).max(axis=-1) / np.float32(127)).astype(np.float16)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -295,7 +305,10 @@ def quantize_onnx_uint4(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.
     """Asymmetric UINT4 per block of `block` along K of w[K, N] (the layout of a MatMul's B), as
     ONNX's blocked DequantizeLinear defines it: (values uint8 [K, N] in 0..15, f32 scales
     [K / block, N], zero points uint8 [K / block, N] in 0..15)."""
-    w = np.asarray(w, np.float32)
+    w = _values(w, 1, "quantize_onnx_uint4")
+    if w.ndim != 2 or not (isinstance(block, int) and block > 0) or w.shape[0] % block:
+        raise ValueError(f"quantize_onnx_uint4: expected w [K, N] with K a multiple of a positive int block, got shape"
+                         f" {w.shape}, block {block!r}")
     k, n = w.shape
     wb = w.reshape(k // block, block, n)
     lo = np.minimum(wb.min(axis=1), 0)

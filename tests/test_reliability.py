@@ -876,3 +876,12 @@ def test_damaged_manifest_is_refused_by_both_hosts(tmp_path: Path, edit, message
                   "catch (e) { console.log(e.message); }\n")
     proc = subprocess.run(["node", str(js)], capture_output=True, text=True, timeout=60)
     assert message in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("quantize", [R.quantize_q8_0, R.quantize_q4_0, R.quantize_q5_1, R.quantize_iq4_nl, R.quantize_q6_k],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad", [None, np.ones(256, complex), np.ones(255, np.float32), np.ma.masked_array(np.ones(256))],
+                         ids=["None", "complex", "a short row", "masked"])
+def test_reference_quantizers_refuse_what_they_cannot_quantize(quantize, bad) -> None:
+    with pytest.raises(ValueError, match="expected real values"):
+        quantize(bad)
