@@ -793,7 +793,7 @@ def relaxed():
 
 def _hand_made_acts(k, act):
     import dataclasses
-    return {"sums zeroed": dataclasses.replace(act, s=np.zeros_like(act.s)),
+    return {"sums zeroed": dataclasses.replace(act, s=np.zeros_like(act.s)), "scales a list": dataclasses.replace(act, d=act.d.tolist()),
             "a value past the range": dataclasses.replace(act, q=np.where(np.arange(act.q.size) == 3, np.int16(-128), act.q)
                                                           .astype(act.q.dtype), s=act.s - act.q[3] - 128)}
 
@@ -805,6 +805,8 @@ MISUSE = [  # (what, call(k, packed, act, pool, relaxed), exception, message)
      ValueError, "activation sums do not match the values"),
     ("an Act with a value outside +-127", lambda k, w, a, p, r: k.qmatvec(w, _hand_made_acts(k, a)["a value past the range"]),
      ValueError, "activation values must lie in [-127, 127]"),
+    ("an Act whose scales are a list", lambda k, w, a, p, r: k.qmatvec(w, _hand_made_acts(k, a)["scales a list"]),
+     ValueError, "activation scales must be float32[2], got list"),
     ("act_from_values of floats", lambda k, w, a, p, r: k.act_from_values(np.full(32, 1.7), np.ones(1, np.float32)),
      TypeError, "expected integer values, got dtype float64"),
     ("act_from_values without scales", lambda k, w, a, p, r: k.act_from_values(np.ones(32, np.int8), None),

@@ -350,8 +350,9 @@ class Kernels:
             raise TypeError(f"{what}: activation values must be {np.dtype(self._act_dtype)} on {self.target}, "
                             f"got {act.q.dtype}")
         want_d = (*act.q.shape[:-1], k // 32)
-        if act.d.dtype != np.float32 or act.d.shape != want_d:
-            raise ValueError(f"{what}: activation scales must be float32{list(want_d)}, got {act.d.dtype}{list(act.d.shape)}")
+        if not isinstance(act.d, np.ndarray) or act.d.dtype != np.float32 or act.d.shape != want_d:
+            got = f"{act.d.dtype}{list(act.d.shape)}" if isinstance(act.d, np.ndarray) else type(act.d).__name__
+            raise ValueError(f"{what}: activation scales must be float32{list(want_d)}, got {got}")
         if not isinstance(act.s, np.ndarray) or act.s.dtype != self._act_sums or act.s.shape != want_d:
             got = f"{act.s.dtype}{list(act.s.shape)}" if isinstance(act.s, np.ndarray) else type(act.s).__name__
             raise ValueError(f"{what}: activation sums must be {self._act_sums}{list(want_d)}, got {got}")
