@@ -16,8 +16,7 @@ from ..errors import DslError
 import numpy as np
 
 from ..quantformat import (CALLS, FIELD_BYTES, FLOAT_OPS, INT_OPS, KERNEL_BLOCK, Call, Elem, Field, FieldInfo, Float, Index, Int, Lookup, Neg,
-                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, IsFloat, fold, nodes,
-                           text)
+                           Node, Op, Pow2, QuantFormat, Select, SubBlock, NumpyEval, IntRange, IsFloat, fold, nodes)
 from .wat import I, Instr
 
 LANES = 16  # a block unpacks 16 int8 lanes at a time (one v128)
