@@ -18,6 +18,7 @@ import { mayBlock, startWorker } from './platform.mjs';
 import { JobError } from './pool.mjs';
 
 export { probeRelaxedDot } from './features.mjs';
+export { GGML_TYPES, GgufError, loadGguf, readGgufInfo } from './gguf.mjs';
 export { packPlanes } from './pack.mjs';
 export { JobError };
 

@@ -17,7 +17,7 @@ const HOST = '127.0.0.1';
 const TYPES = {
   '.html': 'text/html; charset=utf-8', '.mjs': 'text/javascript; charset=utf-8', '.js': 'text/javascript; charset=utf-8',
   '.css': 'text/css; charset=utf-8', '.json': 'application/json', '.wasm': 'application/wasm', '.wat': 'text/plain; charset=utf-8',
-  '.bin': 'application/octet-stream', '.png': 'image/png',
+  '.bin': 'application/octet-stream', '.png': 'image/png', '.gguf': 'application/octet-stream',
 };
 const ISOLATION_HEADERS = {
   'Cross-Origin-Opener-Policy': 'same-origin',
@@ -27,9 +27,10 @@ const ISOLATION_HEADERS = {
 /**
  * Serve /runtime/ and /out/ of the repository, plus `mounts` ({'/vectors/': dir}), on a free port
  * of 127.0.0.1 (or `port`). `isolate: false` leaves the isolation headers out (to see the
- * one-thread fallback). Resolves to {url, close()}.
+ * one-thread fallback); `ranges: false` answers a range request with the whole file, as some
+ * servers do (loadGguf reads a model by ranges). Resolves to {url, close()}.
  */
-export async function startServer({ port = 0, isolate = true, mounts = {} } = {}) {
+export async function startServer({ port = 0, isolate = true, mounts = {}, ranges = true } = {}) {
   const roots = { '/runtime/': resolve(ROOT, 'runtime'), '/out/': resolve(ROOT, 'out') };
   for (const [prefix, dir] of Object.entries(mounts)) roots[prefix] = resolve(dir);
   const server = createServer(async (req, res) => {
@@ -49,9 +50,22 @@ export async function startServer({ port = 0, isolate = true, mounts = {} } = {}
       res.writeHead(404, { ...headers, 'Content-Type': 'text/plain' }).end(`not found: ${path}\n`);
       return;
     }
-    res.writeHead(200, { ...headers, 'Content-Type': TYPES[extname(file)] ?? 'application/octet-stream', 'Content-Length': info.size });
-    if (req.method === 'HEAD') res.end();
-    else createReadStream(file).pipe(res);
+    headers['Content-Type'] = TYPES[extname(file)] ?? 'application/octet-stream';
+    if (ranges) headers['Accept-Ranges'] = 'bytes';
+    // one range, bytes=a-b or bytes=a- (what loadGguf asks for); anything else gets the whole file
+    const range = ranges && /^bytes=(\d+)-(\d*)$/.exec(req.headers.range ?? '');
+    let [start, end] = [0, info.size - 1];
+    if (range) {
+      [start, end] = [Number(range[1]), range[2] === '' ? info.size - 1 : Math.min(Number(range[2]), info.size - 1)];
+      if (start >= info.size || start > end) {
+        res.writeHead(416, { ...headers, 'Content-Range': `bytes */${info.size}` }).end();
+        return;
+      }
+      headers['Content-Range'] = `bytes ${start}-${end}/${info.size}`;
+    }
+    res.writeHead(range ? 206 : 200, { ...headers, 'Content-Length': end - start + 1 });
+    if (req.method === 'HEAD' || info.size === 0) res.end();
+    else createReadStream(file, { start, end }).pipe(res);
   });
   await new Promise((ok, fail) => server.once('error', fail).listen(port, HOST, ok));
   return {

@@ -486,8 +486,10 @@ def test_mxfp4_largest_exponent_overflows_as_gguf(mode, kgen):
 # ---- GGUF files --------------------------------------------------------------------------------
 
 
-def write_gguf(path, tensors: dict[str, tuple[np.ndarray, G | None]]) -> None:
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, G | None]], setup=lambda w: None) -> None:
+    """A .gguf file of `tensors` (data, or stored bytes and their type); `setup(writer)` adds metadata."""
     w = GGUFWriter(path, "kernelgen-test")
+    setup(w)
     for name, (data, qtype) in tensors.items():
         w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()

@@ -1,0 +1,120 @@
+"""runtime/gguf.mjs reads GGUF files as llama.cpp's own reader (the `gguf` package) does.
+
+This file writes .gguf files with gguf.GGUFWriter and, from gguf.GGUFReader, what a reader must see
+in them: every metadata key, type and value, every tensor's type, dimensions and data offset. From
+kernelgen.formats.load_gguf under wasmtime (which reads through gguf.GGUFReader) it writes each
+quantized tensor's mat-vec and each float tensor's values. runtime/test/gguf.test.mjs then loads the
+same files in Node through every kind of source (a path, bytes, a Blob, a URL served with and without
+range requests) and in a page of headless Chromium (by range requests and from a Blob), compares bit
+for bit, and checks that damaged files and misuse are refused with nothing left packed.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as G
+from gguf import GGUFWriter  # (metadata's writer)
+
+import kernelgen
+from kernelgen import reference
+from kernelgen.host import formats
+
+from helpers import CHROMIUM, NODE, need, rng_for
+from test_gguf_types import gguf_tensors, write_gguf
+from test_js import ROOT, TARGETS, run_node_tests
+
+ROWS, K = 5, 512  # an odd row count; two Q4_K super-blocks a row
+
+
+def metadata(w: GGUFWriter) -> None:
+    """One key of every GGUF value type, arrays of numbers, strings and arrays, and values at the
+    ends of their ranges (a u64 past 2^53, NaN, a string that is not ASCII). (GGUFWriter leaves out
+    empty strings and arrays; gguf.test.mjs writes those itself.)"""
+    w.add_uint8("test.u8", 255)
+    w.add_int8("test.i8", -128)
+    w.add_uint16("test.u16", 65535)
+    w.add_int16("test.i16", -32768)
+    w.add_uint32("test.u32", 2**32 - 1)
+    w.add_int32("test.i32", -2**31)
+    w.add_float32("test.f32", np.float32(-1.5e-40))  # a subnormal
+    w.add_float32("test.nan", np.float32(np.nan))
+    w.add_bool("test.true", True)
+    w.add_bool("test.false", False)
+    w.add_string("test.text", "naïve ∑ 😀")
+    w.add_uint64("test.u64", 2**64 - 1)
+    w.add_int64("test.i64", -2**63)
+    w.add_float64("test.f64", 1 / 3)
+    w.add_array("test.strings", ["<s>", "</s>", "▁the", ""])
+    w.add_array("test.scores", [0.5, -1.25, 3e38])
+    w.add_array("test.ints", [1, -2, 3])
+    w.add_array("test.nested", [[1, 2], [3]])
+
+
+def field_json(field) -> dict:
+    """A metadata field as gguf.GGUFReader reads it: its GGUF value type(s) and value, 64-bit
+    integers as decimal strings (BigInt in JS), floats as JSON numbers (exact for f32 and f64),
+    NaN as the string "NaN". The reader gives an array of arrays flattened."""
+    def plain(v, types):
+        if isinstance(v, list):
+            return [plain(x, types[1:]) for x in v]
+        if types[0] in (gguf.GGUFValueType.UINT64, gguf.GGUFValueType.INT64):
+            return str(int(v))
+        if isinstance(v, (float, np.floating)):
+            return "NaN" if np.isnan(v) else float(v)
+        return v.item() if isinstance(v, np.generic) else v
+
+    types = [t.name for t in field.types]
+    return {"types": types, "value": plain(field.contents(), field.types)}
+
+
+def write_files(root: Path) -> None:
+    rng = rng_for("js-gguf")
+    tensors = gguf_tensors(rng, ROWS, K)
+    files = {"model.gguf": tensors,
+             "aligned.gguf": {n: tensors[n] for n in ("norm.f16", "ffn_up.q4_k", "attn_q.q8_0")},
+             "q3_k.gguf": {**tensors, "output.q3_k": (rng.integers(0, 256, (ROWS, K // 256 * 110), dtype=np.uint8), G.Q3_K)}}
+    files["large.gguf"] = {"attn_q.q8_0": tensors["attn_q.q8_0"],  # past a header of more than the first MiB read
+                           "ffn_up.q4_k": (reference.quantize_k(rng.standard_normal((64, 4096)).astype(np.float32), 4)
+                                           .view(np.uint8).reshape(64, -1), G.Q4_K)}
+
+    def vocabulary(w: GGUFWriter) -> None:  # what makes a real model's header long: 1.6 MB here
+        w.add_array("tokenizer.ggml.tokens", [f"▁token-{i:06d}-{'ab' * 16}" for i in range(30_000)])
+        w.add_array("tokenizer.ggml.scores", rng.standard_normal(30_000).astype(np.float32).tolist())
+
+    setups = {"model.gguf": metadata, "aligned.gguf": lambda w: w.add_custom_alignment(256), "large.gguf": vocabulary}
+    for name, ts in files.items():
+        write_gguf(root / name, ts, setups.get(name, lambda w: None))
+    x = rng.standard_normal(4096).astype(np.float32)  # a tensor of rows of n values takes x[:n]
+    (root / "x.bin").write_bytes(x.tobytes())
+    index: dict = {"types": {t.name: t.value for t in G}, "files": {}, "x": "x.bin"}
+    for name in ("model.gguf", "aligned.gguf", "large.gguf"):
+        reader = gguf.GGUFReader(root / name)
+        entry = {"metadata": {k: field_json(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")},
+                 "tensors": [{"name": t.name, "type": t.tensor_type.name, "dims": [int(d) for d in t.shape],
+                              "offset": int(t.data_offset)} for t in reader.tensors],
+                 "expected": {}}
+        for target in TARGETS:
+            k = kernelgen.load(ROOT / "out", target)
+            acts = {n: k.quantize_act(x[:n]) for n in (K, 4096)}
+            out = {}
+            for tname, v in formats.load_gguf(k, root / name).items():
+                a = v if isinstance(v, np.ndarray) else k.qmatvec(v, acts[v.k])
+                file = f"{target}.{name}.{tname}.bin"
+                (root / file).write_bytes(np.ascontiguousarray(a, np.float32).tobytes())
+                out[tname] = file
+            entry["expected"][target] = out
+            k.reset()
+        index["files"][name] = entry
+    index["files"]["q3_k.gguf"] = {"supported": "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4"}
+    (root / "index.json").write_text(json.dumps(index, indent=1), encoding="utf-8")
+
+
+def test_node_reads_gguf_files_as_the_gguf_package_does(tmp_path: Path) -> None:
+    need(NODE, "node is not installed")
+    need(CHROMIUM.is_file(), f"{CHROMIUM} is missing (apt-get install chromium)")
+    need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
+    write_files(tmp_path)
+    run_node_tests("runtime/test/gguf.test.mjs", {"KERNELGEN_GGUF": str(tmp_path)}, timeout=300)
