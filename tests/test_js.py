@@ -25,6 +25,7 @@ from kernelgen.host.api import Kernels, padded_rows
 from kernelgen.compiler.build import compile_source, write_outputs
 
 from helpers import SQUARE_ADD, random_blocks, square_add_inputs
+from test_gguf_types import gguf_tensors, write_gguf
 
 from helpers import CHROMIUM, NODE, NODE_FLAGS, need
 
@@ -226,6 +227,7 @@ def write_vectors(root: Path) -> None:
         v.expect(target, "attention_f32", {"out": k.attention_f32(qkv, [5, 1, 6], 2).ravel()})
         v.expect(target, "l2_normalize_f32", {"out": k.l2_normalize_f32(residual).ravel()})
         k.reset()
+    write_gguf(root / "model.gguf", gguf_tensors(rng, 3, 256))  # the demo's pick in browser.test.mjs
     v.save()
 
 

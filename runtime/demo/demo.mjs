@@ -1,8 +1,9 @@
 // The demo page: load the kernels (driver and pool in workers), show what was chosen, and time
-// each kernel on one thread and through the pool. ?threads=N and ?target=simd128 override the
-// defaults. The page publishes its state as window.kernelgenDemo for runtime/test/browser.test.mjs.
+// each kernel on one thread and through the pool; then, for a .gguf file the user picks, every
+// tensor's mat-vec. ?threads=N and ?target=simd128 override the defaults. The page publishes its
+// state as window.kernelgenDemo for runtime/test/browser.test.mjs.
 
-import { loadKernels } from '../kernelgen.mjs';
+import { loadGguf, loadKernels } from '../kernelgen.mjs';
 import { random } from '../testing/random.mjs';
 
 const MIN_MS = 250; // time each measurement for about this long
@@ -103,8 +104,49 @@ async function runAll(k, list, results) {
   }
 }
 
+/** Load the .gguf file `file` (a File), list its tensors and time each quantized one's mat-vec;
+ * `model` ({file, tensors, error}) follows along. The packed weights are freed at the end. */
+async function runModel(k, file, model) {
+  const body = $('model').tBodies[0];
+  body.replaceChildren();
+  Object.assign(model, { file: file.name, tensors: [], error: null });
+  document.body.dataset.model = 'running';
+  $('gguf').disabled = true; // one file at a time
+  $('gguf-status').textContent = `reading ${file.name}…`;
+  let tensors = new Map();
+  try {
+    ({ tensors } = await loadGguf(k, file));
+    const rand = random(2);
+    const acts = new Map(); // activations per row length
+    for (const [name, t] of tensors) {
+      const shape = t.quant ? [t.rows, t.k] : t.shape;
+      const row = { name, type: t.quant?.toUpperCase() ?? t.type, shape, ms: null };
+      const tr = body.insertRow();
+      const cells = [name, row.type, shape.join('×'), '—', '—'].map((text) => Object.assign(tr.insertCell(), { textContent: text }));
+      if (t.quant) {
+        if (!acts.has(t.k)) acts.set(t.k, await k.quantizeAct(normals(rand, t.k)));
+        const { msPerCall } = await k.bench('qmatvec', [t, acts.get(t.k)], { minMs: MIN_MS / 5 });
+        row.ms = msPerCall;
+        cells[3].textContent = msPerCall.toFixed(3);
+        cells[4].textContent = (t.rows * t.k / msPerCall / 1e6).toFixed(1);
+      }
+      model.tensors.push(row);
+    }
+    $('gguf-status').textContent = `${file.name}: ${tensors.size} tensors`;
+    document.body.dataset.model = 'done';
+  } catch (e) {
+    model.error = `${e.name}: ${e.message}`;
+    $('gguf-status').textContent = model.error;
+    $('gguf-status').className = 'bad';
+    document.body.dataset.model = 'failed';
+  } finally {
+    for (const t of tensors.values()) if (t.quant) await k.free(t);
+    $('gguf').disabled = false;
+  }
+}
+
 async function main() {
-  const state = { info: null, results: [], error: null };
+  const state = { info: null, results: [], error: null, model: {} };
   window.kernelgenDemo = state;
   try {
     const threads = params.has('threads') ? Number(params.get('threads')) : undefined;
@@ -125,6 +167,11 @@ async function main() {
     };
     $('run').onclick = run;
     $('stop').onclick = () => k.stop();
+    $('gguf').disabled = false;
+    $('gguf').onchange = (e) => {
+      $('gguf-status').className = '';
+      if (e.target.files[0]) runModel(k, e.target.files[0], state.model);
+    };
     window.addEventListener('pagehide', () => k.terminate());
     await run();
   } catch (e) {

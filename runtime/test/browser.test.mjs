@@ -1,7 +1,8 @@
 // The runtime in a real browser: Debian's Chromium (never a downloaded one) driven by
 // playwright-core loads the demo page from runtime/serve.mjs, which must come out cross-origin
 // isolated with a pool of workers and its benchmark table; with KERNELGEN_VECTORS set
-// (tests/test_js.py), the page runs the wasmtime vectors on both targets. The screenshot goes to
+// (tests/test_js.py), the page runs the wasmtime vectors on both targets and the demo loads the
+// vectors' model.gguf as a user's pick. The screenshot goes to
 // KERNELGEN_SCREENSHOT (default: kernelgen-demo.png in the temp dir).
 
 import assert from 'node:assert/strict';
@@ -102,6 +103,29 @@ describe('Chromium', { skip: missing, timeout: SUITE_TIMEOUT_MS }, () => {
     });
     assert.ok(results.some((r) => r.name.startsWith('relaxed-simd')) && results.some((r) => r.name.startsWith('simd128')));
     for (const r of results) await t.test(r.name, () => assert.ok(r.ok, r.detail));
+  });
+
+  test('the demo lists a .gguf file the user picks and times each tensor\'s mat-vec; a file that is not GGUF is refused', {
+    skip: VECTORS ? false : 'KERNELGEN_VECTORS is not set',
+  }, async () => {
+    const pick = async (file) => {
+      await page.setInputFiles('#gguf', join(VECTORS, file));
+      await page.waitForSelector('body[data-model=done], body[data-model=failed]', { timeout: PAGE_TIMEOUT_MS });
+      return page.evaluate(() => window.kernelgenDemo.model);
+    };
+    const model = await pick('model.gguf');
+    assert.equal(model.error, null);
+    assert.deepEqual(model.tensors.map((t) => [t.name, t.type]), [['embd.f32', 'F32'], ['norm.f16', 'F16'],
+      ['attn_q.q8_0', 'Q8_0'], ['attn_k.q4_0', 'Q4_0'], ['ffn_up.q4_k', 'Q4_K'], ['ffn_gate.q5_k', 'Q5_K'],
+      ['attn_v.iq4_nl', 'IQ4_NL'], ['ffn_down.mxfp4', 'MXFP4'], ['output.q6_k', 'Q6_K']]);
+    for (const t of model.tensors) {
+      assert.deepEqual(t.shape, [3, 256], t.name);
+      assert.ok(t.type.startsWith('F') ? t.ms === null : t.ms > 0, `${t.name}: ${t.ms}`);
+    }
+    assert.equal(await page.locator('#model tbody tr').count(), model.tensors.length);
+    await page.screenshot({ path: SCREENSHOT, fullPage: true }); // the benchmark and the model's table
+    const bad = await pick('index.json');
+    assert.match(bad.error, /^GgufError: index.json: not a readable GGUF file \(it does not start with "GGUF"\)$/);
   });
 
   test('errors reach the page as their classes: a trap in Web Worker helpers as JobError', async () => {
