@@ -389,7 +389,12 @@ export async function loadGguf(kernels, source, opts) {
     }
     return { version: header.version, metadata: header.metadata, tensors };
   } catch (e) {
-    for (const w of packed) await kernels.free(w);
+    for (const w of packed) {
+      try {
+        await kernels.free(w);
+      } catch { // the kernels were terminated during the load (the likely cause of e, which says more)
+      }
+    }
     throw e;
   } finally {
     await src.close();

@@ -288,6 +288,22 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
       };
       await assert.rejects(loadGguf(failing, join(DIR, 'model.gguf')), { name: 'RangeError', message: 'pack failed' });
       assert.deepEqual(freed, ['q8_0', 'q4_0']);
+      // kernels terminated during the load: their packs fail, and so would freeing what was packed;
+      // the pack's error comes out, not the free's
+      const k2 = await loadKernels({ dir: OUT.pathname, target: 'simd128', threads: 1 });
+      calls = 0;
+      const ending = {
+        manifest: k2.manifest,
+        free: (w) => k2.free(w),
+        async pack(...a) {
+          if (++calls === 2) {
+            await k2.terminate();
+            throw new RangeError('pack after terminate failed');
+          }
+          return k2.pack(...a);
+        },
+      };
+      await assert.rejects(loadGguf(ending, join(DIR, 'model.gguf')), { name: 'RangeError', message: 'pack after terminate failed' });
       assert.equal(await landing(), probeAt);
     });
 
