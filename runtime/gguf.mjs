@@ -337,8 +337,9 @@ export async function readGgufInfo(source, opts) {
  * supported types, before anything is packed. A tensor whose data lies outside the file, or overlaps
  * another's, is one too. If reading or packing fails part way, what was packed is freed: nothing is
  * half-loaded. `source`: a URL or URL string (HTTP range requests; a path in Node), a Blob (a File a
- * user picked), an ArrayBuffer or a typed array of the file's bytes. `signal` (an AbortSignal)
- * cancels the HTTP requests.
+ * user picked), an ArrayBuffer or a typed array of the file's bytes. Options: `signal` (an
+ * AbortSignal) cancels the load; `onProgress({tensor, done, tensors, bytes, totalBytes})` is called
+ * after each tensor (the bytes of tensor data read so far; an error it throws ends the load).
  */
 export async function loadGguf(kernels, source, opts) {
   const quants = kernels?.manifest?.quants;
@@ -346,8 +347,9 @@ export async function loadGguf(kernels, source, opts) {
     throw new TypeError('loadGguf: kernels must come from loadKernels()');
   }
   if (opts !== undefined && (opts === null || typeof opts !== 'object')) throw new TypeError('loadGguf: options must be an object');
-  const { signal } = opts ?? {};
+  const { signal, onProgress } = opts ?? {};
   if (signal !== undefined && !(signal instanceof AbortSignal)) throw new TypeError('loadGguf: signal must be an AbortSignal');
+  if (onProgress !== undefined && typeof onProgress !== 'function') throw new TypeError('loadGguf: onProgress must be a function');
   const src = await openSource('loadGguf', source, signal);
   const packed = [];
   try {
@@ -375,17 +377,20 @@ export async function loadGguf(kernels, source, opts) {
       if (a.offset + a.bytes > b.offset) throw new GgufError(`${src.label}: tensors ${JSON.stringify(a.name)} and ${JSON.stringify(b.name)} overlap`);
     }
     const tensors = new Map();
+    const progress = { tensor: null, done: 0, tensors: sized.length, bytes: 0, totalBytes: sized.reduce((n, t) => n + t.bytes, 0) };
     for (const t of sized) {
       signal?.throwIfAborted();
       const bytes = await src.read(t.offset, t.bytes);
       if (t.type in FLOATS) {
         tensors.set(t.name, { type: t.type, shape: [...t.dims].reverse(), data: floats(t.type, bytes) });
-        continue;
+      } else {
+        const k = t.dims[0];
+        const w = await kernels.pack(t.type.toLowerCase(), bytes, t.dims.reduce((a, b) => a * b, 1) / k, k);
+        packed.push(w);
+        tensors.set(t.name, w);
       }
-      const k = t.dims[0];
-      const w = await kernels.pack(t.type.toLowerCase(), bytes, t.dims.reduce((a, b) => a * b, 1) / k, k);
-      packed.push(w);
-      tensors.set(t.name, w);
+      Object.assign(progress, { tensor: t.name, done: progress.done + 1, bytes: progress.bytes + t.bytes });
+      onProgress?.({ ...progress });
     }
     return { version: header.version, metadata: header.metadata, tensors };
   } catch (e) {

@@ -115,7 +115,10 @@ async function runModel(k, file, model) {
   $('gguf-status').textContent = `reading ${file.name}…`;
   let tensors = new Map();
   try {
-    ({ tensors } = await loadGguf(k, file));
+    const onProgress = ({ done, tensors: n, bytes, totalBytes }) => {
+      $('gguf-status').textContent = `reading ${file.name}: ${done} of ${n} tensors, ${Math.round(100 * bytes / totalBytes)}% of the bytes`;
+    };
+    ({ tensors } = await loadGguf(k, file, { onProgress }));
     const rand = random(2);
     const acts = new Map(); // activations per row length
     for (const [name, t] of tensors) {

@@ -130,8 +130,9 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
             const fetch = globalThis.fetch;
             globalThis.fetch = (url, init) => { fetched.push(init?.headers?.Range); return fetch(url, init); };
             let loaded;
+            const progress = [];
             try {
-              loaded = await loadGguf(k, source);
+              loaded = await loadGguf(k, source, { onProgress: (p) => progress.push(p) });
             } finally {
               globalThis.fetch = fetch;
             }
@@ -143,6 +144,8 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
               assert.ok(fetched.length >= 3 && asked < 2 * bytes.length, fetched.join());
             }
             assert.equal(version, 3);
+            assert.deepEqual(progress.map((p) => [p.tensor, p.done, p.tensors]), want.tensors.map((t, i) => [t.name, i + 1, want.tensors.length]));
+            assert.ok(progress.every((p, i) => p.totalBytes === progress.at(-1).bytes && p.bytes > (progress[i - 1]?.bytes ?? 0)));
             assert.equal(metadata.size, Object.keys(want.metadata).length);
             assert.deepEqual([...tensors.keys()], want.tensors.map((t) => t.name), `${file} ${kind}`);
             for (const t of want.tensors) {
@@ -288,6 +291,10 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
       };
       await assert.rejects(loadGguf(failing, join(DIR, 'model.gguf')), { name: 'RangeError', message: 'pack failed' });
       assert.deepEqual(freed, ['q8_0', 'q4_0']);
+      freed.length = 0; // a progress callback that throws ends the load the same way
+      const stop = (p) => { if (p.done === 4) throw new Error('enough'); };
+      await assert.rejects(loadGguf({ ...failing, pack: (...a) => k.pack(...a) }, join(DIR, 'model.gguf'), { onProgress: stop }), /enough/);
+      assert.deepEqual(freed, ['q8_0', 'q4_0']);
       // kernels terminated during the load: their packs fail, and so would freeing what was packed;
       // the pack's error comes out, not the free's
       const k2 = await loadKernels({ dir: OUT.pathname, target: 'simd128', threads: 1 });
@@ -317,6 +324,7 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
         [[null, path], /kernels must come from loadKernels/], [[{ manifest: k.manifest }, path], /kernels must come from loadKernels/],
         [[k, 42], /source must be a URL, a path or URL string, a Blob, an ArrayBuffer or a typed array/],
         [[k, null], /source must be/], [[k, path, 'fast'], /options must be an object/], [[k, path, { signal: {} }], /signal must be an AbortSignal/],
+        [[k, path, { onProgress: 'log' }], /onProgress must be a function/],
       ]) await assert.rejects(loadGguf(...args), { name: 'TypeError', message });
       await assert.rejects(readGgufInfo(path, 7), { name: 'TypeError', message: /readGgufInfo: options must be an object/ });
       await assert.rejects(loadGguf(k, join(DIR, 'missing.gguf')), { code: 'ENOENT' });
