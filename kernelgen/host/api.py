@@ -137,9 +137,10 @@ def _name(what: str, name: Any, optional: bool = False) -> None:
 
 
 def _each_call_locked(cls: type) -> type:
-    """Every method of `cls` holds the module's (re-entrant) lock for the whole call: the buffers a
-    call allocates and frees, the default Store and the pool words are shared by every thread using
-    one Kernels. Done once for the class, so a method added later cannot forget it."""
+    """Every public method of `cls` holds the module's (re-entrant) lock for the whole call: the
+    buffers a call allocates and frees, the default Store and the pool words are shared by every
+    thread using one Kernels. Done once for the class, so a method added later cannot forget it.
+    Private methods (a leading _) run only inside public ones, so under the lock already."""
     def locked(method: Any) -> Any:
         @functools.wraps(method)
         def call(self: Kernels, *args: Any, **kwargs: Any) -> Any:
@@ -147,7 +148,7 @@ def _each_call_locked(cls: type) -> type:
                 return method(self, *args, **kwargs)
         return call
     for name, f in list(vars(cls).items()):
-        if inspect.isfunction(f) and not name.startswith("__"):
+        if inspect.isfunction(f) and not name.startswith("_"):
             setattr(cls, name, locked(f))
     return cls
 
