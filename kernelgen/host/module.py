@@ -227,12 +227,14 @@ class Module:
         start = self._top
         addr = -(-start // align) * align
         end = addr + nbytes
-        size = self.memory.data_len()
-        if end > size:
-            need = -(-(end - size) // PAGE_SIZE)
-            if size // PAGE_SIZE + need > self.max_pages:
-                raise MemoryError(self._out_of_memory(nbytes, what))
-            self.memory.grow(need)
+        if end > self._size:  # (see view)
+            self._size = size = self.memory.data_len()
+            if end > size:
+                need = -(-(end - size) // PAGE_SIZE)
+                if size // PAGE_SIZE + need > self.max_pages:
+                    raise MemoryError(self._out_of_memory(nbytes, what))
+                self.memory.grow(need)
+                self._size = self.memory.data_len()
         self._top = end
         return self._keep(addr, start, end)
 
