@@ -242,8 +242,8 @@ class Header {
   }
 }
 
-/** Byte size of a tensor of `count` values stored as `type`, for the types `quants` (a manifest's)
- * declares and the float types; null for any other. */
+/** Byte size of a tensor of dimensions `dims` (GGML's order) stored as `type`, for the float types
+ * and the types `quants` (a manifest's) declares; null when its rows are not whole blocks. */
 function tensorBytes(type, dims, quants) {
   if (type in FLOATS) return dims.reduce((a, b) => a * b, 1) * FLOATS[type];
   const spec = quants[type.toLowerCase()];
