@@ -287,6 +287,7 @@ function packRows(spec, blocks, nblocks, planes) {
   };
   const view = new DataView(blocks.buffer, blocks.byteOffset, blocks.byteLength);
   const values = new Int32Array(spec.block);
+  const codes = new Int32Array(kernelBlock); // a kernel block's integers minus the zero, for encode
   for (let b = 0; b < nblocks; b++) {
     const o = b * spec.stored_bytes;
     for (let i = 0; i < spec.block; i++) {
@@ -317,7 +318,10 @@ function packRows(spec, blocks, nblocks, planes) {
     for (let s = 0; s < per; s++) {
       const k = b * per + s;
       const u = values.subarray(s * kernelBlock, (s + 1) * kernelBlock);
-      if (encode) encode(u.map((x) => x - zero), planes.q.subarray(k * qBytes, (k + 1) * qBytes));
+      if (encode) {
+        for (let j = 0; j < kernelBlock; j++) codes[j] = u[j] - zero;
+        encode(codes, planes.q.subarray(k * qBytes, (k + 1) * qBytes));
+      }
       if (!record) {
         if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
         planes.scale[k] = split ? split.f(view, o, 0) : scaleAt(view, o, s);
