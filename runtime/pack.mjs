@@ -122,7 +122,7 @@ function derived(int, at, ...children) {
 }
 
 const formulaConsumer = (fields) => ({
-  int: (t) => ({ int: true, pure: true, at: () => t.value | 0 }),
+  int: (t) => ({ int: true, pure: true, constant: t.value | 0, at: () => t.value | 0 }),
   float: (t) => ({ int: false, pure: true, at: () => r(t.value) }),
   i: () => ({ int: true, pure: true, at: (v, o, x) => x }),
   s: () => ({ int: true, pure: true, at: (v, o, x) => x }),
@@ -135,6 +135,10 @@ const formulaConsumer = (fields) => ({
     const f = fields[t.field];
     const read = FIELD_READERS[f.type];
     const size = FIELD_BYTES[f.type];
+    if (at.pure) { // the byte's offset in the block, once per x
+      const offsets = [];
+      return { int: isInt(f.type), pure: false, at: (v, o, x) => read(v, o + (offsets[x] ?? (offsets[x] = f.offset + size * at.at(v, o, x)))) };
+    }
     return { int: isInt(f.type), pure: false, at: (v, o, x) => read(v, o + f.offset + size * at.at(v, o, x)) };
   },
   call: (t) => {
@@ -164,6 +168,7 @@ const formulaConsumer = (fields) => ({
     const int = a.int && b.int;
     const op = (int ? INT_OPS : FLOAT_OPS)[t.op];
     if (!op) throw new Error(`formula: unknown operator ${t.op}`);
+    if (int && b.constant !== undefined) return derived(int, (v, o, x) => op(a.at(v, o, x), b.constant), a, b);
     if (int) return derived(int, (v, o, x) => op(a.at(v, o, x), b.at(v, o, x)), a, b);
     // an integer meets a float as a float32 first, as in numpy (quantformat.NumpyEval.on_op)
     const fa = a.int ? (v, o, x) => r(a.at(v, o, x)) : a.at;
