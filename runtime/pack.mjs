@@ -93,10 +93,15 @@ function halfValue(h) {
 // ---- formulas ----------------------------------------------------------------------------------
 // A formula is the manifest's JSON tree (kernelgen/quantformat.py: {kind, attributes, args}). One
 // walker, `fold`, calls the consumer's method for the node's kind with its children's results. The
-// consumer below turns a tree into {int, at}: `at(v, o, x)` evaluates it on the block read through
-// DataView `v` at byte offset `o`, where x is the element index i (unpack) or the sub-block index
-// s (a super-block's scale and offset). As in quantformat.NumpyEval, integers stay int32 until they
-// meet a float; then both sides are float32, rounded after every operation.
+// consumer below compiles a tree for a Chunk, a run of consecutive stored blocks: evaluated at x
+// (the element index i for unpack, the sub-block index s for a super-block's scale and offset), a
+// node gives its value in every block of the chunk, a loop per node over the blocks rather than a
+// call per node and value. A node is `pure` when it reads no block: `value(x)` is then a number,
+// computed once per x (Q4_K's byte index and shift of element i). Otherwise `at(x)` returns a typed
+// array whose first chunk.n entries hold its values, computed once per chunk when x does not
+// matter (a scale field). As in quantformat.NumpyEval, integers stay int32 until they meet a float;
+// then both sides are float32, rounded after every operation; both branches of a select are
+// computed, as numpy's `where` does (the build checks that every index stays inside its field).
 
 function fold(tree, consumer) {
   const visit = consumer[tree.kind];
@@ -104,97 +109,186 @@ function fold(tree, consumer) {
   return visit(tree, ...(tree.args ?? []).map((t) => fold(t, consumer)));
 }
 
-const r = Math.fround;
-const INT_OPS = {
-  '+': (a, b) => (a + b) | 0,
-  '-': (a, b) => (a - b) | 0,
-  '*': (a, b) => Math.imul(a, b),
-  '/': (a, b) => Math.floor(a / b) | 0,
-  '%': (a, b) => (((a % b) + b) % b) | 0,
-  '&': (a, b) => a & b,
-  '|': (a, b) => a | b,
-  '<<': (a, b) => a << b,
-  '>>': (a, b) => a >> b,
-  '<': (a, b) => (a < b ? 1 : 0),
-};
-const FLOAT_OPS = { '+': (a, b) => r(a + b), '-': (a, b) => r(a - b), '*': (a, b) => r(a * b), '/': (a, b) => r(a / b) };
+const CHUNK = 256; // blocks evaluated together: a node's values take 1-2 KB
 
-const isInt = (type) => type[0] !== 'f';
+/** Stored blocks b0 .. b0 + n - 1 of `bytes`, `stride` bytes each: what the formulas read. */
+class Chunk {
+  constructor(bytes, stride) {
+    this.u8 = bytes;
+    this.i8 = new Int8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    this.view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    this.stride = stride;
+    this.o = 0; // the byte offset of block b0
+    this.n = 0;
+    this.serial = 0; // which chunk this is, for the values kept per chunk
+  }
 
-/** A node computed from its children: `pure` when nothing beneath reads the block (a function of x
- * alone), and then computed once per x. So a formula's x-only parts (Q4_K's byte index and shift of
- * element i) cost a lookup per element instead of their operations: the K-quants pack 2-3x faster. */
-function derived(int, at, ...children) {
-  if (!children.every((c) => c.pure)) return { int, pure: false, at };
-  const memo = [];
-  return { int, pure: true, at: (v, o, x) => memo[x] ?? (memo[x] = at(v, o, x)) };
+  select(b0, n) {
+    this.o = b0 * this.stride;
+    this.n = n;
+    this.serial++;
+  }
+
+  /** out[j] = the field of `type` at byte `offset` (plus `size * at[j]` if `at` is given) of block j. */
+  read(type, offset, out, at = null, size = 0) {
+    const { n, stride, view } = this;
+    if (at) {
+      const get = FIELD_READERS[type];
+      for (let j = 0, p = this.o + offset; j < n; j++, p += stride) out[j] = get(view, p + size * at[j]);
+    } else if (type === 'u8' || type === 'i8') {
+      const bytes = type === 'u8' ? this.u8 : this.i8;
+      for (let j = 0, p = this.o + offset; j < n; j++, p += stride) out[j] = bytes[p];
+    } else {
+      const get = FIELD_READERS[type];
+      for (let j = 0, p = this.o + offset; j < n; j++, p += stride) out[j] = get(view, p);
+    }
+    return out;
+  }
+
+  /** out[j] = `mask` of byte `offset` of block j shifted right by `shift`. */
+  bits(offset, shift, mask, out) {
+    const { n, stride, u8 } = this;
+    for (let j = 0, p = this.o + offset; j < n; j++, p += stride) out[j] = (u8[p] >> shift) & mask;
+    return out;
+  }
 }
 
-const formulaConsumer = (fields) => ({
-  int: (t) => ({ int: true, pure: true, constant: t.value | 0, at: () => t.value | 0 }),
-  float: (t) => ({ int: false, pure: true, at: () => r(t.value) }),
-  i: () => ({ int: true, pure: true, at: (v, o, x) => x }),
-  s: () => ({ int: true, pure: true, at: (v, o, x) => x }),
+const isInt = (type) => type[0] !== 'f';
+// a field's values: a u32 is kept whole (it meets only floats), other integers as int32
+const fieldArray = (type) => (type === 'u32' ? Float64Array : isInt(type) ? Int32Array : Float32Array);
+
+// Element-wise loops, `out[j] = a[j] op b[j]` for j < n; the typed array `out` rounds: an Int32Array
+// wraps as `| 0` does, a Float32Array rounds to float32 as Math.fround does.
+const INT_LOOPS = {
+  '+': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] + b[j]; },
+  '-': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] - b[j]; },
+  '*': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = Math.imul(a[j], b[j]); },
+  '/': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = Math.floor(a[j] / b[j]); }, // by 0: 0
+  '%': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = ((a[j] % b[j]) + b[j]) % b[j]; }, // numpy's sign
+  '&': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] & b[j]; },
+  '|': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] | b[j]; },
+  '<<': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] << b[j]; },
+  '>>': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] >> b[j]; },
+  '<': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] < b[j] ? 1 : 0; },
+};
+const FLOAT_LOOPS = {
+  '+': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] + b[j]; },
+  '-': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] - b[j]; },
+  '*': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] * b[j]; },
+  '/': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] / b[j]; },
+};
+const NEG = (out, n, a) => { for (let j = 0; j < n; j++) out[j] = -a[j]; };
+const POW2 = (out, n, a) => { for (let j = 0; j < n; j++) out[j] = 2 ** a[j]; };
+const SELECT = (out, n, c, a, b) => { for (let j = 0; j < n; j++) out[j] = c[j] !== 0 ? a[j] : b[j]; };
+const lookupLoop = (table) => (out, n, c) => { for (let j = 0; j < n; j++) out[j] = table[c[j]]; };
+
+/** A node that reads no block, computed once per x. */
+function pureNode(int, usesX, f) {
+  const memo = [];
+  return { int, pure: true, usesX, value: (x) => memo[x] ?? (memo[x] = f(x)) };
+}
+
+/** A node that reads blocks: `fill(x)` computes its values for the chunk, once per chunk if x does not matter. */
+function blockNode(chunk, int, usesX, fill) {
+  if (usesX) return { int, pure: false, usesX, at: fill };
+  let serial = -1;
+  let last = null;
+  return { int, pure: false, usesX, at: (x) => (serial === chunk.serial ? last : ((serial = chunk.serial), (last = fill(x)))) };
+}
+
+/** A function of x giving node c's values in the chunk as an array (a pure value repeated, an
+ * integer widened to float32 first if `float`): how a node enters a loop. */
+function valuesOf(chunk, c, float = false) {
+  if (c.pure) {
+    const values = new (float || !c.int ? Float32Array : Int32Array)(CHUNK);
+    return (x) => values.fill(c.value(x), 0, chunk.n);
+  }
+  if (!float || !c.int) return c.at;
+  const values = new Float32Array(CHUNK);
+  return (x) => {
+    const a = c.at(x);
+    for (let j = 0, n = chunk.n; j < n; j++) values[j] = a[j];
+    return values;
+  };
+}
+
+/** A node computed by `loop` from its children, child k widened to float32 if floats[k]; pure if they all are. */
+function elementwise(chunk, int, loop, children, floats) {
+  const Out = int ? Int32Array : Float32Array;
+  if (children.every((c) => c.pure)) { // a one-value loop: the same rounding
+    const ones = children.map((c, k) => new (floats[k] || !c.int ? Float32Array : Int32Array)(1));
+    const out = new Out(1);
+    return pureNode(int, children.some((c) => c.usesX), (x) => {
+      children.forEach((c, k) => { ones[k][0] = c.value(x); });
+      loop(out, 1, ...ones);
+      return out[0];
+    });
+  }
+  const args = children.map((c, k) => valuesOf(chunk, c, floats[k]));
+  const out = new Out(CHUNK);
+  return blockNode(chunk, int, children.some((c) => c.usesX), (x) => {
+    loop(out, chunk.n, ...args.map((f) => f(x)));
+    return out;
+  });
+}
+
+// where element x of a nib/nibi/bit field lies: [byte, shift, mask]
+const CALLS = {
+  // nib: element i is the low nibble of byte i for i < n, else the high nibble of byte i - n
+  nib: (x, n) => (x < n ? [x, 0, 15] : [x - n, 4, 15]),
+  // nibi: element i is nibble i & 1 of byte i >> 1 (ONNX UINT4)
+  nibi: (x) => [x >> 1, 4 * (x & 1), 15],
+  // bit: bit i of the little-endian mask
+  bit: (x) => [x >> 3, x & 7, 1],
+};
+
+const formulaConsumer = (fields, chunk) => ({
+  int: (t) => pureNode(true, false, () => t.value | 0),
+  float: (t) => pureNode(false, false, () => Math.fround(t.value)),
+  i: () => pureNode(true, true, (x) => x),
+  s: () => pureNode(true, true, (x) => x),
   field: (t) => {
     const f = fields[t.field];
-    const read = FIELD_READERS[f.type];
-    return { int: isInt(f.type), pure: false, at: (v, o) => read(v, o + f.offset) };
+    const out = new (fieldArray(f.type))(CHUNK);
+    return blockNode(chunk, isInt(f.type), false, () => chunk.read(f.type, f.offset, out));
   },
   index: (t, at) => {
     const f = fields[t.field];
-    const read = FIELD_READERS[f.type];
+    const out = new (fieldArray(f.type))(CHUNK);
     const size = FIELD_BYTES[f.type];
-    if (at.pure) { // the byte's offset in the block, once per x
-      const offsets = [];
-      return { int: isInt(f.type), pure: false, at: (v, o, x) => read(v, o + (offsets[x] ?? (offsets[x] = f.offset + size * at.at(v, o, x)))) };
-    }
-    return { int: isInt(f.type), pure: false, at: (v, o, x) => read(v, o + f.offset + size * at.at(v, o, x)) };
+    if (at.pure) return blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, f.offset + size * at.value(x), out));
+    return blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, f.offset, out, at.at(x), size));
   },
   call: (t) => {
     const f = fields[t.field];
-    const n = f.count;
-    switch (t.func) {
-      // nib: element i is the low nibble of byte i for i < n, else the high nibble of byte i - n
-      case 'nib': return { int: true, pure: false, at: (v, o, i) => (i < n ? v.getUint8(o + f.offset + i) & 15 : v.getUint8(o + f.offset + i - n) >> 4) };
-      // nibi: element i is nibble i & 1 of byte i >> 1 (ONNX UINT4)
-      case 'nibi': return { int: true, pure: false, at: (v, o, i) => (v.getUint8(o + f.offset + (i >> 1)) >> (4 * (i & 1))) & 15 };
-      // bit: bit i of the little-endian mask
-      case 'bit': return { int: true, pure: false, at: (v, o, i) => (v.getUint8(o + f.offset + (i >> 3)) >> (i & 7)) & 1 };
-      default: throw new Error(`unpack: unknown function ${t.func}`);
-    }
+    const where = CALLS[t.func];
+    if (!where) throw new Error(`unpack: unknown function ${t.func}`);
+    const out = new Int32Array(CHUNK);
+    return blockNode(chunk, true, true, (x) => {
+      const [byte, shift, mask] = where(x, f.count);
+      return chunk.bits(f.offset + byte, shift, mask, out);
+    });
   },
-  lookup: (t, code) => derived(true, (v, o, x) => t.values[code.at(v, o, x)], code),
-  pow2: (t, a) => derived(false, (v, o, x) => r(2 ** a.at(v, o, x)), a),
+  lookup: (t, code) => elementwise(chunk, true, lookupLoop(Int32Array.from(t.values)), [code], [false]),
+  pow2: (t, a) => elementwise(chunk, false, POW2, [a], [false]),
   select: (t, c, a, b) => {
-    if (a.int === b.int) return derived(a.int, (v, o, x) => (c.at(v, o, x) !== 0 ? a : b).at(v, o, x), c, a, b);
-    const f = (e) => (e.int ? (v, o, x) => r(e.at(v, o, x)) : e.at); // one float branch: both are (numpy's where)
-    const fa = f(a);
-    const fb = f(b);
-    return derived(false, (v, o, x) => (c.at(v, o, x) !== 0 ? fa : fb)(v, o, x), c, a, b);
+    const int = a.int && b.int; // one float branch: both are (numpy's where)
+    return elementwise(chunk, int, SELECT, [c, a, b], [false, !int, !int]);
   },
-  neg: (t, a) => derived(a.int, a.int ? (v, o, x) => -a.at(v, o, x) | 0 : (v, o, x) => -a.at(v, o, x), a),
+  neg: (t, a) => elementwise(chunk, a.int, NEG, [a], [false]),
   op: (t, a, b) => {
-    const int = a.int && b.int;
-    const op = (int ? INT_OPS : FLOAT_OPS)[t.op];
-    if (!op) throw new Error(`formula: unknown operator ${t.op}`);
-    if (int && b.constant !== undefined) return derived(int, (v, o, x) => op(a.at(v, o, x), b.constant), a, b);
-    if (int) return derived(int, (v, o, x) => op(a.at(v, o, x), b.at(v, o, x)), a, b);
-    // an integer meets a float as a float32 first, as in numpy (quantformat.NumpyEval.on_op)
-    const fa = a.int ? (v, o, x) => r(a.at(v, o, x)) : a.at;
-    const fb = b.int ? (v, o, x) => r(b.at(v, o, x)) : b.at;
-    return derived(int, (v, o, x) => op(fa(v, o, x), fb(v, o, x)), a, b);
+    const int = a.int && b.int; // an integer meets a float as a float32 first (quantformat.NumpyEval.on_op)
+    const loop = (int ? INT_LOOPS : FLOAT_LOOPS)[t.op];
+    if (!loop) throw new Error(`formula: unknown operator ${t.op}`);
+    return elementwise(chunk, int, loop, [a, b], [!int, !int]);
   },
 });
 
-// A super-block's kernel blocks in plane q, from their integers minus the zero (u, 32 values):
-// quantformat.ENCODINGS, byte for byte.
+// A super-block's kernel blocks in plane q (quantformat.ENCODINGS, byte for byte): where element e
+// of a kernel block of n values goes, [byte, shift, mask] of its integer minus the zero.
 const ENCODERS = {
-  nib: (u, dst) => {
-    for (let j = 0; j < 16; j++) dst[j] = (u[j] & 15) | ((u[j + 16] & 15) << 4);
-  },
-  byte: (u, dst) => {
-    for (let j = 0; j < u.length; j++) dst[j] = u[j] & 255;
-  },
+  nib: (e, n) => (e < n / 2 ? [e, 0, 15] : [e - n / 2, 4, 15]),
+  byte: (e) => [e, 0, 255],
 };
 
 // ---- packing -----------------------------------------------------------------------------------
@@ -272,113 +366,118 @@ function grouped(src, dst, rows, units, bytes, group, granules, name) {
   }
 }
 
-/** packInto for rows one by one: `nblocks` stored blocks, each row's in turn. */
+/** packInto for rows one by one: `nblocks` stored blocks, each row's in turn, a chunk of blocks at
+ * a time and within it a formula value (element, sub-block) at a time. */
 function packRows(spec, blocks, nblocks, planes) {
   const fields = Object.fromEntries(spec.fields.map((f) => [f.name, { ...f, count: f.count ?? 1 }]));
-  const consumer = formulaConsumer(fields);
-  const { unpack, scale, offset } = spec.formulas;
-  const unpackAt = fold(unpack, consumer).at;
-  const scaleAt = fold(scale, consumer).at;
-  const offsetAt = offset ? fold(offset, consumer).at : null;
-  // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
-  const zeroAt = spec.codes?.zero.kind === 'field' ? fold(spec.codes.zero, consumer).at : null;
+  const chunk = new Chunk(blocks, spec.stored_bytes);
+  const consumer = formulaConsumer(fields, chunk);
+  const compile = (tree) => valuesOf(chunk, fold(tree, consumer));
   const kernelBlock = spec.kernel_block ?? spec.block;
   const per = spec.block / kernelBlock; // kernel blocks per stored block, each with its scale (s)
+  const unpack = compile(spec.formulas.unpack);
+  // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
+  const zeros = spec.codes?.zero.kind === 'field' ? compile(spec.codes.zero) : null;
   const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
-  // sub-blocks smaller than the kernel block: scale = F (per super-block) * I(s) (plane sub)
-  const split = spec.sub_scales && { f: fold(spec.sub_scales.block, consumer).at, i: fold(spec.sub_scales.sub, consumer).at };
-  const halves = split ? kernelBlock / spec.sub : 1;
   const zero = spec.encoding?.zero ?? 0;
-  const interleaved = new Set(spec.interleaved);
-  const valueFields = spec.value_fields.map((n) => fields[n]);
-  const qBytes = spec.planes.q.bytes_per_block;
-  // a scalar byte field takes a granule in the grouped layout (QuantFormat.value_width)
-  const widths = Object.fromEntries(valueFields.map((f) => [f.name, spec.group > 1 && spec.fields.find((x) => x.name === f.name).count === null
-    ? GRANULE : f.count * FIELD_BYTES[f.type]]));
+  // sub-blocks smaller than the kernel block: scale = F (per super-block) * I(s) (plane sub)
+  const split = spec.sub_scales && { f: compile(spec.sub_scales.block), i: compile(spec.sub_scales.sub) };
+  const halves = split ? kernelBlock / spec.sub : 1;
+  const subWidth = spec.group > 1 ? SUB_SCALE_GRANULE : 4;
   const record = spec.record && {
     ...spec.record,
-    factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: fold(x.f, consumer).at, i: x.i && fold(x.i, consumer).at })),
+    view: new DataView(planes.scale.buffer, planes.scale.byteOffset, planes.scale.byteLength),
+    bytes8: new Uint8Array(planes.scale.buffer, planes.scale.byteOffset, planes.scale.byteLength),
+    // kernel block k's integer is sub-block k * kernelBlock / spec.sub's
+    factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: compile(x.f), i: x.i && compile(x.i) })),
   };
-  const view = new DataView(blocks.buffer, blocks.byteOffset, blocks.byteLength);
-  const values = new Int32Array(spec.block);
-  const codes = new Int32Array(kernelBlock); // a kernel block's integers minus the zero, for encode
-  for (let b = 0; b < nblocks; b++) {
-    const o = b * spec.stored_bytes;
-    for (let i = 0; i < spec.block; i++) {
-      const q = unpackAt(view, o, i);
-      if (q < INT8_MIN || q > INT8_MAX) {
-        throw new RangeError(`block ${b} unpacks to ${q} at element ${i}, outside int8: not a valid block of this type `
-          + '(the kernels\' weights are int8)');
+  const scale = record || split ? null : compile(spec.formulas.scale);
+  const offset = !record && spec.formulas.offset ? compile(spec.formulas.offset) : null;
+  const interleaved = new Set(spec.interleaved);
+  const { q } = planes;
+  const qBytes = spec.planes.q.bytes_per_block;
+  // a flat block's value fields as stored, each `times` times (a scalar byte field takes a granule
+  // in the grouped layout: QuantFormat.value_width)
+  let at = 0;
+  const copies = encode ? [] : spec.value_fields.map((name) => {
+    const f = fields[name];
+    const nbytes = f.count * FIELD_BYTES[f.type];
+    const times = spec.group > 1 && spec.fields.find((x) => x.name === name).count === null ? GRANULE / nbytes : 1;
+    const copy = { from: f.offset, nbytes, at, times, interleaved: interleaved.has(name) };
+    at += nbytes * times;
+    return copy;
+  });
+  for (let b0 = 0; b0 < nblocks; b0 += CHUNK) {
+    const n = Math.min(CHUNK, nblocks - b0);
+    chunk.select(b0, n);
+    let bad = null; // the chunk's first invalid block, {j, message}
+    for (let i = 0; i < spec.block; i++) { // every element's integer, int8 (the kernels' lanes), re-encoded if the type is
+      const u = unpack(i);
+      const j = firstOutside(u, bad ? bad.j : n, INT8_MIN, INT8_MAX);
+      if (j >= 0) bad = { j, message: `unpacks to ${u[j]} at element ${i}, outside int8: not a valid block of this type (the kernels' weights are int8)` };
+      if (!encode) continue;
+      const [byte, shift, mask] = encode(i % kernelBlock, kernelBlock);
+      encodeColumn(u, n, zero, shift, mask, q, (b0 * per + Math.floor(i / kernelBlock)) * qBytes + byte, per * qBytes);
+    }
+    const z = zeros?.(0);
+    const zj = z ? firstOutside(z, bad ? bad.j : n, 0, 127) : -1;
+    if (zj >= 0) bad = { j: zj, message: `has ${spec.codes.zero.field} = ${z[zj]}, outside 0..127: not a valid block of this type (the relaxed dot's 7-bit operand takes it)` };
+    if (bad) throw new RangeError(`block ${b0 + bad.j} ${bad.message}`);
+    for (const c of copies) {
+      for (let j = 0; j < n; j++) {
+        const from = (b0 + j) * spec.stored_bytes + c.from;
+        const to = (b0 + j) * qBytes + c.at;
+        if (c.interleaved) splitNibbles(blocks, from, c.nbytes, q, to);
+        else for (let t = 0; t < c.times * c.nbytes; t++) q[to + t] = blocks[from + (t % c.nbytes)];
       }
-      values[i] = q;
     }
-    const z = zeroAt?.(view, o, 0);
-    if (zeroAt && (z < 0 || z > 127)) {
-      throw new RangeError(`block ${b} has ${spec.codes.zero.field} = ${z}, outside 0..127: not a valid block of this type `
-        + '(the relaxed dot\'s 7-bit operand takes it)');
-    }
-    if (!encode) { // a flat block: its value fields as stored
-      let at = b * qBytes;
-      for (const f of valueFields) {
-        const nbytes = f.count * FIELD_BYTES[f.type];
-        const src = blocks.subarray(o + f.offset, o + f.offset + nbytes);
-        if (interleaved.has(f.name)) splitNibbles(src, planes.q.subarray(at, at + nbytes));
-        else for (let c = 0; c < widths[f.name]; c += nbytes) planes.q.set(src, at + c);
-        at += widths[f.name];
+    for (const x of record?.factors ?? []) { // a super-block's record: F as f32, I a byte per kernel block
+      const f = x.f(0);
+      for (let j = 0; j < n; j++) record.view.setFloat32((b0 + j) * record.bytes + x.f_at, f[j], true);
+      for (let k = 0; x.i && k < record.blocks; k++) {
+        const v = x.i(Math.floor((k * kernelBlock) / spec.sub));
+        for (let j = 0, p = b0 * record.bytes + x.i_at + k; j < n; j++, p += record.bytes) record.bytes8[p] = v[j];
       }
     }
-    if (record) writeRecord(record, view, o, new DataView(planes.scale.buffer, planes.scale.byteOffset + b * record.bytes, record.bytes),
-      kernelBlock / spec.sub);
     for (let s = 0; s < per; s++) {
-      const k = b * per + s;
-      const u = values.subarray(s * kernelBlock, (s + 1) * kernelBlock);
-      if (encode) {
-        for (let j = 0; j < kernelBlock; j++) codes[j] = u[j] - zero;
-        encode(codes, planes.q.subarray(k * qBytes, (k + 1) * qBytes));
+      const sc = record ? null : scale ? scale(s) : split.f(0);
+      const off = offset?.(s);
+      for (let j = 0, k = b0 * per + s; j < n; j++, k += per) {
+        if (sc) planes.scale[k] = sc[j];
+        if (off) planes.offset[k] = off[j];
       }
-      if (!record) {
-        if (offsetAt) planes.offset[k] = offsetAt(view, o, s);
-        planes.scale[k] = split ? split.f(view, o, 0) : scaleAt(view, o, s);
-      }
-      if (!split) continue;
       // the sub-blocks' integer scales follow the kernel block's codes in plane q (quantformat.SUB_SCALES):
-      // rows one by one an i32 each holding the scale in both i16 halves, grouped an int8 twice
-      const width = spec.group > 1 ? SUB_SCALE_GRANULE : 4;
-      const at = new DataView(planes.q.buffer, planes.q.byteOffset + (k + 1) * qBytes - width * halves, width * halves);
-      for (let h = 0; h < halves; h++) {
-        const v = split.i(view, o, s * halves + h);
-        if (spec.group > 1) {
-          for (let c = 0; c < SUB_SCALE_GRANULE; c++) at.setInt8(width * h + c, v);
-        } else {
-          at.setInt16(4 * h, v, true);
-          at.setInt16(4 * h + 2, v, true);
+      // rows one by one an i32 each holding the scale in both little-endian i16 halves, grouped an int8 twice
+      for (let h = 0; split && h < halves; h++) {
+        const v = split.i(s * halves + h);
+        let p = (b0 * per + s + 1) * qBytes - subWidth * (halves - h);
+        for (let j = 0; j < n; j++, p += per * qBytes) {
+          for (let c = 0; c < subWidth; c++) q[p + c] = spec.group > 1 || c % 2 === 0 ? v[j] : v[j] >> 8;
         }
       }
     }
   }
 }
 
-/** A super-block's record (quantformat.QuantFormat.record) from the stored block at byte `o` of
- * `view` into `dst`: F of each factor as f32, I as a byte per kernel block (kernel block k is
- * sub-block k * subsPerBlock). */
-function writeRecord(record, view, o, dst, subsPerBlock) {
-  for (const x of record.factors) {
-    dst.setFloat32(x.f_at, x.f(view, o, 0), true);
-    if (!x.i) continue;
-    for (let k = 0; k < record.blocks; k++) {
-      const v = x.i(view, o, Math.floor(k * subsPerBlock));
-      if (x.signed) dst.setInt8(x.i_at + k, v);
-      else dst.setUint8(x.i_at + k, v);
-    }
-  }
+/** The first j < n with values[j] outside lo..hi, else -1. */
+function firstOutside(values, n, lo, hi) {
+  for (let j = 0; j < n; j++) if (values[j] < lo || values[j] > hi) return j;
+  return -1;
 }
 
-/** Interleaved nibbles (element 2i low, 2i+1 high) -> split nibbles (byte j holds elements j and
- * j + n), the order the kernels' two-instruction nibble unpack reads. */
-function splitNibbles(src, dst) {
-  const n = src.length;
-  const elem = (e) => (src[e >> 1] >> (4 * (e & 1))) & 15;
-  for (let j = 0; j < n; j++) dst[j] = elem(j) | (elem(j + n) << 4);
+/** Integers u[0 .. n) minus `zero`, `mask` of them shifted left by `shift`, into q from byte p every
+ * `stride` bytes (a shifted field joins what the byte holds: the high nibble). */
+function encodeColumn(u, n, zero, shift, mask, q, p, stride) {
+  if (shift === 0) for (let j = 0; j < n; j++, p += stride) q[p] = (u[j] - zero) & mask;
+  else for (let j = 0; j < n; j++, p += stride) q[p] |= ((u[j] - zero) & mask) << shift;
+}
+
+/** Interleaved nibbles (element 2i low, 2i+1 high) of `n` bytes from src[from] -> split nibbles
+ * (byte j holds elements j and j + n) from dst[at], the order the kernels' two-instruction nibble
+ * unpack reads. */
+function splitNibbles(src, from, n, dst, at) {
+  const elem = (e) => (src[from + (e >> 1)] >> (4 * (e & 1))) & 15;
+  for (let j = 0; j < n; j++) dst[at + j] = elem(j) | (elem(j + n) << 4);
 }
 
 /** Pack `rows` rows of k values into fresh typed arrays: {q, scale, offset?}. */

@@ -430,6 +430,55 @@ quant edge_f {
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_js_packer_matches_python_across_chunks_of_blocks(tmp_path: Path, target: str, any_module) -> None:
+    """runtime/pack.mjs evaluates the formulas for 256 blocks at a time (pack.mjs CHUNK): every library
+    type packs byte for byte as QuantFormat.pack does over 600-odd blocks in rows padded to whole
+    groups, with a zero, a NaN and an infinite scale among them; and a block pack refuses is named by
+    its index past the first chunk, its values before its zero point."""
+    need(NODE, "node is not installed")
+    k = any_module(target)
+    manifest = tmp_path / "kernels.json"
+    manifest.write_text(json.dumps(k.manifest))
+    rng = np.random.default_rng(11)
+    jobs = {}
+    for name, q in k.quants.items():
+        rows = 7 if q.block == 32 else 3  # 7 x 93 and 3 x 201 blocks: two chunks and part of a third
+        b = random_blocks(q, rows, 93 if q.block == 32 else 201, rng)
+        floats = [f for f in q.dtype.names if q.dtype[f].kind == "f"]
+        for at, value in zip(((0, 0), (1, 90), (2, 80)), (0.0, np.nan, np.inf)):
+            for f in floats:
+                b[f][at] = value
+        path = tmp_path / f"{name}.bin"
+        path.write_bytes(b.tobytes())
+        jobs[name] = (b.shape[0], b.shape[1] * q.block, path, q.pack(b))
+    onnx = k.quants["q4_onnx"]  # block 300 of one matrix has a zero point past 127; block 301 of another
+    bad = {}  # one too, and values outside int8 (0 - 255), which are named first
+    for first, (z, qs) in {300: (130, 0xFF), 301: (255, 0)}.items():  # 0xFF: 15 - 130 is an int8
+        b = random_blocks(onnx, 1, 400, rng)
+        b["z"][0, first], b["qs"][0, first] = z, qs
+        bad[first] = tmp_path / f"bad{first}.bin"
+        bad[first].write_bytes(b.tobytes())
+    script = (f"import {{ readFileSync }} from 'node:fs';\nimport {{ packPlanes }} from {json.dumps((ROOT / 'runtime' / 'pack.mjs').as_uri())};\n"
+              f"const m = JSON.parse(readFileSync({json.dumps(str(manifest))}, 'utf8'));\nconst out = {{}};\n"
+              "const read = (p) => { const raw = readFileSync(p); return new Uint8Array(raw.buffer, raw.byteOffset, raw.byteLength); };\n"
+              "const hex = (p) => Object.fromEntries(Object.entries(p).map(([n, a]) => [n, Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString('hex')]));\n")
+    for name, (rows, kk, path, _) in jobs.items():
+        script += f"out.{name} = hex(packPlanes(m.quants.{name}, read({json.dumps(str(path))}), {rows}, {kk}));\n"
+    for first, path in bad.items():
+        script += f"try {{ packPlanes(m.quants.q4_onnx, read({json.dumps(str(path))}), 1, 400 * 32); }} catch (e) {{ out.error{first} = e.message; }}\n"
+    script += "console.log(JSON.stringify(out));\n"
+    proc = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    for name, (_, _, _, planes) in jobs.items():
+        assert set(got[name]) == set(planes), name
+        for plane, arr in planes.items():
+            assert got[name][plane] == np.ascontiguousarray(arr).tobytes().hex(), f"{name} plane {plane} on {target}"
+    assert got["error300"].startswith("block 300 has z = 130, outside 0..127"), got["error300"]
+    assert got["error301"].startswith("block 301 unpacks to -255 at element 0, outside int8"), got["error301"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_python_and_js_packers_agree_where_numpy_and_javascript_part_ways(tmp_path: Path, target: str) -> None:
     need(NODE, "node is not installed")
     source = (ROOT / "kernels.dsl").read_text(encoding="utf-8") + EDGE_TYPES
