@@ -413,11 +413,15 @@ function packRows(spec, blocks, nblocks, planes) {
     let bad = null; // the chunk's first invalid block, {j, message}
     for (let i = 0; i < spec.block; i++) { // every element's integer, int8 (the kernels' lanes), re-encoded if the type is
       const u = unpack(i);
-      const j = firstOutside(u, bad ? bad.j : n, INT8_MIN, INT8_MAX);
+      const limit = bad ? bad.j : n; // blocks past an invalid one need neither check nor code
+      let j;
+      if (encode) {
+        const [byte, shift, mask] = encode(i % kernelBlock, kernelBlock);
+        j = encodeColumn(u, limit, zero, shift, mask, q, (b0 * per + Math.floor(i / kernelBlock)) * qBytes + byte, per * qBytes);
+      } else {
+        j = firstOutside(u, limit, INT8_MIN, INT8_MAX);
+      }
       if (j >= 0) bad = { j, message: `unpacks to ${u[j]} at element ${i}, outside int8: not a valid block of this type (the kernels' weights are int8)` };
-      if (!encode) continue;
-      const [byte, shift, mask] = encode(i % kernelBlock, kernelBlock);
-      encodeColumn(u, n, zero, shift, mask, q, (b0 * per + Math.floor(i / kernelBlock)) * qBytes + byte, per * qBytes);
     }
     const z = zeros?.(0);
     const zj = z ? firstOutside(z, bad ? bad.j : n, 0, 127) : -1;
@@ -466,10 +470,15 @@ function firstOutside(values, n, lo, hi) {
 }
 
 /** Integers u[0 .. n) minus `zero`, `mask` of them shifted left by `shift`, into q from byte p every
- * `stride` bytes (a shifted field joins what the byte holds: the high nibble). */
+ * `stride` bytes (a shifted field joins what the byte holds: the high nibble), up to the first outside
+ * int8: its j, else -1 (firstOutside's check in the same pass). */
 function encodeColumn(u, n, zero, shift, mask, q, p, stride) {
-  if (shift === 0) for (let j = 0; j < n; j++, p += stride) q[p] = (u[j] - zero) & mask;
-  else for (let j = 0; j < n; j++, p += stride) q[p] |= ((u[j] - zero) & mask) << shift;
+  for (let j = 0; j < n; j++, p += stride) {
+    const v = u[j];
+    if (v < INT8_MIN || v > INT8_MAX) return j;
+    q[p] = (shift ? q[p] : 0) | (((v - zero) & mask) << shift);
+  }
+  return -1;
 }
 
 /** Interleaved nibbles (element 2i low, 2i+1 high) of `n` bytes from src[from] -> split nibbles
