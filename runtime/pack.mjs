@@ -242,6 +242,8 @@ const CALLS = {
   bit: (x) => [x >> 3, x & 7, 1],
 };
 
+const NO_SHIFT = () => 0;
+
 const formulaConsumer = (fields, chunk) => ({
   int: (t) => pureNode(true, false, () => t.value | 0),
   float: (t) => pureNode(false, false, () => Math.fround(t.value)),
@@ -256,7 +258,11 @@ const formulaConsumer = (fields, chunk) => ({
     const f = fields[t.field];
     const out = new (fieldArray(f.type))(CHUNK);
     const size = FIELD_BYTES[f.type];
-    if (at.pure) return blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, f.offset + size * at.value(x), out));
+    if (at.pure) {
+      const byte = (x) => f.offset + size * at.value(x);
+      const node = blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, byte(x), out));
+      return f.type === 'u8' ? { ...node, byte, shift: NO_SHIFT } : node; // see op's `bits`
+    }
     return blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, f.offset, out, at.at(x), size));
   },
   call: (t) => {
@@ -280,7 +286,14 @@ const formulaConsumer = (fields, chunk) => ({
     const int = a.int && b.int; // an integer meets a float as a float32 first (quantformat.NumpyEval.on_op)
     const loop = (int ? INT_LOOPS : FLOAT_LOOPS)[t.op];
     if (!loop) throw new Error(`formula: unknown operator ${t.op}`);
-    return elementwise(chunk, int, loop, [a, b], [!int, !int]);
+    // (u8 field[offset of x] >> shift) & mask, shift and mask read no block: one pass, as nib() (the K-quants' bits)
+    const bits = a.byte && b.pure && (t.op === '&' || (t.op === '>>' && a.shift === NO_SHIFT));
+    if (bits && t.op === '&') {
+      const out = new Int32Array(CHUNK);
+      return blockNode(chunk, true, true, (x) => chunk.bits(a.byte(x), a.shift(x), b.value(x), out));
+    }
+    const node = elementwise(chunk, int, loop, [a, b], [!int, !int]);
+    return bits ? { ...node, byte: a.byte, shift: b.value } : node;
   },
 });
 
