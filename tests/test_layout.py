@@ -14,6 +14,7 @@ import pytest
 from kernelgen.compiler.build import compile_source, from_built
 from kernelgen.compiler.lower import _i16_units
 from kernelgen.compiler.ops import TARGETS
+from kernelgen import quantformat
 from kernelgen.quantformat import GRANULE, GROUP_ROWS
 
 from helpers import assert_q_close, random_blocks, rng_for
@@ -85,6 +86,29 @@ def test_grouped_planes_are_the_rows_planes_interleaved_by_granule(quants, rows)
             assert got[plane].dtype == rows_planes[plane].dtype, (name, plane)
             np.testing.assert_array_equal(got[plane].view(np.uint8), want[plane], err_msg=f"{name} plane {plane}")
         assert sum(p.nbytes for p in got.values()) == q.packed_bytes(rows, b.shape[1] * q.block)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pack_in_parts_of_rows_is_pack_in_one(module_cache, monkeypatch, target) -> None:
+    """QuantFormat.pack evaluates PACK_VALUES values (whole groups of rows) at a time: with parts of
+    one group, every type's planes equal the one-part pack's over odd rows, and an invalid block in a
+    later part is named by its row in the matrix."""
+    rng = rng_for("pack-parts", target)
+    for name, q in module_cache.get(target).quants.items():
+        b = random_blocks(q, 11, 2 * 256 // q.block if q.sub else 3, rng)
+        whole = q.pack(b)
+        monkeypatch.setattr(quantformat, "PACK_VALUES", 1)
+        parts = q.pack(b)
+        monkeypatch.undo()
+        assert list(parts) == list(whole), name
+        for plane in whole:
+            np.testing.assert_array_equal(parts[plane], whole[plane], err_msg=f"{name} plane {plane}")
+    q = module_cache.get(target).quants["q4_onnx"]
+    b = random_blocks(q, 11, 3, rng)
+    b["z"][9, 2], b["qs"][9, 2] = 200, 0  # 0 - 200
+    monkeypatch.setattr(quantformat, "PACK_VALUES", 1)
+    with pytest.raises(ValueError, match=r"block \(9, 2\) unpacks to -200 at element 0, outside int8"):
+        q.pack(b)
 
 
 def test_a_lane_group_of_a_grouped_block_holds_four_values_of_each_row(quants) -> None:
