@@ -110,17 +110,21 @@ function fold(tree, consumer) {
 }
 
 const CHUNK = 256; // blocks evaluated together: a node's values take 1-2 KB
+const PACK_VALUES = 1 << 16; // values of a grouped type packed row by row before grouping (quantformat.PACK_VALUES)
 
-/** Stored blocks b0 .. b0 + n - 1 of `bytes`, `stride` bytes each: what the formulas read. */
+/** Stored blocks b0 .. b0 + n - 1 of the bytes in use, `stride` bytes each: what the formulas read. */
 class Chunk {
-  constructor(bytes, stride) {
-    this.u8 = bytes;
-    this.i8 = new Int8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-    this.view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  constructor(stride) {
     this.stride = stride;
     this.o = 0; // the byte offset of block b0
     this.n = 0;
     this.serial = 0; // which chunk this is, for the values kept per chunk
+  }
+
+  use(bytes) {
+    this.u8 = bytes;
+    this.i8 = new Int8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    this.view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
   }
 
   select(b0, n) {
@@ -330,25 +334,36 @@ export function planeLayout(spec) {
  * typed arrays of planeLayout(spec)'s types and lengths (e.g. views of wasm memory).
  */
 export function packInto(spec, blocks, rows, k, planes) {
+  const nb = k / spec.block; // stored blocks per row
+  const packRows = rowPacker(spec);
   if (spec.group === 1) {
-    packRows(spec, blocks, rows * (k / spec.block), planes);
+    packRows(blocks, rows * nb, planes, 0);
     return;
   }
+  // rows by row into scratch planes, then grouped: whole groups of rows at a time, a part's
+  // scratch staying in L2 and its grouped bytes contiguous in each plane
   const padded = paddedRows(spec, rows);
-  const perRow = (k / spec.block) * spec.stored_bytes;
-  const all = new Uint8Array(padded * perRow); // zero blocks past the rows: whole groups
-  all.set(blocks.subarray(0, rows * perRow));
-  const byRow = {};
-  for (const [name, { Array, perBlock }] of Object.entries(planeLayout(spec))) byRow[name] = new Array(perBlock * padded * (k / spec.block));
-  packRows(spec, all, padded * (k / spec.block), byRow);
+  const perRow = nb * spec.stored_bytes;
+  const step = Math.max(1, Math.floor(PACK_VALUES / (k * spec.group))) * spec.group;
+  const layout = Object.entries(planeLayout(spec));
+  const scratch = Object.fromEntries(layout.map(([name, { Array, perBlock }]) => [name, new Array(perBlock * Math.min(step, padded) * nb)]));
   const kernelBlocks = k / (spec.kernel_block ?? spec.block);
-  for (const [name, plane] of Object.entries(planes)) {
-    const record = name === 'scale' && spec.record;
-    const units = record ? k / spec.block : kernelBlocks;
-    const src = new Uint8Array(byRow[name].buffer);
-    const bytes = src.length / (padded * units);
-    const dst = new Uint8Array(plane.buffer, plane.byteOffset, plane.byteLength);
-    grouped(src, dst, padded, units, bytes, spec.group, spec.planes[name].granules, name);
+  for (let r0 = 0; r0 < padded; r0 += step) {
+    const n = Math.min(step, padded - r0);
+    let part = blocks.subarray(r0 * perRow, Math.min(r0 + n, rows) * perRow);
+    if (r0 + n > rows) { // zero blocks past the rows: whole groups
+      part = new Uint8Array(n * perRow);
+      part.set(blocks.subarray(r0 * perRow, rows * perRow));
+    }
+    const byRow = Object.fromEntries(layout.map(([name, { perBlock }]) => [name, scratch[name].subarray(0, perBlock * n * nb)]));
+    packRows(part, n * nb, byRow, r0 * nb);
+    for (const [name, plane] of Object.entries(planes)) {
+      const units = name === 'scale' && spec.record ? nb : kernelBlocks;
+      const src = new Uint8Array(byRow[name].buffer, 0, byRow[name].byteLength);
+      const bytes = src.length / (n * units);
+      const dst = new Uint8Array(plane.buffer, plane.byteOffset + r0 * units * bytes, n * units * bytes);
+      grouped(src, dst, n, units, bytes, spec.group, spec.planes[name].granules, name);
+    }
   }
 }
 
@@ -379,11 +394,12 @@ function grouped(src, dst, rows, units, bytes, group, granules, name) {
   }
 }
 
-/** packInto for rows one by one: `nblocks` stored blocks, each row's in turn, a chunk of blocks at
- * a time and within it a formula value (element, sub-block) at a time. */
-function packRows(spec, blocks, nblocks, planes) {
+/** packInto for rows one by one, its formulas compiled once: a function packing `nblocks` stored
+ * blocks, each row's in turn (the first block number `first` of the matrix, for errors), into
+ * `planes`, a chunk of blocks at a time and within it a formula value (element, sub-block) at a time. */
+function rowPacker(spec) {
   const fields = Object.fromEntries(spec.fields.map((f) => [f.name, { ...f, count: f.count ?? 1 }]));
-  const chunk = new Chunk(blocks, spec.stored_bytes);
+  const chunk = new Chunk(spec.stored_bytes);
   const consumer = formulaConsumer(fields, chunk);
   const compile = (tree) => valuesOf(chunk, fold(tree, consumer));
   const kernelBlock = spec.kernel_block ?? spec.block;
@@ -399,15 +415,12 @@ function packRows(spec, blocks, nblocks, planes) {
   const subWidth = spec.group > 1 ? SUB_SCALE_GRANULE : 4;
   const record = spec.record && {
     ...spec.record,
-    view: new DataView(planes.scale.buffer, planes.scale.byteOffset, planes.scale.byteLength),
-    bytes8: new Uint8Array(planes.scale.buffer, planes.scale.byteOffset, planes.scale.byteLength),
     // kernel block k's integer is sub-block k * kernelBlock / spec.sub's
     factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: compile(x.f), i: x.i && compile(x.i) })),
   };
   const scale = record || split ? null : compile(spec.formulas.scale);
   const offset = !record && spec.formulas.offset ? compile(spec.formulas.offset) : null;
   const interleaved = new Set(spec.interleaved);
-  const { q } = planes;
   const qBytes = spec.planes.q.bytes_per_block;
   // a flat block's value fields as stored, each `times` times (a scalar byte field takes a granule
   // in the grouped layout: QuantFormat.value_width)
@@ -420,60 +433,66 @@ function packRows(spec, blocks, nblocks, planes) {
     at += nbytes * times;
     return copy;
   });
-  for (let b0 = 0; b0 < nblocks; b0 += CHUNK) {
-    const n = Math.min(CHUNK, nblocks - b0);
-    chunk.select(b0, n);
-    let bad = null; // the chunk's first invalid block, {j, message}
-    for (let i = 0; i < spec.block; i++) { // every element's integer, int8 (the kernels' lanes), re-encoded if the type is
-      const u = unpack(i);
-      const limit = bad ? bad.j : n; // blocks past an invalid one need neither check nor code
-      let j;
-      if (encode) {
-        const [byte, shift, mask] = encode(i % kernelBlock, kernelBlock);
-        j = encodeColumn(u, limit, zero, shift, mask, q, (b0 * per + Math.floor(i / kernelBlock)) * qBytes + byte, per * qBytes);
-      } else {
-        j = firstOutside(u, limit, INT8_MIN, INT8_MAX);
+  return (blocks, nblocks, planes, first) => {
+    chunk.use(blocks);
+    const { q } = planes;
+    const recordView = record && new DataView(planes.scale.buffer, planes.scale.byteOffset, planes.scale.byteLength);
+    const recordBytes = record && new Uint8Array(planes.scale.buffer, planes.scale.byteOffset, planes.scale.byteLength);
+    for (let b0 = 0; b0 < nblocks; b0 += CHUNK) {
+      const n = Math.min(CHUNK, nblocks - b0);
+      chunk.select(b0, n);
+      let bad = null; // the chunk's first invalid block, {j, message}
+      for (let i = 0; i < spec.block; i++) { // every element's integer, int8 (the kernels' lanes), re-encoded if the type is
+        const u = unpack(i);
+        const limit = bad ? bad.j : n; // blocks past an invalid one need neither check nor code
+        let j;
+        if (encode) {
+          const [byte, shift, mask] = encode(i % kernelBlock, kernelBlock);
+          j = encodeColumn(u, limit, zero, shift, mask, q, (b0 * per + Math.floor(i / kernelBlock)) * qBytes + byte, per * qBytes);
+        } else {
+          j = firstOutside(u, limit, INT8_MIN, INT8_MAX);
+        }
+        if (j >= 0) bad = { j, message: `unpacks to ${u[j]} at element ${i}, outside int8: not a valid block of this type (the kernels' weights are int8)` };
       }
-      if (j >= 0) bad = { j, message: `unpacks to ${u[j]} at element ${i}, outside int8: not a valid block of this type (the kernels' weights are int8)` };
-    }
-    const z = zeros?.(0);
-    const zj = z ? firstOutside(z, bad ? bad.j : n, 0, 127) : -1;
-    if (zj >= 0) bad = { j: zj, message: `has ${spec.codes.zero.field} = ${z[zj]}, outside 0..127: not a valid block of this type (the relaxed dot's 7-bit operand takes it)` };
-    if (bad) throw new RangeError(`block ${b0 + bad.j} ${bad.message}`);
-    for (const c of copies) {
-      for (let j = 0; j < n; j++) {
-        const from = (b0 + j) * spec.stored_bytes + c.from;
-        const to = (b0 + j) * qBytes + c.at;
-        if (c.interleaved) splitNibbles(blocks, from, c.nbytes, q, to);
-        else for (let t = 0; t < c.times * c.nbytes; t++) q[to + t] = blocks[from + (t % c.nbytes)];
+      const z = zeros?.(0);
+      const zj = z ? firstOutside(z, bad ? bad.j : n, 0, 127) : -1;
+      if (zj >= 0) bad = { j: zj, message: `has ${spec.codes.zero.field} = ${z[zj]}, outside 0..127: not a valid block of this type (the relaxed dot's 7-bit operand takes it)` };
+      if (bad) throw new RangeError(`block ${first + b0 + bad.j} ${bad.message}`);
+      for (const c of copies) {
+        for (let j = 0; j < n; j++) {
+          const from = (b0 + j) * spec.stored_bytes + c.from;
+          const to = (b0 + j) * qBytes + c.at;
+          if (c.interleaved) splitNibbles(blocks, from, c.nbytes, q, to);
+          else for (let t = 0; t < c.times * c.nbytes; t++) q[to + t] = blocks[from + (t % c.nbytes)];
+        }
       }
-    }
-    for (const x of record?.factors ?? []) { // a super-block's record: F as f32, I a byte per kernel block
-      const f = x.f(0);
-      for (let j = 0; j < n; j++) record.view.setFloat32((b0 + j) * record.bytes + x.f_at, f[j], true);
-      for (let k = 0; x.i && k < record.blocks; k++) {
-        const v = x.i(Math.floor((k * kernelBlock) / spec.sub));
-        for (let j = 0, p = b0 * record.bytes + x.i_at + k; j < n; j++, p += record.bytes) record.bytes8[p] = v[j];
+      for (const x of record?.factors ?? []) { // a super-block's record: F as f32, I a byte per kernel block
+        const f = x.f(0);
+        for (let j = 0; j < n; j++) recordView.setFloat32((b0 + j) * record.bytes + x.f_at, f[j], true);
+        for (let k = 0; x.i && k < record.blocks; k++) {
+          const v = x.i(Math.floor((k * kernelBlock) / spec.sub));
+          for (let j = 0, p = b0 * record.bytes + x.i_at + k; j < n; j++, p += record.bytes) recordBytes[p] = v[j];
+        }
       }
-    }
-    for (let s = 0; s < per; s++) {
-      const sc = record ? null : scale ? scale(s) : split.f(0);
-      const off = offset?.(s);
-      for (let j = 0, k = b0 * per + s; j < n; j++, k += per) {
-        if (sc) planes.scale[k] = sc[j];
-        if (off) planes.offset[k] = off[j];
-      }
-      // the sub-blocks' integer scales follow the kernel block's codes in plane q (quantformat.SUB_SCALES):
-      // rows one by one an i32 each holding the scale in both little-endian i16 halves, grouped an int8 twice
-      for (let h = 0; split && h < halves; h++) {
-        const v = split.i(s * halves + h);
-        let p = (b0 * per + s + 1) * qBytes - subWidth * (halves - h);
-        for (let j = 0; j < n; j++, p += per * qBytes) {
-          for (let c = 0; c < subWidth; c++) q[p + c] = spec.group > 1 || c % 2 === 0 ? v[j] : v[j] >> 8;
+      for (let s = 0; s < per; s++) {
+        const sc = record ? null : scale ? scale(s) : split.f(0);
+        const off = offset?.(s);
+        for (let j = 0, k = b0 * per + s; j < n; j++, k += per) {
+          if (sc) planes.scale[k] = sc[j];
+          if (off) planes.offset[k] = off[j];
+        }
+        // the sub-blocks' integer scales follow the kernel block's codes in plane q (quantformat.SUB_SCALES):
+        // rows one by one an i32 each holding the scale in both little-endian i16 halves, grouped an int8 twice
+        for (let h = 0; split && h < halves; h++) {
+          const v = split.i(s * halves + h);
+          let p = (b0 * per + s + 1) * qBytes - subWidth * (halves - h);
+          for (let j = 0; j < n; j++, p += per * qBytes) {
+            for (let c = 0; c < subWidth; c++) q[p + c] = spec.group > 1 || c % 2 === 0 ? v[j] : v[j] >> 8;
+          }
         }
       }
     }
-  }
+  };
 }
 
 /** The first j < n with values[j] outside lo..hi, else -1. */

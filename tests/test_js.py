@@ -430,11 +430,12 @@ quant edge_f {
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_js_packer_matches_python_across_chunks_of_blocks(tmp_path: Path, target: str, any_module) -> None:
-    """runtime/pack.mjs evaluates the formulas for 256 blocks at a time (pack.mjs CHUNK): every library
-    type packs byte for byte as QuantFormat.pack does over 600-odd blocks in rows padded to whole
-    groups, with a zero, a NaN and an infinite scale among them; and a block pack refuses is named by
-    its index past the first chunk, its values before its zero point."""
+def test_js_packer_matches_python_across_chunks_and_parts(tmp_path: Path, target: str, any_module) -> None:
+    """runtime/pack.mjs evaluates the formulas for 256 blocks at a time (pack.mjs CHUNK), and packs a
+    grouped type's rows in parts of whole groups (pack.mjs PACK_VALUES: here 4 rows): every library
+    type packs byte for byte as QuantFormat.pack does over 11 rows of 19200 values (three parts, the
+    last padded), with a zero, a NaN and an infinite scale among them; and a block pack refuses is
+    named by its index in the matrix, in the third part, its values before its zero point."""
     need(NODE, "node is not installed")
     k = any_module(target)
     manifest = tmp_path / "kernels.json"
@@ -442,20 +443,19 @@ def test_js_packer_matches_python_across_chunks_of_blocks(tmp_path: Path, target
     rng = np.random.default_rng(11)
     jobs = {}
     for name, q in k.quants.items():
-        rows = 7 if q.block == 32 else 3  # 7 x 93 and 3 x 201 blocks: two chunks and part of a third
-        b = random_blocks(q, rows, 93 if q.block == 32 else 201, rng)
+        b = random_blocks(q, 11, 19200 // q.block, rng)
         floats = [f for f in q.dtype.names if q.dtype[f].kind == "f"]
-        for at, value in zip(((0, 0), (1, 90), (2, 80)), (0.0, np.nan, np.inf)):
+        for at, value in zip(((0, 0), (1, 70), (10, 50)), (0.0, np.nan, np.inf)):
             for f in floats:
                 b[f][at] = value
         path = tmp_path / f"{name}.bin"
         path.write_bytes(b.tobytes())
         jobs[name] = (b.shape[0], b.shape[1] * q.block, path, q.pack(b))
-    onnx = k.quants["q4_onnx"]  # block 300 of one matrix has a zero point past 127; block 301 of another
-    bad = {}  # one too, and values outside int8 (0 - 255), which are named first
+    onnx = k.quants["q4_onnx"]  # block (9, 300) of one matrix has a zero point past 127; (9, 301) of
+    bad = {}  # another one too, and values outside int8 (0 - 255), which are named first
     for first, (z, qs) in {300: (130, 0xFF), 301: (255, 0)}.items():  # 0xFF: 15 - 130 is an int8
-        b = random_blocks(onnx, 1, 400, rng)
-        b["z"][0, first], b["qs"][0, first] = z, qs
+        b = random_blocks(onnx, 11, 600, rng)
+        b["z"][9, first], b["qs"][9, first] = z, qs
         bad[first] = tmp_path / f"bad{first}.bin"
         bad[first].write_bytes(b.tobytes())
     script = (f"import {{ readFileSync }} from 'node:fs';\nimport {{ packPlanes }} from {json.dumps((ROOT / 'runtime' / 'pack.mjs').as_uri())};\n"
@@ -465,7 +465,7 @@ def test_js_packer_matches_python_across_chunks_of_blocks(tmp_path: Path, target
     for name, (rows, kk, path, _) in jobs.items():
         script += f"out.{name} = hex(packPlanes(m.quants.{name}, read({json.dumps(str(path))}), {rows}, {kk}));\n"
     for first, path in bad.items():
-        script += f"try {{ packPlanes(m.quants.q4_onnx, read({json.dumps(str(path))}), 1, 400 * 32); }} catch (e) {{ out.error{first} = e.message; }}\n"
+        script += f"try {{ packPlanes(m.quants.q4_onnx, read({json.dumps(str(path))}), 11, 19200); }} catch (e) {{ out.error{first} = e.message; }}\n"
     script += "console.log(JSON.stringify(out));\n"
     proc = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -474,8 +474,8 @@ def test_js_packer_matches_python_across_chunks_of_blocks(tmp_path: Path, target
         assert set(got[name]) == set(planes), name
         for plane, arr in planes.items():
             assert got[name][plane] == np.ascontiguousarray(arr).tobytes().hex(), f"{name} plane {plane} on {target}"
-    assert got["error300"].startswith("block 300 has z = 130, outside 0..127"), got["error300"]
-    assert got["error301"].startswith("block 301 unpacks to -255 at element 0, outside int8"), got["error301"]
+    assert got["error300"].startswith("block 5700 has z = 130, outside 0..127"), got["error300"]
+    assert got["error301"].startswith("block 5701 unpacks to -255 at element 0, outside int8"), got["error301"]
 
 
 @pytest.mark.parametrize("target", TARGETS)
