@@ -340,7 +340,7 @@ export function packInto(spec, blocks, rows, k, planes) {
     packRows(blocks, rows * nb, planes, 0);
     return;
   }
-  // rows by row into scratch planes, then grouped: whole groups of rows at a time, a part's
+  // row by row into scratch planes, then grouped: whole groups of rows at a time, a part's
   // scratch staying in L2 and its grouped bytes contiguous in each plane
   const padded = paddedRows(spec, rows);
   const perRow = nb * spec.stored_bytes;
