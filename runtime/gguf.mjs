@@ -11,7 +11,8 @@
 // dependencies by bare specifiers, which a page loading runtime/ unbundled cannot resolve, and it
 // parses no tensor data. tests/test_js_gguf.py checks this reader against the gguf package's on the
 // same files. Only what is needed is read: the header, then each tensor's bytes (HTTP range
-// requests for a URL, slices of a Blob, reads of a file in Node), one tensor in memory at a time.
+// requests for a URL, slices of a Blob, reads of a file in Node), two tensors in memory at a time:
+// the one being packed and the next, read meanwhile.
 
 import { halfToFloat } from './pack.mjs';
 import { isNode } from './platform.mjs';
@@ -378,9 +379,18 @@ export async function loadGguf(kernels, source, opts) {
     }
     const tensors = new Map();
     const progress = { tensor: null, done: 0, tensors: sized.length, bytes: 0, totalBytes: sized.reduce((n, t) => n + t.bytes, 0) };
-    for (const t of sized) {
+    // one read ahead: tensor i + 1 arrives while tensor i is packed (on a page, in the driver worker),
+    // so a load takes about the longer of the download and the packing, not their sum
+    const read = (t) => {
+      const bytes = src.read(t.offset, t.bytes);
+      bytes.catch(() => {}); // a read left behind by a failure: its rejection is not the load's error
+      return bytes;
+    };
+    let next = sized.length ? read(sized[0]) : null;
+    for (const [i, t] of sized.entries()) {
       signal?.throwIfAborted();
-      const bytes = await src.read(t.offset, t.bytes);
+      const bytes = await next;
+      next = i + 1 < sized.length ? read(sized[i + 1]) : null;
       if (t.type in FLOATS) {
         tensors.set(t.name, { type: t.type, shape: [...t.dims].reverse(), data: floats(t.type, bytes) });
       } else {
