@@ -380,7 +380,7 @@ export async function loadGguf(kernels, source, opts) {
     const tensors = new Map();
     const progress = { tensor: null, done: 0, tensors: sized.length, bytes: 0, totalBytes: sized.reduce((n, t) => n + t.bytes, 0) };
     // one read ahead: tensor i + 1 arrives while tensor i is packed (on a page, in the driver worker),
-    // so a load takes about the longer of the download and the packing, not their sum
+    // so the download and the packing overlap instead of taking turns
     const read = (t) => {
       const bytes = src.read(t.offset, t.bytes);
       bytes.catch(() => {}); // a read left behind by a failure: its rejection is not the load's error
