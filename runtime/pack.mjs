@@ -133,13 +133,10 @@ class Chunk {
     this.serial++;
   }
 
-  /** out[j] = the field of `type` at byte `offset` (plus `size * at[j]` if `at` is given) of block j. */
-  read(type, offset, out, at = null, size = 0) {
+  /** out[j] = the field of `type` at byte `offset` of block j. */
+  read(type, offset, out) {
     const { n, stride, view } = this;
-    if (at) {
-      const get = FIELD_READERS[type];
-      for (let j = 0, p = this.o + offset; j < n; j++, p += stride) out[j] = get(view, p + size * at[j]);
-    } else if (type === 'u8' || type === 'i8') {
+    if (type === 'u8' || type === 'i8') {
       const bytes = type === 'u8' ? this.u8 : this.i8;
       for (let j = 0, p = this.o + offset; j < n; j++, p += stride) out[j] = bytes[p];
     } else {
@@ -261,13 +258,11 @@ const formulaConsumer = (fields, chunk) => ({
   index: (t, at) => {
     const f = fields[t.field];
     const out = new (fieldArray(f.type))(CHUNK);
-    const size = FIELD_BYTES[f.type];
-    if (at.pure) {
-      const byte = (x) => f.offset + size * at.value(x);
-      const node = blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, byte(x), out));
-      return f.type === 'u8' ? { ...node, byte, shift: NO_SHIFT } : node; // see op's `bits`
-    }
-    return blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, f.offset, out, at.at(x), size));
+    // the build checks that an index is a formula of the element or sub-block alone (compiler/quant.py)
+    if (!at.pure) throw new Error(`formula: the index of ${t.field} reads the block; rebuild with \`kernelgen build\``);
+    const byte = (x) => f.offset + FIELD_BYTES[f.type] * at.value(x);
+    const node = blockNode(chunk, isInt(f.type), at.usesX, (x) => chunk.read(f.type, byte(x), out));
+    return f.type === 'u8' ? { ...node, byte, shift: NO_SHIFT } : node; // see op's `bits`
   },
   call: (t) => {
     const f = fields[t.field];
