@@ -124,26 +124,45 @@ async function openFile(url) {
   }
 }
 
+/** close() aborts what is still downloading (a read ahead that a failed load left behind), so a
+ * failure costs no more of the user's bandwidth than the bytes already on their way. */
 async function openUrl(url, signal) {
   const label = url.href;
+  const own = new AbortController(); // the caller's signal, or close()
+  const follow = () => own.abort(signal.reason);
+  if (signal?.aborted) follow();
+  signal?.addEventListener('abort', follow, { once: true });
+  const close = () => {
+    signal?.removeEventListener('abort', follow);
+    own.abort(new GgufError(`${label}: closed`));
+  };
   const get = async (at, n) => {
-    const res = await fetch(url, { headers: { Range: `bytes=${at}-${at + n - 1}` }, signal });
+    const res = await fetch(url, { headers: { Range: `bytes=${at}-${at + n - 1}` }, signal: own.signal });
     if (res.status !== 206 && res.status !== 200) throw new GgufError(`${label}: HTTP ${res.status}`);
     return res;
   };
-  const first = await get(0, FIRST_READ);
-  if (first.status === 200) return inMemory(label, new Uint8Array(await first.arrayBuffer())); // no ranges: all of it
-  const total = /\/(\d+)$/.exec(first.headers.get('Content-Range') ?? '');
-  if (!total) throw new GgufError(`${label}: the server answered a range request without the file's size (Content-Range)`);
-  const size = Number(total[1]);
-  const head = new Uint8Array(await first.arrayBuffer());
-  const read = async (at, n) => {
-    if (at + n <= head.length) return head.slice(at, at + n);
-    const bytes = new Uint8Array(await (await get(at, n)).arrayBuffer());
-    if (bytes.length !== n) throw new GgufError(`${label}: asked for ${n} bytes at ${at}, got ${bytes.length}`);
-    return bytes;
-  };
-  return { label, size, read, close() {} };
+  try {
+    const first = await get(0, FIRST_READ);
+    if (first.status === 200) { // no ranges: all of it
+      const bytes = new Uint8Array(await first.arrayBuffer());
+      close();
+      return inMemory(label, bytes);
+    }
+    const total = /\/(\d+)$/.exec(first.headers.get('Content-Range') ?? '');
+    if (!total) throw new GgufError(`${label}: the server answered a range request without the file's size (Content-Range)`);
+    const size = Number(total[1]);
+    const head = new Uint8Array(await first.arrayBuffer());
+    const read = async (at, n) => {
+      if (at + n <= head.length) return head.slice(at, at + n);
+      const bytes = new Uint8Array(await (await get(at, n)).arrayBuffer());
+      if (bytes.length !== n) throw new GgufError(`${label}: asked for ${n} bytes at ${at}, got ${bytes.length}`);
+      return bytes;
+    };
+    return { label, size, read, close };
+  } catch (e) {
+    close();
+    throw e;
+  }
 }
 
 // ---- the header ---------------------------------------------------------------------------------

@@ -314,6 +314,45 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
       assert.equal(await landing(), probeAt);
     });
 
+    test('a load that fails part way cancels the download it read ahead', async () => {
+      // three Q8_0 tensors of 1.1 MB each, past the first read's megabyte; the server sends the third
+      // request's first 64 KB and holds the rest: that is the read ahead while the first tensor is
+      // packed, and the pack fails once it is under way
+      const rows = 32768;
+      const names = ['a', 'b', 'c'];
+      const file = ggufBytes({
+        tensors: names.map((name, i) => ({ name, dims: [32, rows], type: GGML_TYPES.Q8_0, offset: i * rows * 34 })),
+        data: new Uint8Array(3 * rows * 34).map((_, i) => (i % 34 === 1 ? 0x3c : i % 34 === 0 ? 0 : i & 0x7f)),
+      });
+      const { createServer } = await import('node:http');
+      let requests = 0;
+      let holding;
+      let held;
+      const holds = new Promise((resolve) => { holding = resolve; });
+      const heldEnds = new Promise((resolve) => { held = resolve; });
+      const slow = createServer((req, res) => {
+        const [, from, to] = /^bytes=(\d+)-(\d+)$/.exec(req.headers.range).map(Number);
+        const end = Math.min(to, file.length - 1);
+        res.writeHead(206, { 'Content-Range': `bytes ${from}-${end}/${file.length}`, 'Content-Length': end - from + 1 });
+        if (++requests !== 3) return res.end(file.subarray(from, end + 1));
+        res.write(file.subarray(from, from + 65536), holding);
+        const rest = setTimeout(() => res.end(file.subarray(from + 65536, end + 1)), 30000);
+        res.on('close', () => { clearTimeout(rest); held(res.writableFinished ? 'sent whole' : 'cancelled'); });
+        return undefined;
+      });
+      await new Promise((resolve) => slow.listen(0, '127.0.0.1', resolve));
+      try {
+        const failing = { manifest: k.manifest, free: (w) => k.free(w), pack: () => holds.then(() => { throw new RangeError('pack failed'); }) };
+        await assert.rejects(loadGguf(failing, `http://127.0.0.1:${slow.address().port}/m.gguf`), { name: 'RangeError' });
+        assert.equal(requests, 3);
+        assert.equal(await heldEnds, 'cancelled');
+      } finally {
+        slow.closeAllConnections();
+        await new Promise((resolve) => slow.close(resolve));
+      }
+      assert.equal(await landing(), probeAt);
+    });
+
     test('an aborted load stops, and misuse is a TypeError', async () => {
       const ctl = new AbortController();
       ctl.abort();
