@@ -375,17 +375,28 @@ function grouped(src, dst, rows, units, bytes, group, granules, name) {
     throw new Error(`plane '${name}' of the grouped layout: its granules must cover its ${bytes} bytes per record, got `
       + `${JSON.stringify(granules)}; rebuild with \`kernelgen build\``);
   }
-  let o = 0;
+  // each range copied in the widest words that its granule, the record and both arrays' offsets allow
+  // (offsets in bytes stay multiples of the word: a record, and a range's start in a group, are)
+  const ranges = granules.map(([from, to, granule]) => {
+    const w = [4, 2, 1].find((b) => (granule | bytes | from | src.byteOffset | dst.byteOffset) % b === 0);
+    const Words = { 4: Uint32Array, 2: Uint16Array, 1: Uint8Array }[w];
+    return { from: from / w, to: to / w, granule: granule / w, w, s: new Words(src.buffer, src.byteOffset, src.length / w),
+      d: new Words(dst.buffer, dst.byteOffset, dst.length / w) };
+  });
+  let o = 0; // bytes written
   for (let g = 0; g < rows / group; g++) {
     for (let u = 0; u < units; u++) {
-      for (const [from, to, granule] of granules) {
+      for (const { from, to, granule, w, s, d } of ranges) {
+        const record = bytes / w;
+        const at0 = (g * group * units + u) * record;
+        let ow = o / w;
         for (let c = from; c < to; c += granule) {
-          for (let r = 0; r < group; r++) {
-            const at = ((g * group + r) * units + u) * bytes + c;
-            for (let j = 0; j < granule; j++) dst[o + j] = src[at + j]; // (a subarray per granule of 4 bytes cost more)
-            o += granule;
+          for (let r = 0, at = at0 + c; r < group; r++, at += units * record) {
+            for (let j = 0; j < granule; j++) d[ow + j] = s[at + j]; // (a subarray per granule cost more)
+            ow += granule;
           }
         }
+        o = ow * w;
       }
     }
   }
