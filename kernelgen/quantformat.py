@@ -572,6 +572,8 @@ class QuantFormat:
         kind, zero = self.encoding
         enc = ENCODINGS[kind]
         unpack = Op("+", enc.unpack, Int(zero)) if zero else enc.unpack
+        if self.codebook:  # the codes, looked up in the table as IQ4_NL's are (encoding: zero 0)
+            unpack = Lookup(self.unpack.values, unpack)
         fields = enc.fields
         if self.sub_scales:  # the sub-blocks' integer scales follow the codes (SUB_SCALES)
             at, subs = sum(f.nbytes for f in fields), KERNEL_BLOCK // self.sub
@@ -662,8 +664,22 @@ class QuantFormat:
         return fold(self.unpack, self.ranges)
 
     @functools.cached_property
+    def codebook(self) -> bool:
+        """Whether this is a super-block of codebook values (IQ4_XS: unpack table[code]): plane q
+        then holds the codes, not the values, and the kernels look them up."""
+        return self.sub is not None and isinstance(self.unpack, Lookup)
+
+    @functools.cached_property
+    def encoded(self) -> Node:
+        """The integers a re-encoded plane q holds: the unpacked values, or a codebook's codes."""
+        return self.unpack.code if self.codebook else self.unpack
+
+    @functools.cached_property
     def encoding(self) -> tuple[str, int]:
-        """(ENCODINGS key, zero): the unpacked integers minus `zero` fit the encoding's bits."""
+        """(ENCODINGS key, zero): the `encoded` integers minus `zero` fit the encoding's bits (a
+        codebook's codes, 0..15, are nibbles as they are)."""
+        if self.codebook:
+            return "nib", 0
         lo, hi = self.value_range
         width = (hi - lo).bit_length()
         # (5-bit values take bytes: a bit plane's unpack costs 4-6x the nibbles' time, measured. In
@@ -682,7 +698,7 @@ class QuantFormat:
         relaxed dot with full int8 activations in the other (Target.dot_scheme)."""
         kb = self.kernel
         u = kb.unpack
-        if self.reencoded:  # encoded per kernel block as the integers minus the zero (lo)
+        if self.reencoded and not self.codebook:  # encoded per kernel block as the integers minus the zero (lo)
             kind, lo = self.encoding
             hi = self.value_range[1]
             return (ENCODINGS[kind].unpack, Int(-lo)) if 0 <= -lo <= 127 and hi - lo <= 127 else None
@@ -709,7 +725,7 @@ class QuantFormat:
         kernels' bound for sums of code products in i16 (Q.pair16)."""
         if self.codes is None:
             return None
-        if self.reencoded:
+        if self.reencoded and not self.codebook:
             lo, hi = self.value_range
             return hi - lo
         kb = self.kernel
@@ -785,7 +801,9 @@ class QuantFormat:
             **({"sub": self.sub} if self.sub else {}),
             # rows per group of the planes (the grouped layout: the module docstring), 1 for rows
             "group": self.group,
-            **({"kernel_block": KERNEL_BLOCK, "encoding": dict(zip(("kind", "zero"), self.encoding))}
+            **({"kernel_block": KERNEL_BLOCK, "encoding": {**dict(zip(("kind", "zero"), self.encoding)),
+                                                            # a codebook's codes: what plane q holds
+                                                            **({"code": to_json(self.encoded)} if self.codebook else {})}}
                if self.reencoded else {}),
             # the scale's factors: plane scale (per super-block) and the i32 after each kernel block's codes
             **({"sub_scales": dict(zip(("block", "sub"), map(to_json, self.sub_scales)))} if self.sub_scales else {}),
@@ -921,6 +939,8 @@ class QuantFormat:
             blocks = np.concatenate([blocks, pad])
             values = np.concatenate([values, self.unpack_ref(pad)])
         rows = blocks.shape[0]
+        if self.codebook:
+            values = np.broadcast_to(fold(self.encoded, NumpyEval(blocks, np.arange(self.block))), values.shape)
         per_kernel_block = values.reshape(rows, -1, KERNEL_BLOCK if self.reencoded else self.block)
         if self.reencoded:
             kind, zero = self.encoding

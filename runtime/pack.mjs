@@ -412,7 +412,9 @@ function rowPacker(spec) {
   const compile = (tree) => valuesOf(chunk, fold(tree, consumer));
   const kernelBlock = spec.kernel_block ?? spec.block;
   const per = spec.block / kernelBlock; // kernel blocks per stored block, each with its scale (s)
-  const unpack = compile(spec.formulas.unpack);
+  // the integers plane q holds: the unpacked values, or a codebook super-block's codes (its
+  // table's entries are int8 by declaration, so only the codes need encoding: quantformat.encoded)
+  const unpack = compile(spec.encoding?.code ?? spec.formulas.unpack);
   // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
   const zeros = spec.codes?.zero.kind === 'field' ? compile(spec.codes.zero) : null;
   const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;

@@ -81,6 +81,11 @@ def S(sub: str = "32", unpack: str = "(qs[i / 64 * 32 + i % 32] >> (i / 32 % 2 *
     return SUPER.format(sub=sub, unpack=unpack)
 
 
+def ST(unpack: str = "kv[(qs[i / 64 * 32 + i % 32] >> (i / 32 % 2 * 4)) & 15]") -> str:
+    """S with a codebook, declared on line 4."""
+    return S(unpack=unpack).replace("sub 32;", "sub 32;\n    table kv = {" + ", ".join(map(str, range(16))) + "};")
+
+
 # kernels.dsl cut off in the middle of a kernel's parameter list.
 TRUNCATED = SOURCE[:SOURCE.index("export kernel dot_f32")] + "export kernel dot_f32(x: ptr"
 
@@ -256,6 +261,13 @@ CASES = [
     Case("super-block index past its field", S(unpack="qs[i] & 15"), 6, 12, "qs[...] reads element 128 of 128 at i = 128"),
     Case("sub-block index in unpack", S(unpack="qs[s] & 15"), 6, 15, "'s' is not defined here (the index is 'i')"),
     Case("super-block values wider than int8", S(unpack="qs[i / 2] << 1"), 6, 12, "values may fall outside int8"),
+    # a codebook in a super-block (IQ4_XS): the lookup of a nibble-sized code is the whole unpack
+    Case("a super-block's lookup inside its unpack", ST(unpack="kv[qs[i / 2] & 15] + 1"), 7, 12,
+         "quant k: unpack: in a super-block the table lookup is the whole unpack: table[code]"),
+    Case("a super-block's code wider than a nibble", ST(unpack="kv[qs[i / 2]]"), 7, 12,
+         "quant k: unpack: the table's code spans 0..255; it must lie in 0..15 (a nibble)"),
+    Case("a table read by a sub-block scale", ST().replace("    unpack", "    let t = kv[s];\n    unpack")
+         .replace("dequant d * q;", "dequant d * t * q;"), 7, 13, "quant k: dequant: a table is read by unpack"),
     # a sub-block formula's operators are those both packers evaluate (quantformat.INT_OPS, FLOAT_OPS)
     Case("a comparison other than < in a sub-block scale",
          edit("let sc = select(s < 4,", "let sc = select(s > 4,"), *position(SOURCE, "s < 4, scales[s] & 63"),

@@ -247,7 +247,9 @@ class _CheckSuper:
     def on_call(self, n: Node) -> None:
         raise self.err(n, "nib/nibi/bit read flat blocks; in a super-block index the bytes: (f[i / 64 * 32 + i % 32] >> ...) & 15")
 
-    on_lookup = on_call
+    def on_lookup(self, n: Lookup, _: None) -> None:
+        if self.var != "i":
+            raise self.err(n, "a table is read by unpack")
 
     def on_op(self, n: Op, *_: None) -> None:  # (before an index that holds it is evaluated)
         if n.op not in INT_OPS:
@@ -331,6 +333,15 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
             lo, hi = fold(unpack, qf.ranges)
         except ValueError as e:
             raise DslError(q.unpack.span, f"quant {q.name}: unpack: cannot bound its values ({e})") from None
+        lookups = [n for n in nodes(unpack) if isinstance(n, Lookup)]
+        if lookups and (lookups[0] is not unpack or len(lookups) > 1):
+            raise DslError(lookups[0].span, f"quant {q.name}: unpack: in a super-block the table lookup is the whole unpack:"
+                                            " table[code] (plane q holds the codes)")
+        if lookups:
+            clo, chi = fold(unpack.code, qf.ranges)
+            if clo < 0 or chi >= TABLE_SIZE:
+                raise DslError(lookups[0].span, f"quant {q.name}: unpack: the table's code spans {clo}..{chi}; it must lie in"
+                                                f" 0..{TABLE_SIZE - 1} (a nibble): mask it, (... >> k) & 15")
         try:
             split = qf.sub_scales
         except ValueError as e:
