@@ -147,6 +147,23 @@ quant q6_k {
     dequant d * scales[s] * q;
 }
 
+# IQ4_XS: IQ4_NL's codebook in super-blocks: 8 sub-blocks of 32 4-bit codes (sub-block s in bytes
+# 16s..16s+15, low nibbles then high), each with a 6-bit scale, offset by 32: its low 4 bits in
+# scales_l (two per byte), its top 2 in scales_h (two bits per sub-block), under the f16 d.
+# Plane q holds the codes; the kernels look them up as IQ4_NL's.
+quant iq4_xs {
+    block 256;
+    sub 32;
+    table kv = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    field d: f16;
+    field scales_h: u16;
+    field scales_l: u8[4];
+    field qs: u8[128];
+    let ls = ((scales_l[s / 2] >> (s % 2 * 4)) & 15) | (((scales_h >> (s * 2)) & 3) << 4);
+    unpack kv[(qs[i / 32 * 16 + i % 16] >> (i % 32 / 16 * 4)) & 15];
+    dequant d * (ls - 32) * q;
+}
+
 # ONNX 4-bit (MatMulNBits, or blocked DequantizeLinear; block 32 along K): an f32 scale, a UINT4
 # zero point, and UINT4 values two per byte, element 2i in the low nibble; value d * (q - z).
 # kernelgen.host.formats gathers these blocks from either node's tensors.

@@ -183,6 +183,34 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     return out
 
 
+IQ4_XS = np.dtype([("d", "<f2"), ("scales_h", "<u2"), ("scales_l", "u1", (4,)), ("qs", "u1", (128,))])
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """A simple valid IQ4_XS quantizer (not llama.cpp's, which searches scales): each sub-block of
+    32 wants the scale quantize_iq4_nl gives it (its largest-magnitude value / -127); d (f16, of
+    either sign) is the largest of those in magnitude / -32, so that sub-block's 6-bit scale l - 32
+    is -32, and each other's the nearest multiple of d in -32..31; then each value is the nearest
+    codebook entry times d * (l - 32)."""
+    xs = _values(x, 256, "quantize").reshape(np.shape(x)[:-1] + (-1, 8, 32))
+    idx = np.abs(xs).argmax(axis=-1)
+    want = np.take_along_axis(xs, idx[..., None], axis=-1)[..., 0] / np.float32(-127)  # per sub-block
+    top = np.take_along_axis(want, np.abs(want).argmax(axis=-1)[..., None], axis=-1)
+    d = (top[..., 0] / np.float32(-32)).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(df != 0, np.clip(np.rint(want / df), -32, 31), 0).astype(np.int32) + 32
+    step = df * (ls - 32).astype(np.float32)
+    grid = step[..., None, None] * IQ4_NL_VALUES.astype(np.float32)
+    q = np.abs(grid - xs[..., None]).argmin(axis=-1)
+    out = np.empty(xs.shape[:-2], IQ4_XS)
+    out["d"] = d
+    out["scales_h"] = ((ls >> 4) << (2 * np.arange(8))).sum(axis=-1).astype(np.uint16)
+    out["scales_l"] = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)
+    out["qs"] = _split_nibbles(q).reshape(out.shape + (128,))
+    return out
+
+
 Q4_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
 Q5_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qh", "u1", (32,)), ("qs", "u1", (128,))])
 

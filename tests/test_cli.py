@@ -341,7 +341,7 @@ def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     assert ({n: {**q, **dict.fromkeys(how)} for n, q in a["quants"].items()}
             == {n: {**q, **dict.fromkeys(how)} for n, q in b["quants"].items()})
     assert {q["dot"] for q in a["quants"].values()} == {"i16"} and {q["group"] for q in a["quants"].values()} == {1}
-    assert {n for n, q in b["quants"].items() if q["dot"] == "i16"} == {"q8_0", "iq4_nl"}
+    assert {n for n, q in b["quants"].items() if q["dot"] == "i16"} == {"q8_0", "iq4_nl", "iq4_xs"}
     grouped = {n for n, q in b["quants"].items() if q["group"] == 4}
     assert grouped == {n for n, q in b["quants"].items() if q["dot"] == "i7"}
     def sizes(q: dict) -> dict:

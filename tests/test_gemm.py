@@ -69,6 +69,9 @@ def blocks_for(k: Kernels, quant: str, rows: int, kk: int, rng: np.random.Genera
             b[f.name] = rng.choice([0.0, -8.0], b.shape)
         else:
             b[f.name] = rng.choice([0, 8, 15], b.shape)
+    if quant == "iq4_xs":  # its 6-bit sub-block scales ls - 32 (packed in scales_l and scales_h) 0 or 1: the sums
+        b["scales_h"] = 0xAAAA  # stay exact in f32 (|ls - 32| of 32 would take them past 2^24)
+        b["scales_l"] = rng.choice(np.array([0x00, 0x01, 0x10, 0x11], np.uint8), b["scales_l"].shape)
     return b
 
 

@@ -1,4 +1,4 @@
-"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) as declared in
+"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; IQ4_XS in super-blocks) as declared in
 kernels.dsl, against llama.cpp's own definitions in the `gguf` package: the dequantization derived
 from each declaration equals gguf.quants.dequantize bit for bit, and every dot and mat-vec (both
 targets, relaxed determinism on and off, threaded and not) equals float64 dequantize(W) @ act up to
@@ -24,8 +24,8 @@ from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rn
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 
 GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
-        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K}
-NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k")
+        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "iq4_xs": G.IQ4_XS}
+NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "iq4_xs")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,8 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
     """Blocks of `quant` quantized from x: gguf's quantizer where it has one, else kernelgen.reference's."""
     if quant == "iq4_nl":
         return reference.quantize_iq4_nl(x)
+    if quant == "iq4_xs":
+        return reference.quantize_iq4_xs(x)
     if quant in ("q4_k", "q5_k"):
         return reference.quantize_k(x, 4 if quant == "q4_k" else 5)
     if quant == "q6_k":
@@ -82,7 +84,7 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
     return quantize(x, GGUF[quant]).view(q.dtype)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     q = quants[quant]
     rng = rng_for("gguf-quantized", quant)
@@ -122,6 +124,34 @@ def test_reference_k_quantizers_search_their_scales(quant, before, bound):
     b = quantized_blocks(quant, None, x)
     err = gguf_dequant(quant, b) - x
     assert np.sqrt((err ** 2).mean() / (x ** 2).mean()) < bound < before
+
+
+def test_the_docs_iq4_xs_is_kernels_dsls():
+    """docs/adding-a-quant-type.md shows IQ4_XS's declaration as kernels.dsl has it (less the comments)."""
+    doc = (DSL_PATH.parent / "docs" / "adding-a-quant-type.md").read_text(encoding="utf-8")
+    shown = doc[doc.index("quant iq4_xs {"):]
+    shown = shown[:shown.index("\n}") + 2]
+    dsl = DSL_PATH.read_text(encoding="utf-8")
+    declared = dsl[dsl.index("quant iq4_xs {"):]
+    declared = declared[:declared.index("\n}") + 2]
+    assert [ln for ln in declared.splitlines() if not ln.strip().startswith("#")] == shown.splitlines()
+
+
+def test_reference_iq4_xs_scales_and_entries():
+    """quantize_iq4_xs: d is the largest sub-block scale / 32 (that sub-block's 6-bit scale -32, its
+    largest value the codebook's -127 entry), the other sub-blocks' scales the nearest multiples of d,
+    each value the nearest entry; its error is within half the widest gap of the codebook times a
+    sub-block's scale."""
+    rng = rng_for("iq4_xs-ref")
+    x = (rng.standard_normal((4, 512)) * rng.uniform(0.01, 10, (4, 1))).astype(np.float32)
+    x[0, :256] = 0.0  # an all-zero super-block
+    x[1, 40] = -500.0  # an outlier: sub-block 1 sets d
+    b = reference.quantize_iq4_xs(x)
+    got = gguf_dequant("iq4_xs", b)
+    assert np.all(got[0, :256] == 0)
+    assert got[1, 40] == np.float32(b["d"][1, 0]) * np.float32(-32) * np.float32(-127)
+    step = np.abs(x).reshape(4, -1, 256).max(axis=-1, keepdims=True) / 127 * 32 / 31  # a sub-block scale at most
+    assert np.all(np.abs(got - x).reshape(4, -1, 256) <= step * 24 / 2 + np.abs(x).reshape(4, -1, 256) / 31)
 
 
 def test_reference_iq4_nl_picks_the_nearest_entry():
@@ -345,7 +375,7 @@ def test_relaxed_quantizes_and_dots_as_simd128(module_cache):
     s, det, nondet = (module_cache.get("simd128"), module_cache.get("relaxed-simd", True),
                       module_cache.get("relaxed-simd", False))
     assert {n: q["dot"] for n, q in det.manifest["quants"].items()} == {
-        n: "i16" if n in ("q8_0", "iq4_nl") else "i7" for n in det.quants}
+        n: "i16" if n in ("q8_0", "iq4_nl", "iq4_xs") else "i7" for n in det.quants}
     rng = rng_for("relaxed-as-simd128")
     for quant, q in s.quants.items():
         k = 160 if q.block == 32 else 512  # a block tail past the four-block steps; two super-blocks
@@ -375,6 +405,12 @@ def unit_blocks(quant: str, q, k: int) -> np.ndarray:
         b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
         b["d"], b["scales"] = 1.0, np.resize([1, -2], 16)
         b["ql"][0], b["qh"][0], b["ql"][1], b["qh"][1] = 0, 0, 0xFF, 0xFF
+        return b
+    if quant == "iq4_xs":  # d = 1, every 6-bit scale 33 (a sub-block scale of 1): the codebook's entries
+        b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
+        b["d"], b["scales_h"], b["scales_l"] = 1.0, 0xAAAA, 0x11
+        codes = np.arange(16, dtype=np.uint8)
+        b["qs"][0], b["qs"][1], b["qs"][2] = 0x00, 0xFF, np.resize(codes | (codes[::-1] << 4), 128)
         return b
     if q.sub:  # K-quants: d = dmin = 1, every 6-bit scale 1, minimums 0 (sub-blocks 0-3) and 3 (4-7)
         b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
@@ -436,7 +472,7 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     same_as_deterministic(mode, kgen, None, run, outs)
 
 
-@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
     """A NaN or infinite f16 scale (d; the K-quants' super-block d) makes gguf's dequantized block
     non-finite; the kernels' row is then NaN (NaN scale) or not finite (infinite scale), and the
@@ -511,6 +547,7 @@ def gguf_tensors(rng: np.random.Generator, rows: int, k: int) -> dict[str, tuple
             "ffn_up.q4_k": (raw(reference.quantize_k(x(), 4)), G.Q4_K),
             "ffn_gate.q5_k": (raw(reference.quantize_k(x(), 5)), G.Q5_K),
             "attn_v.iq4_nl": (raw(reference.quantize_iq4_nl(x())), G.IQ4_NL),
+            "attn_o.iq4_xs": (raw(reference.quantize_iq4_xs(x())), G.IQ4_XS),
             "ffn_down.mxfp4": (quantize(x(), G.MXFP4), G.MXFP4),
             "output.q6_k": (raw(reference.quantize_q6_k(x())), G.Q6_K)}
 
@@ -563,7 +600,7 @@ def test_build_quant_from_a_gguf_file_builds_its_types(tmp_path, capsys):
     text.write_text("not a model")
     for path, message in ((odd, f"--quant-from {odd}: tensor 'b.q2_k' has type Q2_K, which this build does not "
                                 "support (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, "
-                                "IQ4_NL, MXFP4)"),
+                                "IQ4_NL, IQ4_XS, MXFP4)"),
                           (text, f"--quant-from {text}: not a readable GGUF file"),
                           (tmp_path / "none.gguf", f"--quant-from {tmp_path / 'none.gguf'}: cannot read"),
                           (floats, f"--quant-from {floats}: no quantized tensor (only F32/F16): name --quant")):
@@ -613,7 +650,7 @@ def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_
     write_gguf(tmp_path / "q3.gguf", {**tensors, "output.q3_k": (q3_k, G.Q3_K)})
     top = kernels.module.in_use()
     with pytest.raises(ValueError, match=r"tensor 'output.q3_k' has type Q3_K, which this build does not support "
-                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4\)"):
+                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4\)"):
         formats.load_gguf(kernels, tmp_path / "q3.gguf")
     assert kernels.module.in_use() == top
 

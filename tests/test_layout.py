@@ -30,7 +30,7 @@ def test_each_target_groups_exactly_its_i7_types(module_cache) -> None:
         m = module_cache.get(target).manifest["quants"]
         for name, q in m.items():
             assert q["group"] == (GROUP_ROWS if q["dot"] == "i7" else 1), (target, name)
-    assert {n for n, q in module_cache.get("relaxed-simd").manifest["quants"].items() if q["group"] == 1} == {"q8_0", "iq4_nl"}
+    assert {n for n, q in module_cache.get("relaxed-simd").manifest["quants"].items() if q["group"] == 1} == {"q8_0", "iq4_nl", "iq4_xs"}
 
 
 def _by_hand(rows_planes: dict[str, np.ndarray], q, rows: int) -> dict[str, np.ndarray]:
