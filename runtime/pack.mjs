@@ -180,6 +180,23 @@ const FLOAT_LOOPS = {
   '*': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] * b[j]; },
   '/': (out, n, a, b) => { for (let j = 0; j < n; j++) out[j] = a[j] / b[j]; },
 };
+// The same with a right operand that reads no block, one number for the chunk (a shift, a mask, a
+// zero): no array filled with it, one array read fewer (FLOAT_BY's number is a float32 already).
+const INT_BY = {
+  '+': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] + c; },
+  '-': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] - c; },
+  '*': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = Math.imul(a[j], c); },
+  '&': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] & c; },
+  '|': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] | c; },
+  '<<': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] << c; },
+  '>>': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] >> c; },
+};
+const FLOAT_BY = {
+  '+': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] + c; },
+  '-': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] - c; },
+  '*': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] * c; },
+  '/': (out, n, a, c) => { for (let j = 0; j < n; j++) out[j] = a[j] / c; },
+};
 const NEG = (out, n, a) => { for (let j = 0; j < n; j++) out[j] = -a[j]; };
 const POW2 = (out, n, a) => { for (let j = 0; j < n; j++) out[j] = 2 ** a[j]; };
 const SELECT = (out, n, c, a, b) => { for (let j = 0; j < n; j++) out[j] = c[j] !== 0 ? a[j] : b[j]; };
@@ -231,6 +248,18 @@ function elementwise(chunk, int, loop, children, floats) {
   const out = new Out(CHUNK);
   return blockNode(chunk, int, children.some((c) => c.usesX), (x) => {
     loop(out, chunk.n, ...args.map((f) => f(x)));
+    return out;
+  });
+}
+
+/** a op b for a node `a` that reads blocks and a pure `b`, by a loop of INT_BY or FLOAT_BY (a and b
+ * widened to float32 first where the op is a float one, as elementwise does). */
+function byNumber(chunk, int, loop, a, b) {
+  const values = valuesOf(chunk, a, !int);
+  const number = int ? (x) => b.value(x) : (x) => Math.fround(b.value(x));
+  const out = new (int ? Int32Array : Float32Array)(CHUNK);
+  return blockNode(chunk, int, a.usesX || b.usesX, (x) => {
+    loop(out, chunk.n, values(x), number(x));
     return out;
   });
 }
@@ -293,7 +322,8 @@ const formulaConsumer = (fields, chunk) => ({
       const out = new Int32Array(CHUNK);
       return blockNode(chunk, true, true, (x) => chunk.bits(a.byte(x), a.shift(x), b.value(x), out));
     }
-    const node = elementwise(chunk, int, loop, [a, b], [!int, !int]);
+    const by = !a.pure && b.pure && (int ? INT_BY : FLOAT_BY)[t.op];
+    const node = by ? byNumber(chunk, int, by, a, b) : elementwise(chunk, int, loop, [a, b], [!int, !int]);
     return bits ? { ...node, byte: a.byte, shift: b.value } : node;
   },
 });
