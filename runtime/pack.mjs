@@ -442,9 +442,9 @@ function rowPacker(spec) {
   const compile = (tree) => valuesOf(chunk, fold(tree, consumer));
   const kernelBlock = spec.kernel_block ?? spec.block;
   const per = spec.block / kernelBlock; // kernel blocks per stored block, each with its scale (s)
-  // the integers plane q holds: the unpacked values, or a codebook super-block's codes (its
-  // table's entries are int8 by declaration, so only the codes need encoding: quantformat.encoded)
-  const unpack = compile(spec.encoding?.code ?? spec.formulas.unpack);
+  // the integers plane q holds (QuantFormat.encoded): the unpacked values, or a codebook
+  // super-block's codes (its table's entries are int8 by declaration)
+  const encoded = compile(spec.encoding?.code ?? spec.formulas.unpack);
   // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
   const zeros = spec.codes?.zero.kind === 'field' ? compile(spec.codes.zero) : null;
   const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
@@ -483,7 +483,7 @@ function rowPacker(spec) {
       chunk.select(b0, n);
       let bad = null; // the chunk's first invalid block, {j, message}
       for (let i = 0; i < spec.block; i++) { // every element's integer, int8 (the kernels' lanes), re-encoded if the type is
-        const u = unpack(i);
+        const u = encoded(i);
         const limit = bad ? bad.j : n; // blocks past an invalid one need neither check nor code
         let j;
         if (encode) {
