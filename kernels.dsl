@@ -72,13 +72,15 @@ quant q5_1 {
     dequant d * q + m;
 }
 
-# IQ4_NL: Q4_0's nibbles index a non-linear codebook of 16 int8 values: value d * kv[code].
+# IQ4_NL's and IQ4_XS's non-linear codebook: 16 int8 values, indexed by a 4-bit code.
+table iq4nl_values = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+# IQ4_NL: Q4_0's nibbles index the codebook above: value d * iq4nl_values[code].
 quant iq4_nl {
     block 32;
-    table kv = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
     field d: f16;
     field qs: u8[16];
-    unpack kv[nib(qs, i)];
+    unpack iq4nl_values[nib(qs, i)];
     dequant d * q;
 }
 
@@ -154,13 +156,12 @@ quant q6_k {
 quant iq4_xs {
     block 256;
     sub 32;
-    table kv = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
     field d: f16;
     field scales_h: u16;
     field scales_l: u8[4];
     field qs: u8[128];
     let ls = ((scales_l[s / 2] >> (s % 2 * 4)) & 15) | (((scales_h >> (s * 2)) & 3) << 4);
-    unpack kv[(qs[i / 32 * 16 + i % 16] >> (i % 32 / 16 * 4)) & 15];
+    unpack iq4nl_values[(qs[i / 32 * 16 + i % 16] >> (i % 32 / 16 * 4)) & 15];
     dequant d * (ls - 32) * q;
 }
 

@@ -250,6 +250,16 @@ CASES = [
          3, 17, "quant q: table kv: entries are int8 constants (-128..127)"),
     Case("codebook indexed by a byte", Q(unpack="kv[qs[i]]").replace("block 32;", "block 32;\n    table kv = {"
          + ", ".join(["1"] * 16) + "};"), 6, 12, "a table is indexed by a nibble: table[nib(field, i)]"),
+    # a file-level codebook (IQ4_NL's and IQ4_XS's), read by any type
+    Case("file codebook entry outside int8", edit("table iq4nl_values = {-127,", "table iq4nl_values = {-129,"),
+         *position(SOURCE, "-127, -104"), "table iq4nl_values: entries are int8 constants (-128..127)"),
+    Case("a type's codebook named as the file's", "table kv = {" + ", ".join(["1"] * 16) + "};\n"
+         + Q().replace("block 32;", "block 32;\n    table kv = {" + ", ".join(["1"] * 16) + "};"), 4, 5,
+         "quant q: table name 'kv' is taken"),
+    Case("a field named as the file's codebook", "table d = {" + ", ".join(["1"] * 16) + "};\n" + Q(), 4, 5,
+         "field name 'd' is taken: the file declares table d"),
+    Case("a file codebook named as a quant type", "table q = {" + ", ".join(["1"] * 16) + "};\n" + Q(), 2, 1,
+         "'q' is already declared at line 1"),
     Case("pow2 in unpack", Q(unpack="pow2(qs[i])"), 5, 12, "quant q: unpack: only field[i]"),
     Case("super-block with sub-blocks of 8", S(sub="8"), 1, 1, "quant k: sub-blocks of 16 or 32 values"),
     Case("sub-blocks of 16 without a per-sub-block factor", S(sub="16"), 7, 13,

@@ -127,14 +127,17 @@ def test_reference_k_quantizers_search_their_scales(quant, before, bound):
 
 
 def test_the_docs_iq4_xs_is_kernels_dsls():
-    """docs/adding-a-quant-type.md shows IQ4_XS's declaration as kernels.dsl has it (less the comments)."""
+    """docs/adding-a-quant-type.md shows IQ4_XS's declaration, and the file-level codebook it reads,
+    as kernels.dsl has them (less the comments)."""
     doc = (DSL_PATH.parent / "docs" / "adding-a-quant-type.md").read_text(encoding="utf-8")
-    shown = doc[doc.index("quant iq4_xs {"):]
-    shown = shown[:shown.index("\n}") + 2]
     dsl = DSL_PATH.read_text(encoding="utf-8")
-    declared = dsl[dsl.index("quant iq4_xs {"):]
-    declared = declared[:declared.index("\n}") + 2]
-    assert [ln for ln in declared.splitlines() if not ln.strip().startswith("#")] == shown.splitlines()
+
+    def decl(text: str, start: str, end: str) -> list[str]:
+        part = text[text.index(start):]
+        return [ln for ln in part[:part.index(end) + len(end)].splitlines() if not ln.strip().startswith("#")]
+
+    for start, end in (("quant iq4_xs {", "\n}"), ("table iq4nl_values", "};")):
+        assert decl(dsl, start, end) == decl(doc, start, end), start
 
 
 def test_reference_iq4_xs_scales_and_entries():

@@ -430,6 +430,14 @@ def test_kernel_hash_follows_a_const_defined_from_another_const() -> None:
     assert _hash(changed, "exp_f32") != _hash(split, "exp_f32")
 
 
+def test_kernel_hash_follows_a_file_level_table() -> None:
+    """IQ4_NL and IQ4_XS read the file's codebook: an edit of it re-keys their timings alone."""
+    table = edit(SOURCE, "table iq4nl_values = {-127,", "table iq4nl_values = {-126,")
+    for quant in ("iq4_nl", "iq4_xs"):
+        assert kernel_hash(checked_of(table), "qmatvec", quant) != kernel_hash(checked_of(SOURCE), "qmatvec", quant)
+    assert kernel_hash(checked_of(table), "qmatvec", "mxfp4") == kernel_hash(checked_of(SOURCE), "qmatvec", "mxfp4")
+
+
 def test_declaring_a_quant_type_keeps_every_other_types_tunings(checked) -> None:
     """A new type changes no record's key: each type's timings of a generic kernel (and of its pool
     job) are keyed by that type's declaration, and the build still picks them."""

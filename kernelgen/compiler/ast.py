@@ -179,7 +179,7 @@ class FieldDecl(Node):
 
 @dataclass(frozen=True)
 class TableDecl(Node):
-    """A codebook of a quant type: `table kv = {-127, -104, ...};`."""
+    """A codebook: `table kv = {-127, -104, ...};`, in a quant type or at file level (any type's)."""
 
     name: str
     values: tuple[Expr, ...]
@@ -260,6 +260,7 @@ class Program(Node):
     consts: tuple[ConstDecl, ...]
     quants: tuple[QuantDecl, ...]
     kernels: tuple[KernelDecl, ...]
+    tables: tuple[TableDecl, ...] = ()  # file-level codebooks, read by any quant type
     source: str = field(compare=False, repr=False, default="")
 
 

@@ -16,7 +16,7 @@ from ..errors import DslError, KernelgenError
 from ..names import TUNE_NAME, variant_name
 from .ops import TARGETS, Val, fold
 from ..quantformat import QuantFormat
-from .quant import check_quant
+from .quant import check_quant, table_values
 
 _RESERVED = set(T.SCALARS) | set(T.VECTORS) | set(T.ALIASES) | set().union(*(t.ops for t in TARGETS.values()))
 _TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values())) | set(layout.FIXED)
@@ -96,10 +96,15 @@ def _check(program: A.Program) -> Checked:
             raise DslError(c.value.span, f"const {c.name}: {t} cannot hold {v}")
         consts[c.name] = Val(None, t, float(v) if T.is_float(t) else v)
 
+    tables: dict[str, tuple[int, ...]] = {}
+    for t in program.tables:
+        declare(t.name, t, "table")
+        tables[t.name] = table_values(t)
+
     quants: dict[str, QuantFormat] = {}
     for q in program.quants:
         declare(q.name, q, "quant")
-        quants[q.name] = check_quant(q)
+        quants[q.name] = check_quant(q, tables)
 
     kernels: dict[str, KernelInfo] = {}
     lines = program.source.splitlines()

@@ -314,5 +314,6 @@ class _Build(Transformer):
             consts=tuple(i for i in items if isinstance(i, A.ConstDecl)),
             quants=tuple(i for i in items if isinstance(i, A.QuantDecl)),
             kernels=tuple(i for i in items if isinstance(i, A.KernelDecl)),
+            tables=tuple(i[1] for i in items if isinstance(i, tuple) and i[0] == "table"),
             source=self.source,
         )

@@ -259,7 +259,7 @@ class _CheckSuper:
 
 
 
-def check_quant(q: A.QuantDecl) -> QuantFormat:
+def check_quant(q: A.QuantDecl, shared: dict[str, tuple[int, ...]] | None = None) -> QuantFormat:
     """Validate a quant declaration and derive its format; DslError at the offending span."""
     if q.block is None:
         raise DslError(q.span, f"quant {q.name}: missing 'block N;'")
@@ -283,12 +283,14 @@ def check_quant(q: A.QuantDecl) -> QuantFormat:
             raise DslError(f.span, f"field {f.name} is declared twice")
         if f.name in ("i", "q") or f.name in CALLS:
             raise DslError(f.span, f"field name {f.name!r} is reserved")
+        if shared and f.name in shared:
+            raise DslError(f.span, f"field name {f.name!r} is taken: the file declares table {f.name}")
         if f.count is not None and f.count <= 0:
             raise DslError(f.span, f"field {f.name}: array length must be positive")
         fields.append(FieldInfo(f.name, f.type, f.count, offset))
         offset += fields[-1].nbytes
     byname = {f.name: f for f in fields}
-    tables = _tables(q, byname)
+    tables = _tables(q, byname, shared or {})
 
     def err_in(what: str) -> Callable[[A.Node, str], DslError]:
         return lambda node, msg: DslError(node.span, f"quant {q.name}: {what}: {msg}")
@@ -380,23 +382,30 @@ def _check_arithmetic(formula: Node, err: Callable[[A.Node, str], DslError], ran
                 raise err(n, f"{e} (integer formulas compute in int32, alike in both packers only there)") from None
 
 
-def _tables(q: A.QuantDecl, fields: dict[str, FieldInfo]) -> dict[str, tuple[int, ...]]:
-    """The declaration's codebooks: 16 int8 constants each (the kernels' weights are int8)."""
-    tables: dict[str, tuple[int, ...]] = {}
+def table_values(t: A.TableDecl, where: str = "") -> tuple[int, ...]:
+    """A codebook's entries: 16 int8 constants (the kernels' weights are int8). `where` prefixes
+    errors: "quant NAME: " for a type's own table, nothing for a file-level one."""
+    values = []
+    for v in t.values:
+        neg = isinstance(v, A.Unary) and v.op == "-"
+        lit = v.operand if neg else v
+        if not isinstance(lit, A.IntLit) or not -128 <= (-lit.value if neg else lit.value) <= 127:
+            raise DslError(v.span, f"{where}table {t.name}: entries are int8 constants (-128..127)")
+        values.append(-lit.value if neg else lit.value)
+    if len(values) != TABLE_SIZE:
+        raise DslError(t.span, f"{where}table {t.name} needs {TABLE_SIZE} entries (a nibble indexes it),"
+                               f" has {len(values)}")
+    return tuple(values)
+
+
+def _tables(q: A.QuantDecl, fields: dict[str, FieldInfo],
+            shared: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The codebooks the declaration can read: the file's (`shared`) and its own."""
+    tables = dict(shared)
     for t in q.tables:
         if t.name in tables or t.name in fields or t.name in ("i", "q") or t.name in CALLS:
             raise DslError(t.span, f"quant {q.name}: table name {t.name!r} is taken")
-        values = []
-        for v in t.values:
-            neg = isinstance(v, A.Unary) and v.op == "-"
-            lit = v.operand if neg else v
-            if not isinstance(lit, A.IntLit) or not -128 <= (-lit.value if neg else lit.value) <= 127:
-                raise DslError(v.span, f"quant {q.name}: table {t.name}: entries are int8 constants (-128..127)")
-            values.append(-lit.value if neg else lit.value)
-        if len(values) != TABLE_SIZE:
-            raise DslError(t.span, f"quant {q.name}: table {t.name} needs {TABLE_SIZE} entries (a nibble indexes it),"
-                                   f" has {len(values)}")
-        tables[t.name] = tuple(values)
+        tables[t.name] = table_values(t, f"quant {q.name}: ")
     return tables
 
 

@@ -107,7 +107,8 @@ def _kernel_hash(checked: Checked, kernel: str, quant: str | None) -> str:
         seen.add(name)
         node = checked.kernels[name].ast if name in checked.kernels else None
         decl = node or next((q for q in checked.program.quants if q.name == name), None) \
-            or next((c for c in checked.program.consts if c.name == name), None)
+            or next((c for c in checked.program.consts if c.name == name), None) \
+            or next((t for t in checked.program.tables if t.name == name), None)
         if decl is None:
             continue
         texts.append("\n".join(lines[decl.span.line - 1:decl.span.end_line]))
