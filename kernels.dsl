@@ -149,6 +149,23 @@ quant q6_k {
     dequant d * scales[s] * q;
 }
 
+# Q3_K (Q3_K_S, Q3_K_M and Q3_K_L files): 16 sub-blocks of 16 3-bit values, each with a 6-bit scale
+# stored + 32, under the f16 d; values offset by 4. Element i's two low bits sit in qs byte
+# i / 128 * 32 + i % 32 at bit i % 128 / 32 * 2, its third in bit i / 32 of hmask[i % 32] (set: no
+# -4); sub-block s's scale has its low nibble in byte s % 8 (nibble s / 8), its top two bits in byte
+# 8 + s % 4 at bit s / 4 * 2.
+quant q3_k {
+    block 256;
+    sub 16;
+    field hmask: u8[32];
+    field qs: u8[64];
+    field scales: u8[12];
+    field d: f16;
+    let sc = ((scales[s % 8] >> (s / 8 * 4)) & 15) | (((scales[8 + s % 4] >> (s / 4 * 2)) & 3) << 4);
+    unpack (((qs[i / 128 * 32 + i % 32] >> (i % 128 / 32 * 2)) & 3) | ((hmask[i % 32] >> (i / 32) & 1) << 2)) - 4;
+    dequant d * (sc - 32) * q;
+}
+
 # IQ4_XS: IQ4_NL's codebook in super-blocks: 8 sub-blocks of 32 4-bit codes (sub-block s in bytes
 # 16s..16s+15, low nibbles then high), each with a 6-bit scale, offset by 32: its low 4 bits in
 # scales_l (two per byte), its top 2 in scales_h (two bits per sub-block), under the f16 d.

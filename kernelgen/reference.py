@@ -297,26 +297,58 @@ def _fit_signed_step(xs: np.ndarray, half: int, tries: int = 19) -> np.ndarray:
     return step.astype(np.float32)
 
 
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    """Q6_K, llama.cpp's layout: per sub-block of 16, the step of _fit_signed_step; d the largest
-    step's magnitude over 127 (f16); each sub-block's int8 scale the nearest multiple of d; values
-    the nearest of the stored scale, clamped to -32..31. (Not llama.cpp's bytes: it maps the
-    largest scale to -128 and rounds otherwise.)"""
-    xs = _values(x, 256, "quantize_q6_k").reshape(np.shape(x)[:-1] + (-1, 16, 16))
-    steps = _fit_signed_step(xs, 32)
-    d = (np.abs(steps).max(axis=-1) / np.float32(127)).astype(np.float16)
+def _signed_sub_blocks(x: np.ndarray, half: int, top: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Super-blocks of 256 in sub-blocks of 16 under integer scales of one f16 d (Q6_K, Q3_K): per
+    sub-block the step of _fit_signed_step over -half..half - 1; d the largest step's magnitude over
+    `top` (f16); each sub-block's scale the nearest multiple of d (in -top..top); values the nearest
+    of the stored scale, clamped to -half..half - 1. Returns (d [..., n], scales [..., n, 16],
+    values [..., n, 256])."""
+    xs = _values(x, 256, what).reshape(np.shape(x)[:-1] + (-1, 16, 16))
+    steps = _fit_signed_step(xs, half)
+    d = (np.abs(steps).max(axis=-1) / np.float32(top)).astype(np.float16)
     with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(-127, 127).astype(np.int8)
+        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(-top, top).astype(np.int32)
         scale = d.astype(np.float32)[..., None] * sc
-        q = np.nan_to_num(np.rint(xs / scale[..., None])).clip(-32, 31).astype(np.int32) + 32
-    q = q.reshape(xs.shape[:-2] + (2, 4, 32))  # half of 128, quarter, element
-    out = np.zeros(xs.shape[:-2], Q6_K)
+        q = np.nan_to_num(np.rint(xs / scale[..., None])).clip(-half, half - 1).astype(np.int32)
+    return d, sc, q.reshape(xs.shape[:-2] + (256,))
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K, llama.cpp's layout: _signed_sub_blocks over -32..31 with int8 scales (top 127), values
+    stored + 32. (Not llama.cpp's bytes: it maps the largest scale to -128 and rounds otherwise.)"""
+    d, sc, q = _signed_sub_blocks(x, 32, 127, "quantize_q6_k")
+    q = (q + 32).reshape(d.shape + (2, 4, 32))  # half of 128, quarter, element
+    out = np.zeros(d.shape, Q6_K)
     out["d"], out["scales"] = d, sc
     lo = q & 15
     out["ql"] = np.concatenate([lo[..., 0, :] | lo[..., 2, :] << 4, lo[..., 1, :] | lo[..., 3, :] << 4],
-                               axis=-1).reshape(xs.shape[:-2] + (128,))
+                               axis=-1).reshape(d.shape + (128,))
     hi = q >> 4
-    out["qh"] = (hi[..., 0, :] | hi[..., 1, :] << 2 | hi[..., 2, :] << 4 | hi[..., 3, :] << 6).reshape(xs.shape[:-2] + (64,))
+    out["qh"] = (hi[..., 0, :] | hi[..., 1, :] << 2 | hi[..., 2, :] << 4 | hi[..., 3, :] << 6).reshape(d.shape + (64,))
+    return out
+
+
+Q3_K = np.dtype([("hmask", "u1", (32,)), ("qs", "u1", (64,)), ("scales", "u1", (12,)), ("d", "<f2")])
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """Q3_K, llama.cpp's layout: _signed_sub_blocks over -4..3 with 6-bit scales (top 31, stored +
+    32), values stored + 4 (two low bits in qs, the third in hmask). (Not llama.cpp's bytes: it maps
+    the largest scale to -32.)"""
+    d, sc, q = _signed_sub_blocks(x, 4, 31, "quantize_q3_k")
+    u = q + 4
+    out = np.zeros(d.shape, Q3_K)
+    out["d"] = d
+    stored = sc + 32  # sub-block s: low nibble in byte s % 8 (nibble s // 8), top bits in byte 8 + s % 4 at bit s // 4 * 2
+    lo = stored & 15
+    out["scales"][..., :8] = lo[..., :8] | lo[..., 8:] << 4
+    top = (stored >> 4).reshape(stored.shape[:-1] + (4, 4))  # [s // 4, s % 4]
+    out["scales"][..., 8:] = top[..., 0, :] | top[..., 1, :] << 2 | top[..., 2, :] << 4 | top[..., 3, :] << 6
+    parts = u.reshape(u.shape[:-1] + (2, 4, 32))  # half of 128, bit pair, byte
+    low = parts & 3
+    out["qs"] = (low[..., 0, :] | low[..., 1, :] << 2 | low[..., 2, :] << 4 | low[..., 3, :] << 6).reshape(u.shape[:-1] + (64,))
+    high = (u >> 2).reshape(u.shape[:-1] + (8, 32))  # bit i // 32 of byte i % 32
+    out["hmask"] = sum(high[..., j, :] << j for j in range(8))
     return out
 
 

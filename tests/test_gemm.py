@@ -69,9 +69,14 @@ def blocks_for(k: Kernels, quant: str, rows: int, kk: int, rng: np.random.Genera
             b[f.name] = rng.choice([0.0, -8.0], b.shape)
         else:
             b[f.name] = rng.choice([0, 8, 15], b.shape)
-    if quant == "iq4_xs":  # its 6-bit sub-block scales ls - 32 (packed in scales_l and scales_h) 0 or 1: the sums
-        b["scales_h"] = 0xAAAA  # stay exact in f32 (|ls - 32| of 32 would take them past 2^24)
+    # 6-bit sub-block scales stored + 32 kept to 0 or 1, so the sums stay exact in f32 (a scale of
+    # -32 would take them past 2^24): IQ4_XS's ls - 32 (packed in scales_l and scales_h), Q3_K's sc - 32
+    if quant == "iq4_xs":
+        b["scales_h"] = 0xAAAA
         b["scales_l"] = rng.choice(np.array([0x00, 0x01, 0x10, 0x11], np.uint8), b["scales_l"].shape)
+    if quant == "q3_k":  # low nibbles in bytes 0-7, top two bits (2: stored 32 + the nibble) in 8-11
+        b["scales"][..., :8] = rng.choice(np.array([0x00, 0x01, 0x10, 0x11], np.uint8), b["scales"][..., :8].shape)
+        b["scales"][..., 8:] = 0xAA
     return b
 
 

@@ -1,4 +1,4 @@
-"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; IQ4_XS in super-blocks) as declared in
+"""GGUF's flat and codebook quant types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; the K-quants and IQ4_XS in super-blocks) as declared in
 kernels.dsl, against llama.cpp's own definitions in the `gguf` package: the dequantization derived
 from each declaration equals gguf.quants.dequantize bit for bit, and every dot and mat-vec (both
 targets, relaxed determinism on and off, threaded and not) equals float64 dequantize(W) @ act up to
@@ -24,8 +24,8 @@ from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rn
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 
 GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
-        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "iq4_xs": G.IQ4_XS}
-NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "iq4_xs")
+        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "q3_k": G.Q3_K, "iq4_xs": G.IQ4_XS}
+NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs")
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,12 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
         return reference.quantize_k(x, 4 if quant == "q4_k" else 5)
     if quant == "q6_k":
         return reference.quantize_q6_k(x)
+    if quant == "q3_k":
+        return reference.quantize_q3_k(x)
     return quantize(x, GGUF[quant]).view(q.dtype)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs"])
 def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     q = quants[quant]
     rng = rng_for("gguf-quantized", quant)
@@ -113,12 +115,13 @@ def test_reference_k_quantizer_error_is_within_a_step(bits):
 
 
 @pytest.mark.parametrize("quant, before, bound", [("q4_k", 0.0785, 0.073), ("q5_k", 0.0382, 0.0365),
-                                                  ("q6_k", 0.0194, 0.0180)])
+                                                  ("q6_k", 0.0194, 0.0180), ("q3_k", 0.1551, 0.1535)])
 def test_reference_k_quantizers_search_their_scales(quant, before, bound):
     """The K-quant reference quantizers fit each sub-block's scale (and minimum) by a weighted search,
     as llama.cpp's do: on Gaussian rows their relative RMS error (gguf's dequantization against x)
     is below `bound`, where the plain grids over each sub-block's range gave `before` (measured,
-    same data): 0.0719, 0.0360, 0.0178 now."""
+    same data): 0.0719, 0.0360, 0.0178, 0.1530 now (Q3_K's search weighs large values: its RMS
+    gains little)."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((64, 4096)) * rng.uniform(0.01, 1, (64, 1))).astype(np.float32)
     b = quantized_blocks(quant, None, x)
@@ -409,6 +412,11 @@ def unit_blocks(quant: str, q, k: int) -> np.ndarray:
         b["d"], b["scales"] = 1.0, np.resize([1, -2], 16)
         b["ql"][0], b["qh"][0], b["ql"][1], b["qh"][1] = 0, 0, 0xFF, 0xFF
         return b
+    if quant == "q3_k":  # d = 1, every 6-bit scale 33 (a sub-block scale of 1): values -4..3
+        b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
+        b["d"], b["scales"][..., :8], b["scales"][..., 8:] = 1.0, 0x11, 0xAA
+        b["qs"][0], b["hmask"][0], b["qs"][1], b["hmask"][1] = 0, 0, 0xFF, 0xFF
+        return b
     if quant == "iq4_xs":  # d = 1, every 6-bit scale 33 (a sub-block scale of 1): the codebook's entries
         b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
         b["d"], b["scales_h"], b["scales_l"] = 1.0, 0xAAAA, 0x11
@@ -475,7 +483,7 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     same_as_deterministic(mode, kgen, None, run, outs)
 
 
-@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs"])
 def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
     """A NaN or infinite f16 scale (d; the K-quants' super-block d) makes gguf's dequantized block
     non-finite; the kernels' row is then NaN (NaN scale) or not finite (infinite scale), and the
@@ -552,6 +560,7 @@ def gguf_tensors(rng: np.random.Generator, rows: int, k: int) -> dict[str, tuple
             "attn_v.iq4_nl": (raw(reference.quantize_iq4_nl(x())), G.IQ4_NL),
             "attn_o.iq4_xs": (raw(reference.quantize_iq4_xs(x())), G.IQ4_XS),
             "ffn_down.mxfp4": (quantize(x(), G.MXFP4), G.MXFP4),
+            "attn_out.q3_k": (raw(reference.quantize_q3_k(x())), G.Q3_K),
             "output.q6_k": (raw(reference.quantize_q6_k(x())), G.Q6_K)}
 
 
@@ -602,8 +611,8 @@ def test_build_quant_from_a_gguf_file_builds_its_types(tmp_path, capsys):
     text = tmp_path / "text.gguf"
     text.write_text("not a model")
     for path, message in ((odd, f"--quant-from {odd}: tensor 'b.q2_k' has type Q2_K, which this build does not "
-                                "support (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, "
-                                "IQ4_NL, IQ4_XS, MXFP4)"),
+                                "support (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
+                                "Q6_K, IQ4_NL, IQ4_XS, MXFP4)"),
                           (text, f"--quant-from {text}: not a readable GGUF file"),
                           (tmp_path / "none.gguf", f"--quant-from {tmp_path / 'none.gguf'}: cannot read"),
                           (floats, f"--quant-from {floats}: no quantized tensor (only F32/F16): name --quant")):
@@ -649,12 +658,13 @@ def test_load_gguf_of_a_q4_k_m_file_of_a_576_wide_model(kernels, tmp_path):
 def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_path):
     rng = rng_for("gguf-file-q6k")
     tensors = gguf_tensors(rng, 2, 256)
-    q3_k = rng.integers(0, 256, (2, 110), dtype=np.uint8)  # Q3_K: 110 bytes per 256 values
-    write_gguf(tmp_path / "q3.gguf", {**tensors, "output.q3_k": (q3_k, G.Q3_K)})
+    q2_k = rng.integers(0, 256, (2, 84), dtype=np.uint8)  # Q2_K: 84 bytes per 256 values
+    write_gguf(tmp_path / "q2.gguf", {**tensors, "output.q2_k": (q2_k, G.Q2_K)})
     top = kernels.module.in_use()
-    with pytest.raises(ValueError, match=r"tensor 'output.q3_k' has type Q3_K, which this build does not support "
-                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4\)"):
-        formats.load_gguf(kernels, tmp_path / "q3.gguf")
+    with pytest.raises(ValueError, match=r"tensor 'output.q2_k' has type Q2_K, which this build does not support "
+                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
+                                         r"MXFP4\)"):
+        formats.load_gguf(kernels, tmp_path / "q2.gguf")
     assert kernels.module.in_use() == top
 
 

@@ -42,7 +42,7 @@ def _by_hand(rows_planes: dict[str, np.ndarray], q, rows: int) -> dict[str, np.n
         rec = q.record if name == "scale" else None
         unit = rec.bytes if rec else (q.kernel.bytes if name == "q" else 4)  # bytes of one block (record) of a row
         # f32s and codes in granules; past them a record's integers byte by byte, sub-block scales by pairs
-        split = 4 * len(rec.factors) if rec else 32 if name == "q" and q.sub_scales else unit
+        split = 4 * len(rec.factors) if rec else unit - 4 if name == "q" and q.sub_scales else unit  # (two int8 pairs)
         rest = 2 if name == "q" else 1
         got = bytearray()
         for g in range(padded // GROUP_ROWS):
@@ -70,10 +70,11 @@ def test_grouped_planes_are_the_rows_planes_interleaved_by_granule(quants, rows)
         if q.sub_scales:  # rows one by one an i32 per sub-block scale (s in both i16 halves), grouped int8 twice
             assert q.kernel.bytes == flat.kernel.bytes - 4
             blocks = rows_planes["q"].reshape(padded.shape[0], -1, flat.kernel.bytes)
-            s = blocks[..., 32:].copy().view("<i2")[..., ::2]  # (rows, blocks, 2): each half's s
-            assert (blocks[..., 32:].copy().view("<i2")[..., 1::2] == s).all()
+            codes = flat.kernel.bytes - 8  # Q6_K's bytes (32) or Q3_K's nibbles (16), then the two i32s
+            s = blocks[..., codes:].copy().view("<i2")[..., ::2]  # (rows, blocks, 2): each half's s
+            assert (blocks[..., codes:].copy().view("<i2")[..., 1::2] == s).all()
             pairs = np.repeat(s.astype(np.int8), 2, axis=-1).view(np.uint8)
-            rows_planes["q"] = np.concatenate([blocks[..., :32], pairs], axis=-1).reshape(-1)
+            rows_planes["q"] = np.concatenate([blocks[..., :codes], pairs], axis=-1).reshape(-1)
         elif q.kernel.bytes != flat.kernel.bytes:  # a scalar byte field (q4_onnx's zero point) takes a granule
             assert name == "q4_onnx" and q.kernel.bytes == flat.kernel.bytes + GRANULE - 1
             z = padded["z"].reshape(padded.shape[0], -1, 1)
