@@ -129,18 +129,18 @@ def test_reference_k_quantizers_search_their_scales(quant, before, bound):
     assert np.sqrt((err ** 2).mean() / (x ** 2).mean()) < bound < before
 
 
-def test_the_docs_iq4_xs_is_kernels_dsls():
-    """docs/adding-a-quant-type.md shows IQ4_XS's declaration, and the file-level codebook it reads,
-    as kernels.dsl has them (less the comments)."""
+@pytest.mark.parametrize("start, end", [("quant iq4_xs {", "\n}"), ("table iq4nl_values", "};"), ("quant q3_k {", "\n}")])
+def test_the_docs_declarations_are_kernels_dsls(start, end):
+    """docs/adding-a-quant-type.md shows IQ4_XS's declaration, the file-level codebook it reads, and
+    the super-block walkthrough's Q3_K as kernels.dsl has them (less the comments)."""
     doc = (DSL_PATH.parent / "docs" / "adding-a-quant-type.md").read_text(encoding="utf-8")
     dsl = DSL_PATH.read_text(encoding="utf-8")
 
-    def decl(text: str, start: str, end: str) -> list[str]:
+    def decl(text: str) -> list[str]:
         part = text[text.index(start):]
         return [ln for ln in part[:part.index(end) + len(end)].splitlines() if not ln.strip().startswith("#")]
 
-    for start, end in (("quant iq4_xs {", "\n}"), ("table iq4nl_values", "};")):
-        assert decl(dsl, start, end) == decl(doc, start, end), start
+    assert decl(dsl) == decl(doc)
 
 
 def test_reference_iq4_xs_scales_and_entries():
