@@ -380,8 +380,8 @@ def _matvec_cases() -> list[Case]:
     return out
 
 
-# the goals' types and Q5_K (Q5_K_M files' type, no goal)
-DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL, "q5_k")
+# the goals' types, Q5_K and Q3_K (the types of Q5_K_M and Q3_K_* files, no goal)
+DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL, "q5_k", "q3_k")
 DRAM_MAX_BYTES = 1 << 30  # Q8_0's packed weights at most: the module's memory holds 2 GiB
 Q8_0_PACKED = 36 / 32  # bytes per weight of packed Q8_0: 32 int8 codes and an f32 scale per block
 
