@@ -896,6 +896,10 @@ class Lowerer:
         if isinstance(e, A.Index):
             if isinstance(e.base, A.Name) and isinstance(b := self._lookup(e.base.id), Array):
                 return Val(I("local.get", f"${b.names[self._array_index(b, e)]}"), b.type)
+            if isinstance(e.base, A.Name) and any(t.name == e.base.id for t in self.c.program.tables):
+                raise self.error(f"{e.base.id} is a codebook table: a quant type's unpack reads it, not a kernel")
+            if isinstance(e.base, A.Name) and b is None:
+                raise self.error(f"unknown name {e.base.id!r}")
             raise self.error("only register arrays can be indexed")
         if isinstance(e, A.Call):
             return self._call(e)
