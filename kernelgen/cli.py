@@ -136,7 +136,7 @@ def _gguf_quants(args: argparse.Namespace) -> list[str]:
     except ValueError as e:  # not GGUF, or a tensor of a type the DSL does not declare
         raise KernelgenError(f"--quant-from {e}") from None
     if not found:
-        raise KernelgenError(f"--quant-from {args.quant_from}: no quantized tensor (only F32/F16): name --quant")
+        raise KernelgenError(f"--quant-from {args.quant_from}: no quantized tensor (only F32/F16/BF16): name --quant")
     return found
 
 

@@ -34,7 +34,7 @@ export const GGML_TYPES = Object.freeze({
   TQ2_0: 35, MXFP4: 39, NVFP4: 40, Q1_0: 41,
 });
 const TYPE_NAMES = new Map(Object.entries(GGML_TYPES).map(([name, id]) => [id, name]));
-const FLOATS = { F32: 4, F16: 2 }; // float tensors come back as Float32Array: bytes per stored value
+const FLOATS = { F32: 4, F16: 2, BF16: 2 }; // float tensors come back as Float32Array: bytes per stored value
 
 const MAGIC = 0x46554747; // "GGUF", read as a little-endian u32
 const VERSIONS = [2, 3]; // version 1 had 32-bit counts; llama.cpp reads 2 and 3
@@ -348,9 +348,9 @@ export async function readGgufInfo(source, opts) {
 /**
  * Every tensor of a GGUF file by name, quantized ones packed into `kernels`' memory:
  * {version, metadata, tensors}, tensors a Map of name -> Packed (pack() of the tensor's blocks:
- * rows the product of its outer dimensions, k its row length) or, for F32 and F16 tensors,
+ * rows the product of its outer dimensions, k its row length) or, for F32, F16 and BF16 tensors,
  * {type, shape, data}: shape in numpy's order (the row length last, as formats.load_gguf gives it)
- * and data a Float32Array (F16 widened, exactly).
+ * and data a Float32Array (F16 and BF16 widened, exactly).
  *
  * A tensor of a type the build does not declare (a GGML type is supported when the build declares a
  * quant type of its name in lower case: Q4_K -> q4_k) is a GgufError naming it, its type and the
@@ -374,7 +374,8 @@ export async function loadGguf(kernels, source, opts) {
   const packed = [];
   try {
     const header = await readHeader(src);
-    const supported = [...TYPE_NAMES.values()].filter((t) => t in FLOATS || Object.hasOwn(quants, t.toLowerCase()));
+    // the floats first, then the declared types in GGML's order (as formats.load_gguf lists them)
+    const supported = [...Object.keys(FLOATS), ...[...TYPE_NAMES.values()].filter((t) => !(t in FLOATS) && Object.hasOwn(quants, t.toLowerCase()))];
     const sized = header.tensors.map((t) => {
       if (!supported.includes(t.type)) {
         throw new GgufError(`${src.label}: tensor ${JSON.stringify(t.name)} has type ${t.type}, which this build does not `
@@ -438,7 +439,7 @@ export async function loadGguf(kernels, source, opts) {
 const LITTLE_ENDIAN = new Uint8Array(Uint16Array.of(1).buffer)[0] === 1;
 
 /** A float tensor's little-endian bytes (an array on a buffer of its own, as src.read gives) as a
- * Float32Array: F32 copied, F16 widened exactly. */
+ * Float32Array: F32 copied, F16 and BF16 widened exactly (a bfloat16 is the top half of a float32). */
 function floats(type, bytes) {
   const n = bytes.byteLength / FLOATS[type];
   const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
@@ -447,6 +448,11 @@ function floats(type, bytes) {
     return Float32Array.from({ length: n }, (_, i) => view.getFloat32(4 * i, true));
   }
   const out = new Float32Array(n);
-  for (let i = 0; i < n; i++) out[i] = halfToFloat(view.getUint16(2 * i, true));
+  if (type === 'BF16') {
+    const bits = new Uint32Array(out.buffer);
+    for (let i = 0; i < n; i++) bits[i] = view.getUint16(2 * i, true) << 16;
+  } else {
+    for (let i = 0; i < n; i++) out[i] = halfToFloat(view.getUint16(2 * i, true));
+  }
   return out;
 }

@@ -553,7 +553,10 @@ def gguf_tensors(rng: np.random.Generator, rows: int, k: int) -> dict[str, tuple
     def raw(b: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(b).view(np.uint8).reshape(rows, -1)
 
+    special = x()  # BF16's edge values: NaN, infinities, -0, a subnormal, the largest finite and an f16 overflow
+    special.reshape(-1)[:8] = [np.nan, np.inf, -np.inf, -0.0, 1e-40, 3.3895314e38, -7e4, 1.0 + 2**-9]
     return {"embd.f32": (x(), None), "norm.f16": (x().astype(np.float16), None),
+            "norm.bf16": (quantize(special, G.BF16), G.BF16),
             "attn_q.q8_0": (quantize(x(), G.Q8_0), G.Q8_0), "attn_k.q4_0": (quantize(x(), G.Q4_0), G.Q4_0),
             "ffn_up.q4_k": (raw(reference.quantize_k(x(), 4)), G.Q4_K),
             "ffn_gate.q5_k": (raw(reference.quantize_k(x(), 5)), G.Q5_K),
@@ -574,9 +577,12 @@ def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
     assert list(loaded) == list(tensors)
     assert_bitwise_equal(loaded["embd.f32"], tensors["embd.f32"][0], "F32 tensor")
     assert_bitwise_equal(loaded["norm.f16"], tensors["norm.f16"][0], "F16 tensor")
+    bf16 = loaded["norm.bf16"]
+    assert (bf16.dtype, bf16.shape) == (np.float32, (rows, k))
+    assert_bitwise_equal(bf16, dequantize(tensors["norm.bf16"][0], G.BF16), "BF16 tensor")
     act = km.quantize_act(rng.standard_normal(k).astype(np.float32))
     for name, (data, qtype) in tensors.items():
-        if qtype is None:
+        if qtype in (None, G.BF16):
             continue
         quant = qtype.name.lower()
         w = loaded[name]
@@ -611,11 +617,11 @@ def test_build_quant_from_a_gguf_file_builds_its_types(tmp_path, capsys):
     text = tmp_path / "text.gguf"
     text.write_text("not a model")
     for path, message in ((odd, f"--quant-from {odd}: tensor 'b.q2_k' has type Q2_K, which this build does not "
-                                "support (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
+                                "support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
                                 "Q6_K, IQ4_NL, IQ4_XS, MXFP4)"),
                           (text, f"--quant-from {text}: not a readable GGUF file"),
                           (tmp_path / "none.gguf", f"--quant-from {tmp_path / 'none.gguf'}: cannot read"),
-                          (floats, f"--quant-from {floats}: no quantized tensor (only F32/F16): name --quant")):
+                          (floats, f"--quant-from {floats}: no quantized tensor (only F32/F16/BF16): name --quant")):
         assert main([*base, "--quant-from", str(path), "--out", str(tmp_path / "bad")]) == 2, path
         assert message in capsys.readouterr().err, path
         assert not (tmp_path / "bad").exists()
@@ -662,7 +668,7 @@ def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_
     write_gguf(tmp_path / "q2.gguf", {**tensors, "output.q2_k": (q2_k, G.Q2_K)})
     top = kernels.module.in_use()
     with pytest.raises(ValueError, match=r"tensor 'output.q2_k' has type Q2_K, which this build does not support "
-                                         r"\(supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
+                                         r"\(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
                                          r"MXFP4\)"):
         formats.load_gguf(kernels, tmp_path / "q2.gguf")
     assert kernels.module.in_use() == top

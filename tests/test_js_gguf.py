@@ -108,7 +108,7 @@ def write_files(root: Path) -> None:
             entry["expected"][target] = out
             k.reset()
         index["files"][name] = entry
-    index["files"]["q2_k.gguf"] = {"supported": "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
+    index["files"]["q2_k.gguf"] = {"supported": "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
                                                 "MXFP4"}
     (root / "index.json").write_text(json.dumps(index, indent=1), encoding="utf-8")
 

@@ -32,7 +32,7 @@ from .module import I32_MAX, as_int
 if TYPE_CHECKING:
     from .api import Kernels, Packed
 
-GGUF_FLOATS = ("F32", "F16")  # returned as numpy arrays
+GGUF_FLOATS = ("F32", "F16", "BF16")  # returned as numpy arrays (BF16 widened to float32: numpy has no bfloat16)
 
 
 def _gguf():
@@ -44,7 +44,7 @@ def _gguf():
 
 
 def _checked_tensors(path: str | Path, declared: list[str] | dict) -> list:
-    """The tensors of a .gguf file, after checking that every one is F32, F16 or a type of `declared`
+    """The tensors of a .gguf file, after checking that every one is F32, F16, BF16 or a type of `declared`
     (quant type names: a GGUF type is one when its name in lower case is declared, Q4_K -> q4_k); a
     ValueError names the first that is not, its type and the supported types (or the file, when it is
     not GGUF)."""
@@ -73,15 +73,15 @@ def gguf_quants(path: str | Path, declared: list[str] | dict) -> list[str]:
 def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarray]:
     """Every tensor of a .gguf file by name: quantized ones packed into `kernels`' memory (a GGUF
     type is supported when the build declares a quant type of its name in lower case: Q4_K ->
-    q4_k), F32/F16 ones as numpy arrays in numpy's axis order. A tensor of another type raises
-    ValueError naming it, its type and the supported types, before anything is packed; if packing
-    fails part way, what was packed is freed (nothing is half-loaded)."""
+    q4_k), F32/F16 ones as numpy arrays in numpy's axis order, BF16 ones as float32 (exactly). A
+    tensor of another type raises ValueError naming it, its type and the supported types, before
+    anything is packed; if packing fails part way, what was packed is freed (nothing is half-loaded)."""
     tensors = _checked_tensors(path, kernels.quants)
     out: dict[str, Packed | np.ndarray] = {}
     try:
         for t in tensors:
             if t.tensor_type.name in GGUF_FLOATS:
-                out[t.name] = np.array(t.data)
+                out[t.name] = _floats(t)
                 continue
             # the reader's byte shape ends in a row's bytes (ggml's first dimension is the row)
             out[t.name] = kernels.pack(t.tensor_type.name.lower(), np.asarray(t.data).reshape(-1, t.data.shape[-1]))
@@ -91,6 +91,15 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
                 v.free()
         raise
     return out
+
+
+def _floats(t) -> np.ndarray:
+    """A float tensor of the reader as a numpy array of its own, in numpy's axis order. The reader
+    gives BF16 as its bytes (the row length doubled); a bfloat16 is the top half of a float32."""
+    if t.tensor_type.name != "BF16":
+        return np.array(t.data)
+    halves = np.ascontiguousarray(t.data).view("<u2").astype(np.uint32)
+    return (halves << 16).view(np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
 
 
 def _check(op: str, name: str, a: np.ndarray, shapes: list[tuple[int, ...]], attrs: str,

@@ -151,7 +151,7 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
             for (const t of want.tensors) {
               const got = tensors.get(t.name);
               const expected = await floatsOf(want.expected[target][t.name]);
-              if (t.type === 'F32' || t.type === 'F16') {
+              if (['F32', 'F16', 'BF16'].includes(t.type)) {
                 assert.deepEqual([got.type, got.shape], [t.type, [...t.dims].reverse()]);
                 assert.equal(firstDifference(got.data, expected), null, `${file} ${kind} ${t.name}`);
               } else {
@@ -292,7 +292,7 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
       await assert.rejects(loadGguf(failing, join(DIR, 'model.gguf')), { name: 'RangeError', message: 'pack failed' });
       assert.deepEqual(freed, ['q8_0', 'q4_0']);
       freed.length = 0; // a progress callback that throws ends the load the same way
-      const stop = (p) => { if (p.done === 4) throw new Error('enough'); };
+      const stop = (p) => { if (p.done === 5) throw new Error('enough'); }; // after three floats, Q8_0 and Q4_0
       await assert.rejects(loadGguf({ ...failing, pack: (...a) => k.pack(...a) }, join(DIR, 'model.gguf'), { onProgress: stop }), /enough/);
       assert.deepEqual(freed, ['q8_0', 'q4_0']);
       // kernels terminated during the load: their packs fail, and so would freeing what was packed;
