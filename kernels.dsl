@@ -166,6 +166,21 @@ quant q3_k {
     dequant d * (sc - 32) * q;
 }
 
+# Q2_K (Q2_K files; their attention and output tensors are Q3_K to Q6_K): 16 sub-blocks of 16 2-bit
+# values, each with a 4-bit scale (the low nibble of scales[s]) and a 4-bit minimum (the high
+# nibble) under the f16 d and dmin: value d * sc * q - dmin * m. Element i's bits sit where Q3_K's
+# two low bits do. The kernels weigh each half of 16 activations by its minimum (Q.sub_offsets).
+quant q2_k {
+    block 256;
+    sub 16;
+    field scales: u8[16];
+    field qs: u8[64];
+    field d: f16;
+    field dmin: f16;
+    unpack (qs[i / 128 * 32 + i % 32] >> (i % 128 / 32 * 2)) & 3;
+    dequant d * (scales[s] & 15) * q - dmin * (scales[s] >> 4);
+}
+
 # IQ4_XS: IQ4_NL's codebook in super-blocks: 8 sub-blocks of 32 4-bit codes (sub-block s in bytes
 # 16s..16s+15, low nibbles then high), each with a 6-bit scale, offset by 32: its low 4 bits in
 # scales_l (two per byte), its top 2 in scales_h (two bits per sub-block), under the f16 d.
@@ -654,6 +669,33 @@ inline kernel ablock[Q: quant](a: ptr) -> i32x4 {
     return acc >> DOT_SHIFT;
 }
 
+# Lanes that sum to half H's (16 values') activation sum of the block at a: for offsets over
+# sub-blocks of 16 (Q.sub_offsets), whose integers weigh each half's sum.
+inline kernel ahalf[H: i32](a: ptr) -> i32x4 {
+    return idot7(i32x4.splat(0), i8x16.splat(1), a, H * 16) >> DOT_SHIFT;
+}
+
+# The integers of a sub-block offset (Q.sub_offsets: Q2_K's minimums m of 16 values each) that
+# follow block blk in a record (rec: Q.record, Q.rowrecord), two bytes per block and row as i16
+# lanes: rows one by one, blocks blk .. blk + 3's m_lo, m_hi in lanes 2i, 2i + 1 (blk a multiple of
+# 4: within the record); in the grouped layout, block blk's of row r in lanes 2r, 2r + 1.
+inline kernel qmins[Q: quant](rec: ptr, blk: i32) -> i16x8 {
+    return i16x8.load8x8(rec + blk % Q.record_blocks * Q.group * 2, Q.offset_ints_at);
+}
+
+# Blocks blk .. blk + 3's sub-block offset integers times their halves' activation sums, lane i for
+# block blk + i: m_lo * sum(a_lo) + m_hi * sum(a_hi), exact (at most 2 * 127 * 16 * 127). a: block
+# blk's activations; s4: the four blocks' sums (asums4), so each high half's is the sum less the low
+# half's. The low sums' lanes fold as qdots4's dots.
+inline kernel qmins4[Q: quant](w: packed Q, blk: i32, a: ptr, s4: i32x4) -> i32x4 {
+    let lo = lanequads(lanepairs(ahalf[0](a), ahalf[0](a + Q.block * ACT_BYTES)),
+                       lanepairs(ahalf[0](a + 2 * Q.block * ACT_BYTES), ahalf[0](a + 3 * Q.block * ACT_BYTES)));
+    # the halves' sums as i16 pairs, block i's in lanes 2i, 2i + 1 (narrow: exact, |sum| <= 16 * 127)
+    let halves = i8x16.shuffle(i8x16.bits(i16x8.narrow(lo, s4 - lo)), i8x16.splat(0),
+                               0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    return pairsum(i16x8.bits(halves), qmins[Q](Q.record(w, blk), blk));
+}
+
 # The stored sums of four activation blocks (lane i: block i; s: the first's, act_sums), for types
 # with an offset or a block zero; zeros for the others (nothing loaded).
 inline kernel asums4[Q: quant](s: ptr) -> i32x4 {
@@ -668,28 +710,43 @@ inline kernel asums4[Q: quant](s: ptr) -> i32x4 {
 # under Q.block_zero) and their activations' scales and sums (asums4): the sum of scale * d_a *
 # (dot - zero * sum(a)) (+ offset * d_a * sum(a)). The zero comes off in integers (exact), the
 # rest are the float operations of every quantized dot, in the order that qmatvec and qmatmul
-# share.
+# share. An offset over sub-blocks of 16 (Q.sub_offsets) comes next, from qmins4f.
 inline kernel qscale4[Q: quant](w: packed Q, blk: i32, dots: i32x4, da4: f32x4, s4: i32x4, acc: f32x4) -> f32x4 {
     var exact: i32x4 = dots;
     static if Q.block_zero {
         exact = dots - i32x4.splat(Q.zero) * s4;
     }
     var r: f32x4 = madd(f32x4.convert(exact), Q.scale4(w, blk) * da4, acc);
-    static if Q.has_offset {
+    static if Q.has_offset > Q.sub_offsets {
         r = madd(f32x4.convert(s4) * da4, Q.offset4(w, blk), r);
     }
     return r;
 }
 
+# acc plus the offsets over sub-blocks of 16 (Q.sub_offsets) of blocks blk .. blk + 3 of a row,
+# after their qscale4 (a: block blk's activations): F * m per half, its integers weighing the
+# halves' activation sums (qmins4), then F * d_a (Q.offset4 is F there).
+inline kernel qmins4f[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, s4: i32x4, acc: f32x4) -> f32x4 {
+    return madd(f32x4.convert(qmins4[Q](w, blk, a, s4)) * da4, Q.offset4(w, blk), acc);
+}
+
 # acc plus blocks blk .. blk + 3 of a row (s: the first activation block's sum).
 inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, s: ptr, acc: f32x4) -> f32x4 {
-    return qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc);
+    static if Q.sub_offsets {
+        return qmins4f[Q](w, blk, a, da4, asums4[Q](s), qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc));
+    } else {
+        return qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc);
+    }
 }
 
 # acc plus the single block blk of a row (the blocks left over past a multiple of four).
 inline kernel qstep1[Q: quant](w: packed Q, blk: i32, a: ptr, da: f32, acc: f32x4) -> f32x4 {
     var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4.splat(Q.scale1(w, blk) * da), acc);
-    static if Q.has_offset {
+    static if Q.sub_offsets {  # the block's m_lo, m_hi: bytes of the i32 that holds them (within the record)
+        let m = i32.load(Q.record(w, blk) + blk % Q.record_blocks / 2 * 4, Q.offset_ints_at) >> (blk % 2 * 16);
+        let mins = ahalf[0](a) * i32x4.splat(m & 255) + ahalf[1](a) * i32x4.splat((m >> 8) & 255);
+        r = madd(f32x4.convert(mins), f32x4.splat(Q.offset1(w, blk) * da), r);
+    } else static if Q.has_offset {
         r = madd(f32x4.convert(ablock[Q](a)), f32x4.splat(Q.offset1(w, blk) * da), r);
     }
     return r;
@@ -822,6 +879,9 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                 unroll r in 0..N {
                     let i = t * N + r;
                     acc[i * A + s] = qscale4[Q](w, (r0 + r * rs) * nb + blk, dots[i], da4, s4, acc[i * A + s]);
+                    static if Q.sub_offsets {
+                        acc[i * A + s] = qmins4f[Q](w, (r0 + r * rs) * nb + blk, arow[t] + blk * Q.block * ACT_BYTES, da4, s4, acc[i * A + s]);
+                    }
                 }
             }
         }
@@ -1003,6 +1063,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     var u[G]: i8x16 = i8x16.splat(0);  # a lane group's codes of each group
     var zp[M]: i16x8 = i16x8.splat(0);  # a token's pairs of a constant zero (Q.const_zero) with its activations
     var ss[M * G]: f32x4 = f32x4.splat(0.0);  # Q.int_scales: s of the super-block so far
+    var hs[M]: i16x8 = i16x8.splat(0);  # Q.sub_offsets: a token's block's two half sums, in every i16 lane pair
     for b in 0..nb step Q.sb_blocks {
         for k in b..b + Q.sb_blocks {  # a super-block's blocks; one round (k = b) for other types
             unroll j in 0..Q.units {
@@ -1075,11 +1136,17 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
             unroll t in 0..M {
                 let blk = (t0 + t * ts) * nb + b;
                 let da = f32x4.splat(f32.load(ad + blk * 4));
+                static if Q.sub_offsets {
+                    let lo = hsum(ahalf[0](arow[t] + b * Q.block * ACT_BYTES));
+                    hs[t] = i16x8.bits(i32x4.splat((lo & 65535) | ((i32.load(as + blk * 4) - lo) << 16)));
+                }
                 unroll g in 0..G {
                     let i = t * G + g;
                     let wb = (g0 + g * gs) * nb + b;  # the block in the planes' order: group-major
                     var r: f32x4 = madd(f32x4.convert(qgexact[Q](dot[i], as + blk * 4)), Q.rowscale(w, wb) * da, acc[i * A]);
-                    static if Q.has_offset {
+                    static if Q.sub_offsets {  # each row's m_lo * sum(a_lo) + m_hi * sum(a_hi), times F * d_a
+                        r = madd(f32x4.convert(pairsum(qmins[Q](Q.rowrecord(w, wb), wb), hs[t])) * da, Q.rowoffset(w, wb), r);
+                    } else static if Q.has_offset {
                         r = madd(f32x4.splat(f32(i32.load(as + blk * 4)) * f32.load(ad + blk * 4)), Q.rowoffset(w, wb), r);
                     }
                     unroll s in 1..A {

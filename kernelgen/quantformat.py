@@ -494,15 +494,18 @@ PACK_VALUES = 1 << 16  # values QuantFormat.pack evaluates at a time: its int32 
 class Factored:
     """A super-block type's scale or offset per kernel block as F * I (QuantFormat.record): F a
     float field of the super-block, maybe negated, stored as f32 at byte `f_at` of the record; I an
-    integer formula of s stored as one byte per kernel block from `i_at` (None: F alone, the kernel
+    integer formula of s stored as `per` bytes per kernel block from `i_at` (None: F alone, the kernel
     block's part of Q6_K's scale). The kernels multiply F * I in f32 as the reference does, so the
-    products are the per-block f32 values bit for bit."""
+    products are the per-block f32 values bit for bit. An offset over sub-blocks of 16
+    (QuantFormat.sub_offsets: Q2_K's minimums) has I of each sub-block, `per` 2: the kernels weigh
+    each half's activation sum by its I in integers (exact), then multiply by F."""
 
     f: Node
     i: Node | None
     signed: bool
     f_at: int
     i_at: int
+    per: int = 1
 
 
 @dataclass(frozen=True)
@@ -602,6 +605,13 @@ class QuantFormat:
                              " within i32 and it fits relaxed SIMD's i16 lanes: idot7zs)")
         return _product(rest), _product(per_sub)
 
+    @property
+    def sub_offsets(self) -> bool:
+        """Whether the offset varies over sub-blocks smaller than the kernels' block (Q2_K's
+        minimums per 16 values): the kernels then weigh each half's activation sum by its own
+        integer (Factored.per) instead of taking the block's sum once."""
+        return self.sub is not None and self.sub < KERNEL_BLOCK and self.offset is not None
+
     @functools.cached_property
     def ranges(self) -> IntRange:
         """Bounds of this block's integer formulas (i over the block, s over its sub-blocks)."""
@@ -619,6 +629,9 @@ class QuantFormat:
         if not self.sub or blocks % 4 or blocks & (blocks - 1):  # the kernels read four blocks' scales at a
             return None  # multiple of 4 from one record, found by a shift (lower_scales)
         parts: dict[str, tuple[Node, Node | None]] = {}
+        if self.sub_offsets and self._f_times_i(self.offset) is None:
+            raise ValueError(f"with sub-blocks of {self.sub}, write the offset as a float field times an integer of s"
+                             " (- dmin * mins[s])")
         if self.sub_scales:  # the integers of sub-blocks of 16 stay with the codes (plane q)
             parts["scale"] = (self.sub_scales[0], None)
         for name, formula in (("scale", self.scale), ("offset", self.offset)):
@@ -634,8 +647,9 @@ class QuantFormat:
         factors = {}
         for name, (f, i) in parts.items():
             signed = i is not None and fold(i, ranges)[0] < 0
-            factors[name] = Factored(f, i, signed, 4 * len(factors), at if i is not None else -1)
-            at += blocks if i is not None else 0
+            per = KERNEL_BLOCK // self.sub if name == "offset" and self.sub_offsets else 1
+            factors[name] = Factored(f, i, signed, 4 * len(factors), at if i is not None else -1, per)
+            at += blocks * per if i is not None else 0
         unit = np.lcm(blocks, 4)  # whole bytes per kernel block, f32s aligned
         return Record(factors, int(-(-at // unit) * unit), blocks)
 
@@ -810,7 +824,7 @@ class QuantFormat:
             # plane scale's record per super-block: F at f_at (f32), I at i_at (a byte per kernel block)
             **({"record": {"bytes": self.record.bytes, "blocks": self.record.blocks, "factors": {
                 name: {"f": to_json(x.f), "f_at": x.f_at, "i": to_json(x.i) if x.i is not None else None,
-                       "i_at": x.i_at, "signed": x.signed} for name, x in self.record.factors.items()}}}
+                       "i_at": x.i_at, "signed": x.signed, "per": x.per} for name, x in self.record.factors.items()}}}
                if self.record else {}),
             "stored_bytes": self.stored_bytes,
             "fields": [{"name": f.name, "type": f.type, "count": f.count, "offset": f.offset} for f in self.fields],
@@ -992,9 +1006,10 @@ class QuantFormat:
         layout: a record's f32s in GRANULE bytes and its integers a byte at a time, the codes in
         GRANULE bytes and integer sub-block scales in SUB_SCALE_GRANULE (the manifest's "granules",
         which the JS packer follows)."""
-        if plane == "scale" and self.record is not None:
+        if plane == "scale" and self.record is not None:  # (sub-block offsets: a row's pair of a block together)
             split = 4 * len(self.record.factors)
-            return [(0, split, GRANULE)] + ([(split, nbytes, 1)] if nbytes > split else [])
+            per = max(x.per for x in self.record.factors.values())
+            return [(0, split, GRANULE)] + ([(split, nbytes, per)] if nbytes > split else [])
         if plane == "q" and self.sub_scales and self.group > 1:
             split = self.kernel.value_offset(SUB_SCALES)
             return [(0, split, GRANULE), (split, nbytes, SUB_SCALE_GRANULE)]
@@ -1004,13 +1019,13 @@ class QuantFormat:
         """Plane scale of a `record` type: one record per stored block, shape blocks.shape + (bytes,)."""
         rec = self.record
         out = np.zeros(blocks.shape + (rec.bytes,), np.uint8)
-        kernel_subs = np.arange(rec.blocks) * KERNEL_BLOCK // self.sub  # each kernel block's sub-block
         for x in rec.factors.values():
             f = np.broadcast_to(fold(x.f, NumpyEval(blocks)), blocks.shape).astype("<f4")
             out[..., x.f_at:x.f_at + 4] = f[..., None].view(np.uint8)
-            if x.i is not None:
-                i = np.broadcast_to(fold(x.i, NumpyEval(blocks, s=kernel_subs)), blocks.shape + (rec.blocks,))
-                out[..., x.i_at:x.i_at + rec.blocks] = i.astype(np.int8 if x.signed else np.uint8).view(np.uint8)
+            if x.i is not None:  # each kernel block's first sub-block, or (per > 1) each of its sub-blocks
+                subs = np.arange(rec.blocks * x.per) * KERNEL_BLOCK // (self.sub * x.per)
+                i = np.broadcast_to(fold(x.i, NumpyEval(blocks, s=subs)), blocks.shape + (subs.size,))
+                out[..., x.i_at:x.i_at + subs.size] = i.astype(np.int8 if x.signed else np.uint8).view(np.uint8)
         return out
 
     def _packed_field(self, part: np.ndarray, name: str) -> np.ndarray:

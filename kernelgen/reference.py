@@ -244,31 +244,42 @@ def _fit_step_min(xs: np.ndarray, top: int, tries: int = 21) -> tuple[np.ndarray
     return step.astype(np.float32), low.astype(np.float32)
 
 
+def _min_sub_blocks(x: np.ndarray, sub: int, top: int, scale_max: int,
+                    what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Super-blocks of 256 in sub-blocks of `sub` values, each s * q - m with its step and minimum
+    as integers of the f16 d and dmin (Q4_K, Q5_K, Q2_K): per sub-block the step and minimum of
+    _fit_step_min over codes 0..top; d and dmin the largest step and minimum over scale_max; each
+    sub-block's scale and minimum the nearest multiples of them (0..scale_max); each value the
+    nearest code of the stored (f16) scales, clamped to 0..top. Returns (d, dmin [..., n], scales,
+    minimums [..., n, 256 / sub] as uint8, codes [..., n, 256] as uint8)."""
+    xs = _values(x, 256, what).reshape(np.shape(x)[:-1] + (-1, 256 // sub, sub))
+    steps, mins = _fit_step_min(xs, top)
+    d = (steps.max(axis=-1) / np.float32(scale_max)).astype(np.float16)
+    dmin = (mins.max(axis=-1) / np.float32(scale_max)).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(0, scale_max).astype(np.uint8)
+        mn = np.nan_to_num(np.rint(mins / dmin.astype(np.float32)[..., None])).clip(0, scale_max).astype(np.uint8)
+        scale = d.astype(np.float32)[..., None] * sc
+        q = np.nan_to_num(np.rint((xs + (dmin.astype(np.float32)[..., None] * mn)[..., None]) / scale[..., None]))
+    return d, dmin, sc, mn, q.clip(0, top).astype(np.uint8).reshape(xs.shape[:-2] + (256,))
+
+
 def quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
     """Q4_K (bits 4) or Q5_K (bits 5), llama.cpp's layouts: per sub-block of 32, the step and
     minimum of _fit_step_min; the super-block's d and dmin the largest step and minimum over 63,
     each sub-block's 6-bit scale and minimum the nearest multiples of them, and each value the
     nearest code of the stored (f16) scales, clamped to 0 .. 2^bits - 1. (Not llama.cpp's bytes:
     its rounding and the refit of the 6-bit scales differ.)"""
-    top = (1 << bits) - 1
-    xs = _values(x, 256, "quantize_k").reshape(np.shape(x)[:-1] + (-1, 8, 32))
-    steps, mins = _fit_step_min(xs, top)
-    d = (steps.max(axis=-1) / np.float32(63)).astype(np.float16)
-    dmin = (mins.max(axis=-1) / np.float32(63)).astype(np.float16)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.nan_to_num(np.rint(steps / d.astype(np.float32)[..., None])).clip(0, 63).astype(np.uint8)
-        mn = np.nan_to_num(np.rint(mins / dmin.astype(np.float32)[..., None])).clip(0, 63).astype(np.uint8)
-        scale = d.astype(np.float32)[..., None] * sc
-        q = np.nan_to_num(np.rint((xs + (dmin.astype(np.float32)[..., None] * mn)[..., None]) / scale[..., None]))
-    q = q.clip(0, top).astype(np.uint8).reshape(xs.shape[:-2] + (4, 2, 32))  # chunk of 64, half, element
-    out = np.zeros(xs.shape[:-2], Q4_K if bits == 4 else Q5_K)
+    d, dmin, sc, mn, q = _min_sub_blocks(x, 32, (1 << bits) - 1, 63, "quantize_k")
+    out = np.zeros(d.shape, Q4_K if bits == 4 else Q5_K)
+    q = q.reshape(out.shape + (4, 2, 32))  # chunk of 64, half, element
     out["d"], out["dmin"] = d, dmin
     out["scales"][..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
     out["scales"][..., 4:8] = mn[..., :4] | (mn[..., 4:] >> 4) << 6
     out["scales"][..., 8:12] = (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4
-    out["qs"] = ((q[..., 0, :] & 15) | (q[..., 1, :] & 15) << 4).reshape(xs.shape[:-2] + (128,))
+    out["qs"] = ((q[..., 0, :] & 15) | (q[..., 1, :] & 15) << 4).reshape(out.shape + (128,))
     if bits == 5:  # bit s of qh[l]: the fifth bit of sub-block s's element l
-        high = (q.reshape(xs.shape[:-2] + (8, 32)) >> 4).astype(np.uint8)
+        high = (q.reshape(out.shape + (8, 32)) >> 4).astype(np.uint8)
         out["qh"] = (high << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2, dtype=np.uint8)
     return out
 
@@ -349,6 +360,21 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     out["qs"] = (low[..., 0, :] | low[..., 1, :] << 2 | low[..., 2, :] << 4 | low[..., 3, :] << 6).reshape(u.shape[:-1] + (64,))
     high = (u >> 2).reshape(u.shape[:-1] + (8, 32))  # bit i // 32 of byte i % 32
     out["hmask"] = sum(high[..., j, :] << j for j in range(8))
+    return out
+
+
+Q2_K = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """Q2_K, llama.cpp's layout: _min_sub_blocks over codes 0..3 in sub-blocks of 16, 4-bit scales
+    and minimums (scale in the low nibble of scales[s], minimum in the high); codes in qs as Q3_K's
+    two low bits. (Not llama.cpp's bytes: its search for the codes and scales differs.)"""
+    d, dmin, sc, mn, q = _min_sub_blocks(x, 16, 3, 15, "quantize_q2_k")
+    out = np.zeros(d.shape, Q2_K)
+    out["d"], out["dmin"], out["scales"] = d, dmin, sc | mn << 4
+    parts = q.reshape(q.shape[:-1] + (2, 4, 32))  # half of 128, bit pair, byte
+    out["qs"] = (parts[..., 0, :] | parts[..., 1, :] << 2 | parts[..., 2, :] << 4 | parts[..., 3, :] << 6).reshape(d.shape + (64,))
     return out
 
 

@@ -7,7 +7,8 @@
 //           fields repacked from ONNX order, element 2i low / 2i+1 high, to split order)
 //   scale   f32: the "scale" formula (f16 fields widened); for a type with a "record" (super-blocks
 //           whose scale and offset are F * I), one record of "record.bytes" per stored block: each
-//           factor's F as f32 at f_at, its I as a byte per kernel block from i_at
+//           factor's F as f32 at f_at, its I as a byte per kernel block from i_at ("per" bytes: an
+//           offset over sub-blocks of 16 keeps each sub-block's)
 //   offset  f32: the "offset" formula, only for flat types that have one
 // A type whose "group" is more than 1 (the grouped layout: quantformat.py's docstring) has its rows
 // padded with zero blocks to whole groups and each group's rows interleaved granule by granule, as
@@ -456,7 +457,7 @@ function rowPacker(spec) {
   const record = spec.record && {
     ...spec.record,
     // kernel block k's integer is sub-block k * kernelBlock / spec.sub's
-    factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: compile(x.f), i: x.i && compile(x.i) })),
+    factors: Object.values(spec.record.factors).map((x) => ({ ...x, f: compile(x.f), i: x.i && compile(x.i), per: x.per ?? 1 })),
   };
   const scale = record || split ? null : compile(spec.formulas.scale);
   const offset = !record && spec.formulas.offset ? compile(spec.formulas.offset) : null;
@@ -506,11 +507,13 @@ function rowPacker(spec) {
           else for (let t = 0; t < c.times * c.nbytes; t++) q[to + t] = blocks[from + (t % c.nbytes)];
         }
       }
-      for (const x of record?.factors ?? []) { // a super-block's record: F as f32, I a byte per kernel block
+      // a super-block's record: F as f32, I a byte per kernel block (`per` bytes: an offset's I of
+      // each of its sub-blocks of 16, Q2_K's)
+      for (const x of record?.factors ?? []) {
         const f = x.f(0);
         for (let j = 0; j < n; j++) recordView.setFloat32((b0 + j) * record.bytes + x.f_at, f[j], true);
-        for (let k = 0; x.i && k < record.blocks; k++) {
-          const v = x.i(Math.floor((k * kernelBlock) / spec.sub));
+        for (let k = 0; x.i && k < record.blocks * x.per; k++) {
+          const v = x.i(Math.floor((k * kernelBlock) / (spec.sub * x.per)));
           for (let j = 0, p = b0 * record.bytes + x.i_at + k; j < n; j++, p += record.bytes) recordBytes[p] = v[j];
         }
       }

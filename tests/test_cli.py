@@ -336,7 +336,7 @@ def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     # the same types; only how their integer dots run and how they are packed differ (Target.dot_scheme,
     # Target.layout): relaxed SIMD packs its i7 types in groups of 4 rows (a scalar byte field then
     # takes a granule: q4_onnx's plane q 20 bytes a row's block, not 17; the integer sub-block scales of
-    # Q6_K and Q3_K are int8 pairs, not i32s: 36 bytes, not 40, and 20, not 24), each plane with its granules
+    # Q6_K, Q3_K and Q2_K are int8 pairs, not i32s: 36 bytes, not 40, and 20, not 24), each plane with its granules
     how = ("dot", "group", "planes")
     assert ({n: {**q, **dict.fromkeys(how)} for n, q in a["quants"].items()}
             == {n: {**q, **dict.fromkeys(how)} for n, q in b["quants"].items()})
@@ -346,13 +346,13 @@ def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     assert grouped == {n for n, q in b["quants"].items() if q["dot"] == "i7"}
     def sizes(q: dict) -> dict:
         return {name: {k: v for k, v in p.items() if k != "granules"} for name, p in q["planes"].items()}
-    assert [n for n, q in b["quants"].items() if sizes(q) != sizes(a["quants"][n])] == ["q6_k", "q3_k", "q4_onnx"]
+    assert [n for n, q in b["quants"].items() if sizes(q) != sizes(a["quants"][n])] == ["q6_k", "q3_k", "q2_k", "q4_onnx"]
     assert all("granules" in p for n in grouped for p in b["quants"][n]["planes"].values())
     assert b["quants"]["q6_k"]["planes"]["q"] == {"dtype": "|u1", "bytes_per_block": 36, "granules": [[0, 32, 4], [32, 36, 2]]}
     # the same exports but for their item counts (a grouped type's jobs take groups of rows) and plane sizes
     def shown(m: dict) -> dict:
         return {name: {**e, "parallel": e.get("parallel") and {**e["parallel"], "count": None},
-                       "params": [{**p, "meaning": re.sub(r" \[(q4_onnx|q6_k|q3_k) plane 'q'[^]]*\]", "", p["meaning"])} for p in e["params"]]}
+                       "params": [{**p, "meaning": re.sub(r" \[(q4_onnx|q6_k|q3_k|q2_k) plane 'q'[^]]*\]", "", p["meaning"])} for p in e["params"]]}
                 for name, e in m["exports"].items()}
     assert shown(a) == shown(b)
     for name, e in b["exports"].items():

@@ -271,6 +271,16 @@ CASES = [
          S(sub="16").replace("field qs: u8[128];", "field qs: u8[128];\n    field sc: i16[16];")
          .replace("dequant d * q;", "dequant d * sc[s] * q;"), 8, 13,
          "quant k: dequant: the integer sub-block scale sc[s] spans -32768..32767; the kernels take at most 8192"),
+    # a minimum per sub-block of 16 (Q2_K's): a float field times an integer of s in 0..127
+    Case("a sub-block minimum wider than 0..127", edit("dequant d * (scales[s] & 15) * q - dmin * (scales[s] >> 4);",
+                                                       "dequant d * (scales[s] & 15) * q - dmin * scales[s];"),
+         *position(SOURCE, "d * (scales[s] & 15) * q - dmin * (scales[s] >> 4);"),
+         "quant q2_k: dequant: with sub-blocks of 16, the offset's integer factor of s must lie in 0..127 (it spans 0..255)"),
+    Case("a sub-block minimum that is no float field times an integer of s",
+         edit("dequant d * (scales[s] & 15) * q - dmin * (scales[s] >> 4);",
+              "dequant d * (scales[s] & 15) * q - dmin;"),
+         *position(SOURCE, "d * (scales[s] & 15) * q - dmin * (scales[s] >> 4);"),
+         "quant q2_k: dequant: with sub-blocks of 16, write the offset as a float field times an integer of s"),
     Case("super-block index past its field", S(unpack="qs[i] & 15"), 6, 12, "qs[...] reads element 128 of 128 at i = 128"),
     Case("sub-block index in unpack", S(unpack="qs[s] & 15"), 6, 15, "'s' is not defined here (the index is 'i')"),
     Case("super-block values wider than int8", S(unpack="qs[i / 2] << 1"), 6, 12, "values may fall outside int8"),

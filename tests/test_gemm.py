@@ -214,8 +214,8 @@ def test_qmatmul_matches_the_float64_reference(target):
                 # over four lanes first: bound by the sum over blocks of |scale d_a| sum |w_i a_i|.
                 abs_dots = (np.abs(w_int) * np.abs(a_int) * d_a).reshape(n, -1, g).sum(axis=2)
                 mag = (np.abs(scale.astype(np.float64)) * abs_dots).sum(axis=1)
-                if offset is not None:
-                    asum = (np.abs(a_int) * d_a).reshape(-1, 32).sum(axis=1)
+                if offset is not None:  # per block of 32, or per sub-block of 16 (Q2_K)
+                    asum = (np.abs(a_int) * d_a).reshape(-1, kk // offset.shape[1]).sum(axis=1)
                     mag = mag + np.abs(offset.astype(np.float64) * asum).sum(axis=1)
                 assert_q_close(y[t], ref, mag, f"{target} {quant} {m}x{n}x{kk} token {t}")
         k.reset()

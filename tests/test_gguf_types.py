@@ -24,8 +24,9 @@ from helpers import (act_dtype, assert_bitwise_equal, assert_q_close, consts, rn
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 
 GGUF = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "iq4_nl": G.IQ4_NL, "mxfp4": G.MXFP4,
-        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "q3_k": G.Q3_K, "iq4_xs": G.IQ4_XS}
-NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs")
+        "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K, "q3_k": G.Q3_K, "q2_k": G.Q2_K,
+        "iq4_xs": G.IQ4_XS}
+NEW = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,13 @@ def quantized_blocks(quant: str, q, x: np.ndarray) -> np.ndarray:
         return reference.quantize_q6_k(x)
     if quant == "q3_k":
         return reference.quantize_q3_k(x)
+    if quant == "q2_k":
+        return reference.quantize_q2_k(x)
     return quantize(x, GGUF[quant]).view(q.dtype)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "iq4_nl", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k",
+                                   "iq4_xs"])
 def test_dequant_equals_gguf_on_quantized_blocks(quants, quant):
     q = quants[quant]
     rng = rng_for("gguf-quantized", quant)
@@ -115,13 +119,14 @@ def test_reference_k_quantizer_error_is_within_a_step(bits):
 
 
 @pytest.mark.parametrize("quant, before, bound", [("q4_k", 0.0785, 0.073), ("q5_k", 0.0382, 0.0365),
-                                                  ("q6_k", 0.0194, 0.0180), ("q3_k", 0.1551, 0.1535)])
+                                                  ("q6_k", 0.0194, 0.0180), ("q3_k", 0.1551, 0.1535),
+                                                  ("q2_k", 0.3282, 0.29)])
 def test_reference_k_quantizers_search_their_scales(quant, before, bound):
     """The K-quant reference quantizers fit each sub-block's scale (and minimum) by a weighted search,
     as llama.cpp's do: on Gaussian rows their relative RMS error (gguf's dequantization against x)
     is below `bound`, where the plain grids over each sub-block's range gave `before` (measured,
-    same data): 0.0719, 0.0360, 0.0178, 0.1530 now (Q3_K's search weighs large values: its RMS
-    gains little)."""
+    same data): 0.0719, 0.0360, 0.0178, 0.1530, 0.2751 now (Q3_K's search weighs large values: its
+    RMS gains little)."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((64, 4096)) * rng.uniform(0.01, 1, (64, 1))).astype(np.float32)
     b = quantized_blocks(quant, None, x)
@@ -417,6 +422,11 @@ def unit_blocks(quant: str, q, k: int) -> np.ndarray:
         b["d"], b["scales"][..., :8], b["scales"][..., 8:] = 1.0, 0x11, 0xAA
         b["qs"][0], b["hmask"][0], b["qs"][1], b["hmask"][1] = 0, 0, 0xFF, 0xFF
         return b
+    if quant == "q2_k":  # d = dmin = 1, every 4-bit scale 1, minimums 0 and 3 in turn: values 0..3 less them
+        b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
+        b["d"], b["dmin"], b["scales"] = 1.0, 1.0, np.resize([0x01, 0x31], 16)
+        b["qs"][0], b["qs"][1] = 0x00, 0xFF
+        return b
     if quant == "iq4_xs":  # d = 1, every 6-bit scale 33 (a sub-block scale of 1): the codebook's entries
         b = rng.integers(0, 256, (4, nb * q.stored_bytes), dtype=np.uint8).view(q.dtype).copy()
         b["d"], b["scales_h"], b["scales_l"] = 1.0, 0xAAAA, 0x11
@@ -483,7 +493,7 @@ def test_integer_accumulation_is_exact(mode, kgen, quant):
     same_as_deterministic(mode, kgen, None, run, outs)
 
 
-@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs"])
+@pytest.mark.parametrize("quant", ["q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"])
 def test_non_finite_scales_poison_only_their_row(mode, kgen, quant):
     """A NaN or infinite f16 scale (d; the K-quants' super-block d) makes gguf's dequantized block
     non-finite; the kernels' row is then NaN (NaN scale) or not finite (infinite scale), and the
@@ -564,7 +574,8 @@ def gguf_tensors(rng: np.random.Generator, rows: int, k: int) -> dict[str, tuple
             "attn_o.iq4_xs": (raw(reference.quantize_iq4_xs(x())), G.IQ4_XS),
             "ffn_down.mxfp4": (quantize(x(), G.MXFP4), G.MXFP4),
             "attn_out.q3_k": (raw(reference.quantize_q3_k(x())), G.Q3_K),
-            "output.q6_k": (raw(reference.quantize_q6_k(x())), G.Q6_K)}
+            "output.q6_k": (raw(reference.quantize_q6_k(x())), G.Q6_K),
+            "token_embd.q2_k": (raw(reference.quantize_q2_k(x())), G.Q2_K)}
 
 
 def test_load_gguf_packs_every_tensor(mode, kgen, tmp_path):
@@ -613,11 +624,11 @@ def test_build_quant_from_a_gguf_file_builds_its_types(tmp_path, capsys):
     write_gguf(floats, {"embd.f32": tensors["embd.f32"]})
     odd = tmp_path / "odd.gguf"
     write_gguf(odd, {"a.q8_0": tensors["attn_q.q8_0"],
-                     "b.q2_k": (np.zeros((2, 84), np.uint8), G.Q2_K)})  # one Q2_K super-block per row
+                     "b.iq2_xxs": (np.zeros((2, 66), np.uint8), G.IQ2_XXS)})  # one IQ2_XXS super-block per row
     text = tmp_path / "text.gguf"
     text.write_text("not a model")
-    for path, message in ((odd, f"--quant-from {odd}: tensor 'b.q2_k' has type Q2_K, which this build does not "
-                                "support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
+    for path, message in ((odd, f"--quant-from {odd}: tensor 'b.iq2_xxs' has type IQ2_XXS, which this build does not "
+                                "support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, "
                                 "Q6_K, IQ4_NL, IQ4_XS, MXFP4)"),
                           (text, f"--quant-from {text}: not a readable GGUF file"),
                           (tmp_path / "none.gguf", f"--quant-from {tmp_path / 'none.gguf'}: cannot read"),
@@ -664,13 +675,13 @@ def test_load_gguf_of_a_q4_k_m_file_of_a_576_wide_model(kernels, tmp_path):
 def test_load_gguf_rejects_an_unsupported_tensor_and_loads_nothing(kernels, tmp_path):
     rng = rng_for("gguf-file-q6k")
     tensors = gguf_tensors(rng, 2, 256)
-    q2_k = rng.integers(0, 256, (2, 84), dtype=np.uint8)  # Q2_K: 84 bytes per 256 values
-    write_gguf(tmp_path / "q2.gguf", {**tensors, "output.q2_k": (q2_k, G.Q2_K)})
+    iq2 = rng.integers(0, 256, (2, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes per 256 values
+    write_gguf(tmp_path / "iq2.gguf", {**tensors, "output.iq2_xxs": (iq2, G.IQ2_XXS)})
     top = kernels.module.in_use()
-    with pytest.raises(ValueError, match=r"tensor 'output.q2_k' has type Q2_K, which this build does not support "
-                                         r"\(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
+    with pytest.raises(ValueError, match=r"tensor 'output.iq2_xxs' has type IQ2_XXS, which this build does not support "
+                                         r"\(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
                                          r"MXFP4\)"):
-        formats.load_gguf(kernels, tmp_path / "q2.gguf")
+        formats.load_gguf(kernels, tmp_path / "iq2.gguf")
     assert kernels.module.in_use() == top
 
 

@@ -75,7 +75,8 @@ def write_files(root: Path) -> None:
     tensors = gguf_tensors(rng, ROWS, K)
     files = {"model.gguf": tensors,
              "aligned.gguf": {n: tensors[n] for n in ("norm.f16", "ffn_up.q4_k", "attn_q.q8_0")},
-             "q2_k.gguf": {**tensors, "output.q2_k": (rng.integers(0, 256, (ROWS, K // 256 * 84), dtype=np.uint8), G.Q2_K)}}
+             "iq2_xxs.gguf": {**tensors, "output.iq2_xxs": (rng.integers(0, 256, (ROWS, K // 256 * 66), dtype=np.uint8),
+                                                           G.IQ2_XXS)}}
     files["large.gguf"] = {"attn_q.q8_0": tensors["attn_q.q8_0"],  # past a header of more than the first MiB read
                            "ffn_up.q4_k": (reference.quantize_k(rng.standard_normal((64, 4096)).astype(np.float32), 4)
                                            .view(np.uint8).reshape(64, -1), G.Q4_K)}
@@ -108,7 +109,7 @@ def write_files(root: Path) -> None:
             entry["expected"][target] = out
             k.reset()
         index["files"][name] = entry
-    index["files"]["q2_k.gguf"] = {"supported": "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
+    index["files"]["iq2_xxs.gguf"] = {"supported": "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
                                                 "MXFP4"}
     (root / "index.json").write_text(json.dumps(index, indent=1), encoding="utf-8")
 

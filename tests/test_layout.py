@@ -41,9 +41,10 @@ def _by_hand(rows_planes: dict[str, np.ndarray], q, rows: int) -> dict[str, np.n
         b = plane.view(np.uint8).reshape(padded, -1)  # each row's bytes in block order
         rec = q.record if name == "scale" else None
         unit = rec.bytes if rec else (q.kernel.bytes if name == "q" else 4)  # bytes of one block (record) of a row
-        # f32s and codes in granules; past them a record's integers byte by byte, sub-block scales by pairs
+        # f32s and codes in granules; past them a record's integers byte by byte (an offset's of two
+        # sub-blocks of 16 per block, Q2_K's, by pairs), sub-block scales by pairs
         split = 4 * len(rec.factors) if rec else unit - 4 if name == "q" and q.sub_scales else unit  # (two int8 pairs)
-        rest = 2 if name == "q" else 1
+        rest = 2 if name == "q" or q.sub_offsets else 1
         got = bytearray()
         for g in range(padded // GROUP_ROWS):
             for u in range(b.shape[1] // unit):

@@ -568,7 +568,7 @@ def _store_to_prune(checked, path: Path) -> list[Record]:
                dataclasses.replace(rec(checked, {"rows": 2, "accs": 1}, 1e-3, kernel="qmatvec", quant="q6_k",
                                        host=HOST_B), engine="v8 11.3")]
     for r in [current[0], rec(checked, {"unroll": 2}, 2e-6, dsl_hash="0" * 64), current[1],
-              rec(checked, {"rows": 1, "accs": 1}, 1e-3, kernel="qmatvec", quant="q2_k")]:
+              rec(checked, {"rows": 1, "accs": 1}, 1e-3, kernel="qmatvec", quant="iq2_xxs")]:
         append_record(path, r)
     with path.open("ab") as f:
         f.write(b"\xff not a record\n")

@@ -36,7 +36,9 @@ _SCALE_OPS = {"scale4": ("scale", 4, "f32", False), "scale1": ("scale", 1, "f32"
               # a super-block record's factors apart (Q.int_scales): F of the rows' super-block, I
               # of their block as i16 pairs (pairsum's multipliers), the record's address
               "rowscale_f": ("scale", 4, "f", True), "rowoffset_f": ("offset", 4, "f", True),
-              "rowscale_pairs": ("scale", 4, "pairs", True), "rowrecord": ("scale", 4, "record", True)}
+              "rowscale_pairs": ("scale", 4, "pairs", True), "rowrecord": ("scale", 4, "record", True),
+              # rows one by one, the address of the row's record of block blk (Q.sub_offsets' integers)
+              "record": ("scale", 1, "record", False)}
 _SCALE_TYPES = {"f32": "f32x4", "f": "f32x4", "pairs": "i16x8", "record": "i32"}
 
 
@@ -986,7 +988,14 @@ class Lowerer:
                          "sb_blocks": b.record.blocks if int_scales else 1,
                          # Q.int_scales: where the offset's I lie in a group's record (rowrecord), a
                          # byte per row and block, the group's rows side by side
-                         "offset_ints_at": g * b.record.factors["offset"].i_at if int_scales and b.offset is not None else 0}
+                         "offset_ints_at": g * b.record.factors["offset"].i_at
+                                           if (int_scales or b.sub_offsets) and b.offset is not None else 0,
+                         # an offset per sub-block of 16 (Q2_K's minimums): its integers (2 bytes per
+                         # kernel block and row at offset_ints_at of the record: qmins) weigh each
+                         # half's activation sum
+                         "sub_offsets": int(b.sub_offsets),
+                         # kernel blocks per super-block record (0: no record)
+                         "record_blocks": b.record.blocks if b.record is not None else 0}
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(), codes(), zeros(); not {e.name!r}")
                 return Val(None, "i32", props[e.name])
@@ -1050,7 +1059,7 @@ class Lowerer:
         if not isinstance(w, Packed) or w.quant.name != q.name:
             raise self.error(f"{q.name}.{name}(w, blk): w must be a packed {q.name} matrix")
         what, lanes, form, grouped = _SCALE_OPS[name]
-        if form != "f32" and not _int_scales(q):
+        if form != "f32" and not _int_scales(q) and not (form == "record" and q.sub_offsets):
             raise self.error(f"{q.name}.{name}(w, blk) reads a super-block record's factors apart: {q.name} has"
                              " none in this layout (grouped rows, F * I with I an unsigned byte): use rowscale and rowoffset")
         if grouped != (q.group > 1):
@@ -1062,7 +1071,7 @@ class Lowerer:
         blk = self.materialize(self._coerce(self._expr(args[1]), "i32"), "i32")
         planes = {p: I("local.get", f"${n}") for p, n in w.planes.items()}
         code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")), form)
-        return Val(code, _SCALE_TYPES[form] if lanes == 4 else "f32")
+        return Val(code, _SCALE_TYPES[form] if lanes == 4 or form == "record" else "f32")
 
     def _op(self, name: str, qualifier: str | None, arg_nodes: tuple[A.Expr, ...]) -> Val:
         op = self.target.ops.get(name)

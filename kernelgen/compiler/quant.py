@@ -348,8 +348,20 @@ def check_quant(q: A.QuantDecl, shared: dict[str, tuple[int, ...]] | None = None
             split = qf.sub_scales
         except ValueError as e:
             raise DslError(q.dequant.span, f"quant {q.name}: dequant: {e}") from None
-        if split and off is not None:
-            raise DslError(q.dequant.span, f"quant {q.name}: dequant: sub-blocks of {q.sub} take no offset (+ M)")
+        if split and off is not None:  # Q2_K's minimums: F * I(s), each I weighing a half's activation sum
+            try:
+                rec = qf.record
+            except ValueError as e:
+                raise DslError(q.dequant.span, f"quant {q.name}: dequant: {e}") from None
+            if rec is None:
+                raise DslError(q.dequant.span, f"quant {q.name}: dequant: with sub-blocks of {q.sub}, the scale and offset"
+                                               " must be float fields times integers of s (d * scales[s] * q - dmin *"
+                                               f" mins[s]) in a block of 128 * 2^k values")
+            mlo, mhi = fold(rec.factors["offset"].i, qf.ranges)
+            if mlo < 0 or mhi > 127:
+                raise DslError(q.dequant.span, f"quant {q.name}: dequant: with sub-blocks of {q.sub}, the offset's integer"
+                                               f" factor of s must lie in 0..127 (it spans {mlo}..{mhi}): the kernels"
+                                               " multiply it by i16 activation sums")
         if split:
             try:
                 ilo, ihi = fold(split[1], qf.ranges)
@@ -546,7 +558,9 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
     byte per block (per row) widened: the same f32 product pack's reference computes. Four blocks at a
     multiple of 4 lie in one record (a super-block holds 8). In the grouped layout `form` may take
     a record's factors apart: "f", F of the rows; "pairs", I of the rows as i16 lanes 2r and 2r + 1
-    (pairsum's multipliers of row r's pair sums); "record", the address of the group's record."""
+    (pairsum's multipliers of row r's pair sums); "record", the address of the group's record (in
+    either layout: of the row's record). An offset over sub-blocks (Factored.per > 1: Q2_K) gives F
+    alone: its integers weigh activation sums in the kernels."""
     rec, g = qf.record, qf.group
     if rec is None:
         op = "v128.load" if lanes == 4 else "f32.load"
@@ -556,11 +570,11 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
     blk = reuse(blk) if x.i is not None else (blk, blk)
     at = I("i32.add", planes["scale"], I("i32.mul", I("i32.shr_u", blk[0], I("i32.const", str(shift))),
                                            I("i32.const", str(g * rec.bytes))))
+    if form == "record":
+        return at
     if g > 1:  # the rows' F side by side; their I of block blk side by side (QuantFormat._grouped)
-        if x.i is None or form == "f":
+        if x.i is None or form == "f" or x.per > 1:
             return I("v128.load", *_off(g * x.f_at), at)
-        if form == "record":
-            return at
         first, again = reuse(at) if form == "f32" else (at, None)
         sign = "s" if x.signed else "u"
         ints = I("i32.add", first, I("i32.shl", I("i32.and", blk[1], I("i32.const", str(rec.blocks - 1))), I("i32.const", str(g.bit_length() - 1))))
@@ -570,7 +584,7 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
             return I("i8x16.relaxed_swizzle", raw, I("v128.const", "i8x16", *(str(k) for r in range(4) for k in (r, 128, r, 128))))
         widened = I(f"i32x4.extend_low_i16x8_{sign}", I(f"i16x8.extend_low_i8x16_{sign}", raw))
         return I("f32x4.mul", I("f32x4.convert_i32x4_s", widened), I("v128.load", *_off(g * x.f_at), again))
-    if x.i is None:
+    if x.i is None or form == "f" or x.per > 1:
         f = I("f32.load", *_off(x.f_at), at)
         return I("f32x4.splat", f) if lanes == 4 else f
     first, again = reuse(at)

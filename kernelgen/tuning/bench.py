@@ -344,10 +344,10 @@ def numpy_softmax(_: None) -> float:
 
 MATVEC_SHAPES = ((256, 4096), (4096, 4096), (8192, 8192))  # the last one's weights come from DRAM (see caches)
 BIG = (8192, 8192)
-# issue 13's types (and Q5_0, Q4_K_M's fallback for Q4_K; Q3_K and IQ4_XS, declared since), each against Q4_0's
+# issue 13's types (and Q5_0, Q4_K_M's fallback for Q4_K; Q3_K, Q2_K and IQ4_XS, declared since), each against Q4_0's
 # time per weight at an L2-resident shape (goal: within 1.3x) and the K-quants against Q8_0's
 # weights/s at BIG, where they move fewer bytes (goals 1.7x, 1.25x)
-GGUF_TYPES = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "q3_k", "iq4_xs")
+GGUF_TYPES = ("q5_0", "q5_1", "iq4_nl", "mxfp4", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")
 TYPES_SHAPE = (256, 4096)
 K_QUANT_GOAL = {"q4_k": 1.7, "q6_k": 1.25}
 
@@ -380,8 +380,8 @@ def _matvec_cases() -> list[Case]:
     return out
 
 
-# the goals' types, Q5_K and Q3_K (the types of Q5_K_M and Q3_K_* files, no goal)
-DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL, "q5_k", "q3_k")
+# the goals' types, Q5_K, Q3_K and Q2_K (the types of Q5_K_M, Q3_K_* and Q2_K files, no goal)
+DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL, "q5_k", "q3_k", "q2_k")
 DRAM_MAX_BYTES = 1 << 30  # Q8_0's packed weights at most: the module's memory holds 2 GiB
 Q8_0_PACKED = 36 / 32  # bytes per weight of packed Q8_0: 32 int8 codes and an f32 scale per block
 

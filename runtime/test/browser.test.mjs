@@ -118,7 +118,7 @@ describe('Chromium', { skip: missing, timeout: SUITE_TIMEOUT_MS }, () => {
     assert.deepEqual(model.tensors.map((t) => [t.name, t.type]), [['embd.f32', 'F32'], ['norm.f16', 'F16'], ['norm.bf16', 'BF16'],
       ['attn_q.q8_0', 'Q8_0'], ['attn_k.q4_0', 'Q4_0'], ['ffn_up.q4_k', 'Q4_K'], ['ffn_gate.q5_k', 'Q5_K'],
       ['attn_v.iq4_nl', 'IQ4_NL'], ['attn_o.iq4_xs', 'IQ4_XS'], ['ffn_down.mxfp4', 'MXFP4'], ['attn_out.q3_k', 'Q3_K'],
-      ['output.q6_k', 'Q6_K']]);
+      ['output.q6_k', 'Q6_K'], ['token_embd.q2_k', 'Q2_K']]);
     for (const t of model.tensors) {
       assert.deepEqual(t.shape, [3, 256], t.name);
       assert.ok(['F32', 'F16', 'BF16'].includes(t.type) ? t.ms === null : t.ms > 0, `${t.name}: ${t.ms}`);

@@ -211,10 +211,10 @@ describe('GGUF files', { skip: !DIR && 'KERNELGEN_GGUF is not set (tests/test_js
     after(async () => { await k?.terminate(); });
 
     test('a tensor of a type the build does not support names it, its type and the supported types', async () => {
-      const path = join(DIR, 'q2_k.gguf');
+      const path = join(DIR, 'iq2_xxs.gguf');
       await assert.rejects(loadGguf(k, path), {
         name: 'GgufError',
-        message: `${path}: tensor "output.q2_k" has type Q2_K, which this build does not support (supported: ${index.files['q2_k.gguf'].supported})`,
+        message: `${path}: tensor "output.iq2_xxs" has type IQ2_XXS, which this build does not support (supported: ${index.files['iq2_xxs.gguf'].supported})`,
       });
       const unknown = ggufBytes({ tensors: [{ name: 'w', dims: [32, 1], type: 99, offset: 0 }], data: new Uint8Array(64) });
       await assert.rejects(loadGguf(k, unknown), /tensor "w" has type unknown\(99\), which this build does not support/);
