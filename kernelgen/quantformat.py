@@ -25,7 +25,7 @@ per target and type) holds the same planes with every GROUP_ROWS rows side by si
 with zero blocks to a multiple of GROUP_ROWS, each plane's per-row bytes of one block (one record of
 a super-block) cut into granules and the group's rows interleaved granule by granule, group-major
 then block-major. Granules are GRANULE bytes (a plane's f32s, the codes), one byte for a
-record's integers, or SUB_SCALE_GRANULE bytes for integer sub-block scales, so that a 16-byte
+record's integers (two for an offset's over sub-blocks of 16: Factored.per), or SUB_SCALE_GRANULE bytes for integer sub-block scales, so that a 16-byte
 vector holds granule j of each of the four rows (codes 4j .. 4j + 3 of a kernel block, or its f32
 scale) and a kernel's i32 lane r is row r: no lane folds per row. A scalar byte value field
 (q4_onnx's zero point) takes a whole granule, its byte four times.
