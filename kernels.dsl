@@ -680,7 +680,7 @@ inline kernel ahalf[H: i32](a: ptr) -> i32x4 {
 # lanes: rows one by one, blocks blk .. blk + 3's m_lo, m_hi in lanes 2i, 2i + 1 (blk a multiple of
 # 4: within the record); in the grouped layout, block blk's of row r in lanes 2r, 2r + 1.
 inline kernel qmins[Q: quant](rec: ptr, blk: i32) -> i16x8 {
-    return i16x8.load8x8(rec + blk % Q.record_blocks * Q.group * 2, Q.offset_ints_at);
+    return i16x8.load8x8(rec + (blk & (Q.record_blocks - 1)) * Q.group * 2, Q.offset_ints_at);
 }
 
 # Blocks blk .. blk + 3's sub-block offset integers times their halves' activation sums, lane i for
@@ -1045,7 +1045,12 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 # 256x4096 in wasmtime: Q4_K 1.16-1.19x, Q5_K 1.14-1.16x the per-block form above (F * I formed,
 # widened and multiplied per block), where the same offset work inside the dots' loop gave 1.04x
 # and within a branch at each super-block's end 0.90-1.0x (cranelift's registers and code around
-# the branch).
+# the branch). An offset over sub-blocks of 16 (Q.sub_offsets: Q2_K's -dmin * m per 16 values)
+# comes after the dots' loop too, block by block in order into each row's first accumulator:
+#   acc = madd(f32(m_lo * sum(a_lo) + m_hi * sum(a_hi)) * d_a, F_o, acc)
+# (the low half's sum from one relaxed dot with ones, the high half's the block's sum less it, both
+# paired with the rows' m by one widening dot: pairsum); relaxed Q2_K qmatvec 1.12x the same work
+# inside the loop at 256x4096 (wasmtime).
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
 #   blocks' sums as + t * nb * 4
 kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, ts: i32, g0: i32, gs: i32, nb: i32, n: i32) {
@@ -1063,7 +1068,6 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     var u[G]: i8x16 = i8x16.splat(0);  # a lane group's codes of each group
     var zp[M]: i16x8 = i16x8.splat(0);  # a token's pairs of a constant zero (Q.const_zero) with its activations
     var ss[M * G]: f32x4 = f32x4.splat(0.0);  # Q.int_scales: s of the super-block so far
-    var hs[M]: i16x8 = i16x8.splat(0);  # Q.sub_offsets: a token's block's two half sums, in every i16 lane pair
     for b in 0..nb step Q.sb_blocks {
         for k in b..b + Q.sb_blocks {  # a super-block's blocks; one round (k = b) for other types
             unroll j in 0..Q.units {
@@ -1136,23 +1140,34 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
             unroll t in 0..M {
                 let blk = (t0 + t * ts) * nb + b;
                 let da = f32x4.splat(f32.load(ad + blk * 4));
-                static if Q.sub_offsets {
-                    let lo = hsum(ahalf[0](arow[t] + b * Q.block * ACT_BYTES));
-                    hs[t] = i16x8.bits(i32x4.splat((lo & 65535) | ((i32.load(as + blk * 4) - lo) << 16)));
-                }
                 unroll g in 0..G {
                     let i = t * G + g;
                     let wb = (g0 + g * gs) * nb + b;  # the block in the planes' order: group-major
                     var r: f32x4 = madd(f32x4.convert(qgexact[Q](dot[i], as + blk * 4)), Q.rowscale(w, wb) * da, acc[i * A]);
-                    static if Q.sub_offsets {  # each row's m_lo * sum(a_lo) + m_hi * sum(a_hi), times F * d_a
-                        r = madd(f32x4.convert(pairsum(qmins[Q](Q.rowrecord(w, wb), wb), hs[t])) * da, Q.rowoffset(w, wb), r);
-                    } else static if Q.has_offset {
+                    static if Q.has_offset > Q.sub_offsets {
                         r = madd(f32x4.splat(f32(i32.load(as + blk * 4)) * f32.load(ad + blk * 4)), Q.rowoffset(w, wb), r);
                     }
                     unroll s in 1..A {
                         acc[i * A + s - 1] = acc[i * A + s];
                     }
                     acc[i * A + A - 1] = r;
+                }
+            }
+        }
+    }
+    static if Q.sub_offsets {  # each row's offsets over sub-blocks of 16, apart from the dots' loop
+        for b in 0..nb {
+            unroll t in 0..M {
+                let blk = (t0 + t * ts) * nb + b;
+                let l = ahalf[0](arow[t] + b * Q.block * ACT_BYTES);
+                let l2 = l + i32x4.shuffle(l, l, 2, 3, 0, 1);
+                let lo = l2 + i32x4.shuffle(l2, l2, 1, 0, 3, 2);  # the low half's sum in every lane
+                let hs = i16x8.bits((lo & i32x4.splat(65535)) | ((i32x4.splat(i32.load(as + blk * 4)) - lo) << 16));
+                let da = f32x4.splat(f32.load(ad + blk * 4));
+                unroll g in 0..G {
+                    let wb = (g0 + g * gs) * nb + b;
+                    let i = (t * G + g) * A;
+                    acc[i] = madd(f32x4.convert(pairsum(qmins[Q](Q.rowrecord(w, wb), wb), hs)) * da, Q.rowoffset(w, wb), acc[i]);
                 }
             }
         }
