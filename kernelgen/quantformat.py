@@ -25,10 +25,11 @@ per target and type) holds the same planes with every GROUP_ROWS rows side by si
 with zero blocks to a multiple of GROUP_ROWS, each plane's per-row bytes of one block (one record of
 a super-block) cut into granules and the group's rows interleaved granule by granule, group-major
 then block-major. Granules are GRANULE bytes (a plane's f32s, the codes), one byte for a
-record's integers (two for an offset's over sub-blocks of 16: Factored.per), or SUB_SCALE_GRANULE bytes for integer sub-block scales, so that a 16-byte
-vector holds granule j of each of the four rows (codes 4j .. 4j + 3 of a kernel block, or its f32
-scale) and a kernel's i32 lane r is row r: no lane folds per row. A scalar byte value field
-(q4_onnx's zero point) takes a whole granule, its byte four times.
+record's integers (two for an offset's over sub-blocks of 16: Factored.per), or SUB_SCALE_GRANULE
+bytes for integer sub-block scales, so that a 16-byte vector holds granule j of each of the four
+rows (codes 4j .. 4j + 3 of a kernel block, or its f32 scale) and a kernel's i32 lane r is row r:
+no lane folds per row. A scalar byte value field (q4_onnx's zero point) takes a whole granule,
+its byte four times.
 """
 from __future__ import annotations
 
@@ -821,7 +822,7 @@ class QuantFormat:
                if self.reencoded else {}),
             # the scale's factors: plane scale (per super-block) and the i32 after each kernel block's codes
             **({"sub_scales": dict(zip(("block", "sub"), map(to_json, self.sub_scales)))} if self.sub_scales else {}),
-            # plane scale's record per super-block: F at f_at (f32), I at i_at (a byte per kernel block)
+            # plane scale's record per super-block: F at f_at (f32), I at i_at (`per` bytes per kernel block)
             **({"record": {"bytes": self.record.bytes, "blocks": self.record.blocks, "factors": {
                 name: {"f": to_json(x.f), "f_at": x.f_at, "i": to_json(x.i) if x.i is not None else None,
                        "i_at": x.i_at, "signed": x.signed, "per": x.per} for name, x in self.record.factors.items()}}}
