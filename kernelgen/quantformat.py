@@ -121,7 +121,9 @@ class Select(Node):
 class Call(Node):
     """`nib(f, i)`: element i is the low nibble of byte i for the first half, the high nibble of
     byte i - n for the second (GGUF); `nibi(f, i)`: low nibble of byte i/2 for even i, high for odd
-    (ONNX UINT4); `bit(f, i)`: bit i of the little-endian bit mask f."""
+    (ONNX UINT4); `bit(f, i)`: bit i of the little-endian bit mask f; `crumb(f, i)` (plane q's 2-bit
+    codes, ENCODINGS: no declaration writes it): bits 2 * (i / n) of byte i % n, n the field's
+    bytes."""
 
     kind = "call"
     func: str
@@ -326,6 +328,9 @@ class NumpyEval:
         if n.func == "nibi":
             byte = f[..., i // 2].astype(np.int32)
             return (byte >> (4 * (i % 2))) & 0x0F
+        if n.func == "crumb":
+            count = f.shape[-1]
+            return (f[..., i % count].astype(np.int32) >> (2 * (i // count))) & 3
         bits = np.unpackbits(f.astype(np.uint8), axis=-1, bitorder="little")
         return bits[..., i].astype(np.int32)
 
@@ -419,7 +424,7 @@ class IntRange:
         return self._type(n.field)
 
     def on_call(self, n: Call) -> tuple[int, int]:
-        return (0, 1) if n.func == "bit" else (0, 15)
+        return (0, 1) if n.func == "bit" else (0, 3) if n.func == "crumb" else (0, 15)
 
     def on_lookup(self, n: Lookup, code: tuple[int, int]) -> tuple[int, int]:
         return min(n.values), max(n.values)
@@ -533,7 +538,14 @@ def _nibbles(u: np.ndarray) -> np.ndarray:
     return ((u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)).astype(np.uint8)
 
 
+def _crumbs(u: np.ndarray) -> np.ndarray:
+    """Byte j holds elements j, j + 8, j + 16 and j + 24 in its bit pairs, low first: 16 values are
+    one 8-byte load, shifts and an and (quant._LowerUnpack)."""
+    return sum((u[..., 8 * k:8 * k + 8] & 3) << (2 * k) for k in range(4)).astype(np.uint8)
+
+
 ENCODINGS = {
+    "crumb": Encoding((FieldInfo("q2", "u8", 8, 0),), Call("crumb", "q2"), _crumbs),
     "nib": Encoding((FieldInfo("q4", "u8", 16, 0),), Call("nib", "q4"), _nibbles),
     "byte": Encoding((FieldInfo("q8", "i8", 32, 0),), Index("q8", Elem()), lambda u: u.astype(np.int8).view(np.uint8)),
 }
@@ -568,8 +580,8 @@ class QuantFormat:
     def kernel(self) -> QuantFormat:
         """The block kernels read. A flat type's stored value fields are that, unless `reencoded`
         (plane q holds them as stored). A re-encoded type is packed per block of KERNEL_BLOCK values
-        (the activation block; a super-block's sub-blocks) from its unpacked integers, in nibbles
-        when their range fits 4 bits, else in bytes (ENCODINGS); `Q.block`, `Q.bytes` and
+        (the activation block; a super-block's sub-blocks) from its unpacked integers, in 2 or 4
+        bits when their range fits, else in bytes (ENCODINGS); `Q.block`, `Q.bytes` and
         `Q.unpack` in kernels are this block's."""
         if not self.reencoded:
             return self
@@ -701,8 +713,10 @@ class QuantFormat:
         # the grouped layout, high bits sliced by lane group (one 16-bit shift, an and and an or per
         # 16 values, 0.625 and 0.75 bytes per value) ran relaxed Q5_K and Q6_K mat-vec at 0.67x and
         # 0.53x at 256x4096 and 1.07x and 0.83x from DRAM on one thread, 1.27x and 1.00x from DRAM
-        # on two (Zen 4, wasmtime): bytes win while the cores, not DRAM, bound decoding.)
-        return ("nib" if width <= 4 else "byte"), lo
+        # on two (Zen 4, wasmtime): bytes win while the cores, not DRAM, bound decoding. 2-bit codes
+        # take crumbs: relaxed Q2_K mat-vec 1.3x nibbles' rate from DRAM at the same rate in L2,
+        # simd128 1.1x from DRAM and 0.9x in L2, in 0.66x and 0.70x the bytes per weight; Xeon.)
+        return ("crumb" if width <= 2 else "nib" if width <= 4 else "byte"), lo
 
     @functools.cached_property
     def codes(self) -> tuple[Node, Node] | None:

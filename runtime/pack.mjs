@@ -332,6 +332,7 @@ const formulaConsumer = (fields, chunk) => ({
 // A super-block's kernel blocks in plane q (quantformat.ENCODINGS, byte for byte): where element e
 // of a kernel block of n values goes, [byte, shift, mask] of its integer minus the zero.
 const ENCODERS = {
+  crumb: (e, n) => [e % (n / 4), 2 * Math.floor(e / (n / 4)), 3],
   nib: (e, n) => (e < n / 2 ? [e, 0, 15] : [e - n / 2, 4, 15]),
   byte: (e) => [e, 0, 255],
 };
@@ -449,6 +450,9 @@ function rowPacker(spec) {
   // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
   const zeros = spec.codes?.zero.kind === 'field' ? compile(spec.codes.zero) : null;
   const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
+  if (spec.encoding && !Object.hasOwn(ENCODERS, spec.encoding.kind)) {
+    throw new Error(`this runtime cannot pack codes encoded as ${JSON.stringify(spec.encoding.kind)} (it knows ${Object.keys(ENCODERS).join(', ')}): use the runtime of the kernelgen that built the library`);
+  }
   const zero = spec.encoding?.zero ?? 0;
   // sub-blocks smaller than the kernel block: scale = F (per super-block) * I(s) (plane sub)
   const split = spec.sub_scales && { f: compile(spec.sub_scales.block), i: compile(spec.sub_scales.sub) };

@@ -303,29 +303,42 @@ await k.terminate();
                         r"16 pages of 64 KiB\)", got["message"]), got["message"]
 
 
-def test_node_refuses_a_grouped_plane_without_its_granules(tmp_path: Path) -> None:
+def _drop_granules(q: dict) -> None:
+    del q["planes"]["q"]["granules"]
+
+
+def _unknown_encoding(q: dict) -> None:
+    q["encoding"]["kind"] = "trit"
+
+
+@pytest.mark.parametrize("quant, stored, edit, message", [
+    ("q6_k", 210, _drop_granules, "pack(q6_k): plane 'q' of the grouped layout: its granules must cover its 36 bytes "
+                                  "per record, got undefined; rebuild with `kernelgen build`"),
+    ("q2_k", 84, _unknown_encoding, 'pack(q2_k): this runtime cannot pack codes encoded as "trit" (it knows crumb, nib, byte):'
+                                    " use the runtime of the kernelgen that built the library")])
+def test_node_refuses_a_packed_layout_it_does_not_know(tmp_path: Path, quant, stored, edit, message) -> None:
     """A manifest whose grouped Q6_K plane lacks the granules this runtime packs by (one from before
-    they were recorded) is refused at pack with what to do, not packed into a layout the kernels
+    they were recorded), or whose codes take an encoding this runtime does not know (one from a
+    newer kernelgen), is refused at pack with what to do, not packed into a layout the kernels
     would misread."""
     need(NODE, "node is not installed")
     out = tmp_path / "out"
-    assert cli.main(["build", "--target", "relaxed-simd", "--no-store", "--out", str(out), "--quant", "q6_k",
+    assert cli.main(["build", "--target", "relaxed-simd", "--no-store", "--out", str(out), "--quant", quant,
                      "--dsl", str(ROOT / "kernels.dsl")]) == 0
     path = out / "relaxed-simd" / "kernels.json"
     m = json.loads(path.read_text())
-    del m["quants"]["q6_k"]["planes"]["q"]["granules"]
+    edit(m["quants"][quant])
     path.write_text(json.dumps(m))
     script = f"""
 import {{ loadKernels }} from {json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri())};
 const k = await loadKernels({{ dir: {json.dumps(str(out))}, target: 'relaxed-simd', threads: 1 }});
-try {{ await k.pack('q6_k', new Uint8Array(4 * 210), 4, 256); console.log('packed'); }}
+try {{ await k.pack('{quant}', new Uint8Array(4 * {stored}), 4, 256); console.log('packed'); }}
 catch (e) {{ console.log(e.message); }}
 await k.terminate();
 """
     proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == ("pack(q6_k): plane 'q' of the grouped layout: its granules must cover its 36 bytes "
-                                   "per record, got undefined; rebuild with `kernelgen build`"), proc.stdout
+    assert proc.stdout.strip() == message, proc.stdout
 
 
 def test_node_runs_a_build_of_some_quant_types_and_refuses_the_others(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from kernelgen.compiler.build import compile_source, from_built
 from kernelgen.compiler.lower import _i16_units
@@ -71,7 +73,7 @@ def test_grouped_planes_are_the_rows_planes_interleaved_by_granule(quants, rows)
         if q.sub_scales:  # rows one by one an i32 per sub-block scale (s in both i16 halves), grouped int8 twice
             assert q.kernel.bytes == flat.kernel.bytes - 4
             blocks = rows_planes["q"].reshape(padded.shape[0], -1, flat.kernel.bytes)
-            codes = flat.kernel.bytes - 8  # Q6_K's bytes (32) or Q3_K's nibbles (16), then the two i32s
+            codes = flat.kernel.bytes - 8  # Q6_K's bytes (32), Q3_K's nibbles (16) or Q2_K's crumbs (8), then the two i32s
             s = blocks[..., codes:].copy().view("<i2")[..., ::2]  # (rows, blocks, 2): each half's s
             assert (blocks[..., codes:].copy().view("<i2")[..., 1::2] == s).all()
             pairs = np.repeat(s.astype(np.int8), 2, axis=-1).view(np.uint8)
@@ -124,6 +126,36 @@ def test_a_lane_group_of_a_grouped_block_holds_four_values_of_each_row(quants) -
     for j in range(8):
         lanes = (vectors[j % 4] & 15) if j < 4 else (vectors[j % 4] >> 4)
         np.testing.assert_array_equal(lanes.reshape(4, 4), codes[:, 4 * j:4 * j + 4], err_msg=f"lane group {j}")
+
+
+@pytest.mark.parametrize("group", [1, GROUP_ROWS])
+def test_q2_k_packs_its_codes_in_2_bits(quants, group) -> None:
+    """Q2_K's codes take 2 bits in plane q (ENCODINGS "crumb"), not a nibble: per row and kernel
+    block 8 bytes, byte b holding elements b, b + 8, b + 16 and b + 24 from its low bit pair up;
+    rows one by one (simd128) an i32 per sub-block scale after them, grouped (relaxed SIMD) an int8
+    pair per row. The codes come from gguf's dequantizer on blocks with d 1, dmin 0 and every
+    sub-block scale 1 (value = code); grouped, lane group j is bit pair j / 2 of the 16 bytes at
+    16 (j % 2): elements 4j..4j+3 of each row, what the kernels read."""
+    q = dataclasses.replace(quants["q2_k"], group=group)
+    assert q.encoding == ("crumb", 0)
+    b = random_blocks(q, GROUP_ROWS, 2, rng_for("q2_k-crumbs"))
+    b["d"], b["dmin"], b["scales"] = 1, 0, 0x71  # minimum 7, times dmin 0
+    raw = np.ascontiguousarray(b).view(np.uint8).reshape(GROUP_ROWS, -1)
+    codes = dequantize(raw, GGMLQuantizationType.Q2_K).reshape(GROUP_ROWS, 16, 32).astype(np.uint8)  # (rows, kernel blocks, 32)
+    per_block = 8 + (8 if group == 1 else 4)  # the codes, then the sub-block scales
+    assert q.kernel.bytes == per_block and q.packed_bytes(GROUP_ROWS, 512) == GROUP_ROWS * 16 * (per_block + 3)
+    plane = q.pack(b)["q"].reshape(-1, 16, group, per_block)  # (groups, kernel blocks, rows of a group, bytes)
+    if group == 1:
+        crumbs = plane[:, :, 0, :8]  # (rows, blocks, 8)
+    else:  # granules of 4 bytes: each row's bytes 0-3, then each row's 4-7
+        crumbs = plane.reshape(1, 16, -1)[..., :8 * GROUP_ROWS].reshape(16, 2, GROUP_ROWS, 4)
+        for j in range(8):
+            lanes = (plane.reshape(16, -1)[:, 16 * (j % 2):16 * (j % 2) + 16] >> (2 * (j // 2))) & 3
+            np.testing.assert_array_equal(lanes.reshape(16, GROUP_ROWS, 4), codes[..., 4 * j:4 * j + 4].transpose(1, 0, 2),
+                                          err_msg=f"lane group {j}")
+        crumbs = crumbs.transpose(2, 0, 1, 3).reshape(GROUP_ROWS, 16, 8)
+    got = np.concatenate([(crumbs >> (2 * k)) & 3 for k in range(4)], axis=-1)
+    np.testing.assert_array_equal(got, codes)
 
 
 # Constant zeros under sub-block scales (Q6_K's 32) at each width of the i16 sums (Q.u16: how many

@@ -507,6 +507,8 @@ class _LowerUnpack:
             if first // count == 0:
                 return I("v128.and", load, _splat8(0x0F))
             return _shr_u8(load, 4)
+        if n.func == "crumb":
+            return self._crumbs(self.g * self.qf.value_offset(f.name))
         assert self.g == 1, "bit masks are re-encoded: no grouped type reads one"
         # bit: lanes 16j..16j+15 read bits of the two mask bytes 2j and 2j+1: put byte 2j in lanes
         # 0-7 and byte 2j+1 in lanes 8-15, keep each lane's own bit, then turn "bit set" into 1.
@@ -514,6 +516,21 @@ class _LowerUnpack:
         spread = I("i8x16.swizzle", both, I("v128.const", "i8x16", *(["0"] * 8 + ["1"] * 8)))
         bitsel = I("v128.const", "i8x16", *[str(1 << (k % 8)) for k in range(LANES)])
         return I("v128.and", I("i8x16.eq", I("v128.and", spread, bitsel), bitsel), _splat8(1))
+
+    def _crumbs(self, at: int) -> Instr:
+        """Lane group j of 2-bit codes (quantformat._crumbs: byte b holds elements b, b + 8, b + 16,
+        b + 24), as a 16-bit shift and an and (which drops the bits that cross a byte). Grouped: 16
+        bytes hold bytes 4h..4h+3 of each row (h = j % 2), whose bit pair j / 2 is elements
+        4j..4j+3: a load, a shift and an and, as a nibble's. Rows: lanes 0-7 want bit pair 2j of the
+        block's 8 bytes and lanes 8-15 pair 2j + 1: the bytes in both halves, the low half's shifted
+        up by a bit pair (a multiply by 4), then all right by 4j + 2 (one load: an unpack of two
+        shifted copies needs the load twice)."""
+        if self.g > 1:
+            v, shift = self.load("v128.load", at + LANES * (self.j % 2), self.base), 2 * (self.j // 2)
+        else:
+            up = I("v128.const", "i16x8", *["4"] * 4 + ["1"] * 4)
+            v, shift = I("i16x8.mul", self.load("v128.load64_splat", at, self.base), up), 4 * self.j + 2
+        return I("v128.and", I("i16x8.shr_u", v, I("i32.const", shift)) if shift else v, _splat8(3))
 
     def on_lookup(self, n: Lookup, code: Instr) -> Instr:
         """A codebook lookup. Its indices are nibbles, below 16, where relaxed_swizzle is defined

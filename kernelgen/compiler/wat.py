@@ -6,6 +6,7 @@ records which DSL span each output line came from, so assembler errors map back 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -89,7 +90,8 @@ def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt
     """`body` with each v128.const it uses more than once read from a local set at its start, and
     those locals: 2 bytes per use in place of 18 (a 4-row tile repeats its nibble mask eight times),
     the same values to an engine (a local set once is its constant). Names say the value
-    (`$i8x16_15`, else `$i16x8_const_2`), none of them in `taken`."""
+    (`$i8x16_15`; a few runs of lanes, `$i16x8_4x4_1x4`; else `$i16x8_const_2`), none of them in
+    `taken`."""
     counts: dict[tuple[str, ...], int] = {}
 
     def count(x: Instr) -> Instr:
@@ -104,7 +106,9 @@ def share_vector_constants(body: list[Stmt], taken: set[str]) -> tuple[list[Stmt
     for imms, n in counts.items():
         if n > 1:
             shape, lanes = imms[0], imms[1:]
-            base = f"{shape}_{lanes[0]}" if len(set(lanes)) == 1 else f"{shape}_const"
+            runs = [(v, len(list(g))) for v, g in itertools.groupby(lanes)]
+            base = (f"{shape}_{lanes[0]}" if len(runs) == 1 else f"{shape}_" + "_".join(f"{v}x{n}" for v, n in runs)
+                    if len(runs) <= 3 else f"{shape}_const")
             base = base.replace("-", "m").replace(".", "_").replace("+", "")
             name, i = base, 1
             while name in taken or name in names.values():

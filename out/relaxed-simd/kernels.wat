@@ -11266,22 +11266,21 @@
     (local $acc_0 v128) (local $acc_1 v128) (local $wg_0 i32) (local $wg_1 i32) (local $arow_0 i32) (local $dot_0 v128)
     (local $dot_1 v128) (local $part_0 v128) (local $part_1 v128) (local $u_0 v128) (local $u_1 v128) (local $b i32)
     (local $loaded v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $av v128) (local $loaded_3 v128) (local $loaded_4 v128)
-    (local $loaded_5 v128) (local $loaded_6 v128) (local $loaded_7 v128) (local $loaded_8 v128) (local $x v128) (local $loaded_9 v128)
-    (local $blk i32) (local $da v128) (local $wb i32) (local $s i32) (local $a i32) (local $ret v128)
-    (local $l v128) (local $l2 v128) (local $lo v128) (local $hs v128) (local $rec i32) (local $row i32)
-    (local $out i32) (local $i8x16_15 v128)
+    (local $x v128) (local $loaded_5 v128) (local $blk i32) (local $da v128) (local $wb i32) (local $s i32)
+    (local $a i32) (local $ret v128) (local $l v128) (local $l2 v128) (local $lo v128) (local $hs v128)
+    (local $rec i32) (local $row i32) (local $out i32) (local $i8x16_3 v128)
     ;; vector constants used more than once
-    (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
+    (local.set $i8x16_3 (v128.const i8x16 3 3 3 3 3 3 3 3 3 3 3 3 3 3 3 3))
     ;; kernels.dsl:1060: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
     (local.set $wg_0
-      (i32.add (local.get $w_q) (i32.mul (i32.mul (local.get $g0) (local.get $nb)) (i32.const 80))))
+      (i32.add (local.get $w_q) (i32.mul (i32.mul (local.get $g0) (local.get $nb)) (i32.const 48))))
     ;; kernels.dsl:1060: wg[g] = w.q + (g0 + g * gs) * nb * Q.bytes;
     (local.set $wg_1
       (i32.add
         (local.get $w_q)
         (i32.mul
           (i32.mul (i32.add (local.get $g0) (local.get $gs)) (local.get $nb))
-          (i32.const 80))))
+          (i32.const 48))))
     ;; kernels.dsl:1064: arow[t] = aq + (t0 + t * ts) * nb * Q.block * ACT_BYTES;
     (local.set $arow_0
       (i32.add (local.get $aq) (i32.mul (i32.mul (local.get $t0) (local.get $nb)) (i32.const 32))))
@@ -11293,14 +11292,14 @@
         (local.set $u_0
           (v128.and
             (local.tee $loaded
-              (v128.load (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+              (v128.load (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 48)))))
+            (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
           (v128.and
             (local.tee $loaded_1
-              (v128.load (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+              (v128.load (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 48)))))
+            (local.get $i8x16_3)))
         ;; kernels.dsl:1078: let v = i32x4.load(arow[t] + k * Q.block * ACT_BYTES, j / 4 * 16);
         (local.set $loaded_2
           (v128.load (i32.add (local.get $arow_0) (i32.mul (local.get $b) (i32.const 32)))))
@@ -11318,15 +11317,15 @@
           (v128.and
             (local.tee $loaded_3
               (v128.load offset=16
-                (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+                (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 48)))))
+            (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
           (v128.and
             (local.tee $loaded_4
               (v128.load offset=16
-                (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+                (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 48)))))
+            (local.get $i8x16_3)))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 4 5 6 7 4 5 6 7 4 5 6 7 4 5 6 7
@@ -11344,18 +11343,10 @@
             (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $av) (local.get $u_1))))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_0
-          (v128.and
-            (local.tee $loaded_5
-              (v128.load offset=32
-                (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded) (i32.const 2)) (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
-          (v128.and
-            (local.tee $loaded_6
-              (v128.load offset=32
-                (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_1) (i32.const 2)) (local.get $i8x16_3)))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 8 9 10 11 8 9 10 11 8 9 10 11 8 9 10 11
@@ -11373,18 +11364,10 @@
             (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $av) (local.get $u_1))))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_0
-          (v128.and
-            (local.tee $loaded_7
-              (v128.load offset=48
-                (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_3) (i32.const 2)) (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
-          (v128.and
-            (local.tee $loaded_8
-              (v128.load offset=48
-                (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 80)))))
-            (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_4) (i32.const 2)) (local.get $i8x16_3)))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 12 13 14 15 12 13 14 15 12 13 14 15 12 13 14 15
@@ -11404,44 +11387,44 @@
         (local.set $dot_0
           (i32x4.dot_i16x8_s
             (local.get $part_0)
-            (v128.load8x8_s offset=64
-              (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 80))))))
+            (v128.load8x8_s offset=32
+              (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 48))))))
         ;; kernels.dsl:1114: dot[i] = x;
         (local.set $dot_1
           (i32x4.dot_i16x8_s
             (local.get $part_1)
-            (v128.load8x8_s offset=64
-              (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 80))))))
+            (v128.load8x8_s offset=32
+              (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 48))))))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_0
-          (v128.and (i16x8.shr_u (local.get $loaded) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded) (i32.const 4)) (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
-          (v128.and (i16x8.shr_u (local.get $loaded_1) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_1) (i32.const 4)) (local.get $i8x16_3)))
         ;; kernels.dsl:1078: let v = i32x4.load(arow[t] + k * Q.block * ACT_BYTES, j / 4 * 16);
-        (local.set $loaded_9
+        (local.set $loaded_5
           (v128.load offset=16
             (i32.add (local.get $arow_0) (i32.mul (local.get $b) (i32.const 32)))))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 0 1 2 3 0 1 2 3 0 1 2 3 0 1 2 3
-            (local.get $loaded_9)
-            (local.get $loaded_9)))
+            (local.get $loaded_5)
+            (local.get $loaded_5)))
         ;; kernels.dsl:1091: part[i] = hdot7(i16x8.splat(0), u[g], av);
         (local.set $part_0 (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $av) (local.get $u_0)))
         ;; kernels.dsl:1091: part[i] = hdot7(i16x8.splat(0), u[g], av);
         (local.set $part_1 (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $av) (local.get $u_1)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_0
-          (v128.and (i16x8.shr_u (local.get $loaded_3) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_3) (i32.const 4)) (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
-          (v128.and (i16x8.shr_u (local.get $loaded_4) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_4) (i32.const 4)) (local.get $i8x16_3)))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 4 5 6 7 4 5 6 7 4 5 6 7 4 5 6 7
-            (local.get $loaded_9)
-            (local.get $loaded_9)))
+            (local.get $loaded_5)
+            (local.get $loaded_5)))
         ;; kernels.dsl:1096: part[i] = hdot7(part[i], u[g], av);
         (local.set $part_0
           (i16x8.add
@@ -11454,15 +11437,15 @@
             (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $av) (local.get $u_1))))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_0
-          (v128.and (i16x8.shr_u (local.get $loaded_5) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded) (i32.const 6)) (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
-          (v128.and (i16x8.shr_u (local.get $loaded_6) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_1) (i32.const 6)) (local.get $i8x16_3)))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 8 9 10 11 8 9 10 11 8 9 10 11 8 9 10 11
-            (local.get $loaded_9)
-            (local.get $loaded_9)))
+            (local.get $loaded_5)
+            (local.get $loaded_5)))
         ;; kernels.dsl:1096: part[i] = hdot7(part[i], u[g], av);
         (local.set $part_0
           (i16x8.add
@@ -11475,15 +11458,15 @@
             (i16x8.relaxed_dot_i8x16_i7x16_s (local.get $av) (local.get $u_1))))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_0
-          (v128.and (i16x8.shr_u (local.get $loaded_7) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_3) (i32.const 6)) (local.get $i8x16_3)))
         ;; kernels.dsl:1075: u[g] = Q.codes(wg[g] + k * Q.bytes, j);
         (local.set $u_1
-          (v128.and (i16x8.shr_u (local.get $loaded_8) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and (i16x8.shr_u (local.get $loaded_4) (i32.const 6)) (local.get $i8x16_3)))
         ;; kernels.dsl:1079: let av = alanes[j % 4](v);
         (local.set $av
           (i8x16.shuffle 12 13 14 15 12 13 14 15 12 13 14 15 12 13 14 15
-            (local.get $loaded_9)
-            (local.get $loaded_9)))
+            (local.get $loaded_5)
+            (local.get $loaded_5)))
         ;; kernels.dsl:1096: part[i] = hdot7(part[i], u[g], av);
         (local.set $part_0
           (i16x8.add
@@ -11498,16 +11481,16 @@
         (local.set $x
           (i32x4.dot_i16x8_s
             (local.get $part_0)
-            (v128.load8x8_s offset=72
-              (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 80))))))
+            (v128.load8x8_s offset=40
+              (i32.add (local.get $wg_0) (i32.mul (local.get $b) (i32.const 48))))))
         ;; kernels.dsl:1116: dot[i] = dot[i] + x;
         (local.set $dot_0 (i32x4.add (local.get $dot_0) (local.get $x)))
         ;; kernels.dsl:1107: x = pairsum(part[i], i16x8.load8x8(wg[i % G] + k * Q.bytes, Q.sub_scales_at + j / 4 * 8));
         (local.set $x
           (i32x4.dot_i16x8_s
             (local.get $part_1)
-            (v128.load8x8_s offset=72
-              (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 80))))))
+            (v128.load8x8_s offset=40
+              (i32.add (local.get $wg_1) (i32.mul (local.get $b) (i32.const 48))))))
         ;; kernels.dsl:1116: dot[i] = dot[i] + x;
         (local.set $dot_1 (i32x4.add (local.get $dot_1) (local.get $x)))
         ;; kernels.dsl:1141: let blk = (t0 + t * ts) * nb + b;

@@ -10083,10 +10083,11 @@
     (local $t_4 v128) (local $t_5 v128) (local $t_6 v128) (local $ret_1 v128) (local $x v128) (local $loaded_14 v128)
     (local $exact v128) (local $ret_2 v128) (local $ret_3 v128) (local $a_1 v128) (local $ret_4 v128) (local $ret_5 v128)
     (local $ret_6 v128) (local $cd v128) (local $lo v128) (local $halves v128) (local $rec i32) (local $ret_8 f32)
-    (local $i32x4_0 v128) (local $i8x16_15 v128) (local $i16x8_0xff00 v128) (local $i8x16_1 v128)
+    (local $i32x4_0 v128) (local $i16x8_4x4_1x4 v128) (local $i8x16_3 v128) (local $i16x8_0xff00 v128) (local $i8x16_1 v128)
     ;; vector constants used more than once
     (local.set $i32x4_0 (v128.const i32x4 0 0 0 0))
-    (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
+    (local.set $i16x8_4x4_1x4 (v128.const i16x8 4 4 4 4 1 1 1 1))
+    (local.set $i8x16_3 (v128.const i8x16 3 3 3 3 3 3 3 3 3 3 3 3 3 3 3 3))
     (local.set $i16x8_0xff00
       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
     (local.set $i8x16_1 (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
@@ -10138,7 +10139,7 @@
                 (local.set $p_0 (local.get $i32x4_0))
                 (local.set $p_1 (local.get $i32x4_0))
                 ;; kernels.dsl:649: var wq: ptr = w.q + blk * Q.bytes;
-                (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 24))))
+                (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk) (i32.const 16))))
                 ;; kernels.dsl:650: var ap: ptr = a;
                 (local.set $ap (local.get $ab))
                 ;; kernels.dsl:651: for i in 0..2 {
@@ -10152,7 +10153,13 @@
                             (i32x4.dot_i16x8_s
                               (i16x8.shl
                                 (local.tee $t_1
-                                  (v128.and (v128.load (local.get $wq)) (local.get $i8x16_15)))
+                                  (v128.and
+                                    (i16x8.shr_u
+                                      (i16x8.mul
+                                        (v128.load64_splat (local.get $wq))
+                                        (local.get $i16x8_4x4_1x4))
+                                      (i32.const 2))
+                                    (local.get $i8x16_3)))
                                 (i32.const 8))
                               (v128.load (local.get $ap)))
                             (i32x4.dot_i16x8_s
@@ -10165,8 +10172,12 @@
                               (i16x8.shl
                                 (local.tee $t_2
                                   (v128.and
-                                    (i16x8.shr_u (v128.load (local.get $wq)) (i32.const 4))
-                                    (local.get $i8x16_15)))
+                                    (i16x8.shr_u
+                                      (i16x8.mul
+                                        (v128.load64_splat (local.get $wq))
+                                        (local.get $i16x8_4x4_1x4))
+                                      (i32.const 6))
+                                    (local.get $i8x16_3)))
                                 (i32.const 8))
                               (v128.load offset=32 (local.get $ap)))
                             (i32x4.dot_i16x8_s
@@ -10174,9 +10185,9 @@
                               (v128.load offset=48 (local.get $ap))))
                           (i32.const 8)))
                       (i8x16.shuffle 0 1 2 3 0 1 2 3 4 5 6 7 4 5 6 7
-                        (local.tee $t_3 (v128.load64_zero (i32.add (local.get $wq) (i32.const 16))))
+                        (local.tee $t_3 (v128.load64_zero (i32.add (local.get $wq) (i32.const 8))))
                         (local.get $t_3))))
-                  (local.set $wq_1 (i32.add (local.get $wq) (i32.const 24)))
+                  (local.set $wq_1 (i32.add (local.get $wq) (i32.const 16)))
                   (local.set $a (i32.add (local.get $ap) (i32.const 64)))
                   (local.set $ret_1
                     (i32x4.dot_i16x8_s
@@ -10186,7 +10197,13 @@
                             (i32x4.dot_i16x8_s
                               (i16x8.shl
                                 (local.tee $t_4
-                                  (v128.and (v128.load (local.get $wq_1)) (local.get $i8x16_15)))
+                                  (v128.and
+                                    (i16x8.shr_u
+                                      (i16x8.mul
+                                        (v128.load64_splat (local.get $wq_1))
+                                        (local.get $i16x8_4x4_1x4))
+                                      (i32.const 2))
+                                    (local.get $i8x16_3)))
                                 (i32.const 8))
                               (v128.load (local.get $a)))
                             (i32x4.dot_i16x8_s
@@ -10199,8 +10216,12 @@
                               (i16x8.shl
                                 (local.tee $t_5
                                   (v128.and
-                                    (i16x8.shr_u (v128.load (local.get $wq_1)) (i32.const 4))
-                                    (local.get $i8x16_15)))
+                                    (i16x8.shr_u
+                                      (i16x8.mul
+                                        (v128.load64_splat (local.get $wq_1))
+                                        (local.get $i16x8_4x4_1x4))
+                                      (i32.const 6))
+                                    (local.get $i8x16_3)))
                                 (i32.const 8))
                               (v128.load offset=32 (local.get $a)))
                             (i32x4.dot_i16x8_s
@@ -10209,7 +10230,7 @@
                           (i32.const 8)))
                       (i8x16.shuffle 0 1 2 3 0 1 2 3 4 5 6 7 4 5 6 7
                         (local.tee $t_6
-                          (v128.load64_zero (i32.add (local.get $wq_1) (i32.const 16))))
+                          (v128.load64_zero (i32.add (local.get $wq_1) (i32.const 8))))
                         (local.get $t_6))))
                   ;; kernels.dsl:652: let x = lanepairs(qraw[Q, 1](wq, ap), qraw[Q, 1](wq + Q.bytes, ap + Q.block * ACT_BYTES));
                   (local.set $x
@@ -10225,7 +10246,7 @@
                   ;; kernels.dsl:654: p[1] = x;
                   (local.set $p_1 (local.get $x))
                   ;; kernels.dsl:655: wq = wq + 2 * Q.bytes;
-                  (local.set $wq (i32.add (local.get $wq) (i32.const 48)))
+                  (local.set $wq (i32.add (local.get $wq) (i32.const 32)))
                   ;; kernels.dsl:656: ap = ap + 2 * Q.block * ACT_BYTES;
                   (local.set $ap (i32.add (local.get $ap) (i32.const 128)))
                   (local.set $i (i32.add (local.get $i) (i32.const 1)))
@@ -13582,10 +13603,11 @@
     (result v128)
     (local $r v128) (local $b i32) (local $blk_1 i32) (local $a_1 i32) (local $da f32) (local $wq i32)
     (local $loaded v128) (local $wv v128) (local $loaded_1 v128) (local $loaded_2 v128) (local $ret v128) (local $acc_1 v128)
-    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $m i32) (local $mins v128) (local $i8x16_15 v128)
-    (local $i8x16_1 v128) (local $i16x8_0xff00 v128)
+    (local $loaded_3 v128) (local $loaded_4 v128) (local $r_1 v128) (local $m i32) (local $mins v128) (local $i16x8_4x4_1x4 v128)
+    (local $i8x16_3 v128) (local $i8x16_1 v128) (local $i16x8_0xff00 v128)
     ;; vector constants used more than once
-    (local.set $i8x16_15 (v128.const i8x16 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15 15))
+    (local.set $i16x8_4x4_1x4 (v128.const i16x8 4 4 4 4 1 1 1 1))
+    (local.set $i8x16_3 (v128.const i8x16 3 3 3 3 3 3 3 3 3 3 3 3 3 3 3 3))
     (local.set $i8x16_1 (v128.const i8x16 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1))
     (local.set $i16x8_0xff00
       (v128.const i16x8 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00 0xff00))
@@ -13601,10 +13623,16 @@
           (i32.add (local.get $a) (i32.mul (i32.mul (local.get $b) (i32.const 32)) (i32.const 2))))
         (local.set $da (f32.load (i32.add (local.get $ad) (i32.mul (local.get $b) (i32.const 4)))))
         ;; kernels.dsl:744: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
-        (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk_1) (i32.const 24))))
+        (local.set $wq (i32.add (local.get $w_q) (i32.mul (local.get $blk_1) (i32.const 16))))
         ;; kernels.dsl:588: var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         (local.set $wv
-          (v128.and (local.tee $loaded (v128.load (local.get $wq))) (local.get $i8x16_15)))
+          (v128.and
+            (i16x8.shr_u
+              (i16x8.mul
+                (local.tee $loaded (v128.load64_splat (local.get $wq)))
+                (local.get $i16x8_4x4_1x4))
+              (i32.const 2))
+            (local.get $i8x16_3)))
         (local.set $acc_1
           (i32x4.dot_i16x8_s
             (i16x8.add
@@ -13614,10 +13642,12 @@
               (i16x8.mul
                 (i16x8.shr_s (local.get $wv) (i32.const 8))
                 (local.tee $loaded_2 (v128.load offset=16 (local.get $a_1)))))
-            (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 16))))))
+            (i32x4.splat (i32.load (i32.add (local.get $wq) (i32.const 8))))))
         ;; kernels.dsl:590: acc = qhalf[Q, S](acc, qlanes[Q, S](wq, h), wq, a, h);
         (local.set $wv
-          (v128.and (i16x8.shr_u (local.get $loaded) (i32.const 4)) (local.get $i8x16_15)))
+          (v128.and
+            (i16x8.shr_u (i16x8.mul (local.get $loaded) (local.get $i16x8_4x4_1x4)) (i32.const 6))
+            (local.get $i8x16_3)))
         (local.set $acc_1
           (i32x4.add
             (local.get $acc_1)
@@ -13630,7 +13660,7 @@
                   (i16x8.shr_s (local.get $wv) (i32.const 8))
                   (local.tee $loaded_4 (v128.load offset=48 (local.get $a_1)))))
               (i32x4.splat
-                (i32.load (i32.add (i32.add (local.get $wq) (i32.const 16)) (i32.const 4)))))))
+                (i32.load (i32.add (i32.add (local.get $wq) (i32.const 8)) (i32.const 4)))))))
         (local.set $ret (local.get $acc_1))
         ;; kernels.dsl:744: var r: f32x4 = madd(f32x4.convert(qexact[Q](qraw[Q, 0](w.q + blk * Q.bytes, a))), f32x4...
         (local.set $r_1
