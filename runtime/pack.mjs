@@ -449,10 +449,10 @@ function rowPacker(spec) {
   const encoded = compile(spec.encoding?.code ?? spec.formulas.unpack);
   // a zero point read from the block must suit the relaxed dot's 7-bit operand (QuantFormat.codes)
   const zeros = spec.codes?.zero.kind === 'field' ? compile(spec.codes.zero) : null;
-  const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
   if (spec.encoding && !Object.hasOwn(ENCODERS, spec.encoding.kind)) {
     throw new Error(`this runtime cannot pack codes encoded as ${JSON.stringify(spec.encoding.kind)} (it knows ${Object.keys(ENCODERS).join(', ')}): use the runtime of the kernelgen that built the library`);
   }
+  const encode = spec.encoding ? ENCODERS[spec.encoding.kind] : null;
   const zero = spec.encoding?.zero ?? 0;
   // sub-blocks smaller than the kernel block: scale = F (per super-block) * I(s) (plane sub)
   const split = spec.sub_scales && { f: compile(spec.sub_scales.block), i: compile(spec.sub_scales.sub) };

@@ -292,7 +292,7 @@ try {{ for (;;) {{ await k.pack('q8_0', blocks, 64, 1024); n++; }} }}
 catch (e) {{ console.log(JSON.stringify({{ n, refused, name: e.name, message: e.message }})); }}
 await k.terminate();
 """
-    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True)
+    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     assert got["refused"] == "qmatvec: these weights were freed (free()); pack them again"
@@ -336,7 +336,8 @@ try {{ await k.pack('{quant}', new Uint8Array(4 * {stored}), 4, 256); console.lo
 catch (e) {{ console.log(e.message); }}
 await k.terminate();
 """
-    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True)
+    proc = subprocess.run([NODE, *NODE_FLAGS, "--input-type=module", "-e", script], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == message, proc.stdout
 
