@@ -76,6 +76,14 @@ def _budget(value: str) -> float:
     return seconds
 
 
+def _quant_names(value: str) -> list[str]:
+    """`--quant a,b` or `--quant a --quant b` (action "extend"): the names, each non-empty."""
+    names = [n.strip() for n in value.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: an empty quant type name (write e.g. q4_k,q6_k)")
+    return names
+
+
 def _tune(values: list[str]) -> dict[str, dict[str, int]]:
     """`kernel.param=value` pairs -> {kernel: {param: value}}."""
     out: dict[str, dict[str, int]] = {}
@@ -204,9 +212,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise KernelgenError(f"--shape: {k} takes shapes of {dims} dimension(s) "
                                  f"({'x'.join('NK' if dims == 2 else 'MNK' if dims == 3 else 'N')}), e.g. "
                                  f"{'x'.join(map(str, SPECS[k][1][0]))}")
+    args.quant = list(dict.fromkeys(args.quant)) if args.quant else None  # a type named twice is timed once
     for q in args.quant or []:
         if q not in checked.quants:
-            raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl}")
+            raise KernelgenError(f"--quant {q}: not a quant type of {args.dsl} (declared: {', '.join(checked.quants)})")
     try:
         unfit_cases(checked, kernels, shapes, args.quant)
     except ValueError as e:
@@ -385,9 +394,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"bytes of quant-type code per target the store's picks may take (default {CODE_BUDGET}: issue 13's"
                         " goal); over it, the picks with the least speed per byte take the smallest variant")
     b.add_argument("--no-code-budget", action="store_true", help="build the store's picks whatever their size")
-    b.add_argument("--quant", action="append", metavar="TYPE",
-                   help="build only this quant type's kernels (repeatable; default: every declared type), e.g. "
-                        "--quant q4_k --quant q6_k for a Q4_K_M model: smaller, and the byte budget spends itself on them")
+    b.add_argument("--quant", action="extend", type=_quant_names, metavar="TYPE[,TYPE..]",
+                   help="build only these quant types' kernels (repeatable; default: every declared type), e.g. "
+                        "--quant q4_k,q6_k for a Q4_K_M model: smaller, and the byte budget spends itself on them")
     b.add_argument("--quant-from", type=Path, metavar="FILE.gguf",
                    help="build the quant types a GGUF model file uses (with --quant: both); a tensor of a type the DSL "
                         "does not declare is an error naming it")
@@ -400,7 +409,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     t.add_argument("--kernel", default="*", help="kernel name pattern (default: every tunable kernel)")
     t.add_argument("--shape", action="append", default=[], help="N, NxK, or MxNxK for matrix products (repeatable; default: each kernel's shapes)")
-    t.add_argument("--quant", action="append", help="quant types for generic kernels (default: all)")
+    t.add_argument("--quant", action="extend", type=_quant_names, metavar="TYPE[,TYPE..]",
+                   help="quant types for generic kernels (repeatable or comma-separated; default: all)")
     t.add_argument("--budget", type=_budget, default=600.0, help="seconds to spend (default 600)")
     t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive",
                    help="every variant in order, or in a random order (with --budget: a sample)")

@@ -62,9 +62,13 @@ def edit(source: str, old: str, new: str) -> str:
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
+    """main's exit status, stdout and stderr; argparse's own errors (SystemExit) give their status too."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = e.code
     return code, out.getvalue(), err.getvalue()
 
 
@@ -934,7 +938,9 @@ def test_tune_records_a_wrong_variant_as_failed_and_never_picks_it(tmp_path: Pat
     (("--kernel", "dot_f32", "--shape", "0x5"), "dimensions must be positive"),
     (("--kernel", "dot_f32", "--shape", "big"), "write N, NxK or MxNxK"),
     (("--kernel", "qmatmul", "--shape", "64x64"), "qmatmul takes shapes of 3 dimension(s) (MxNxK)"),
-    (("--kernel", "qmatvec", "--quant", "nope"), "--quant nope"),
+    (("--kernel", "qmatvec", "--quant", "nope"), "--quant nope: not a quant type of"),
+    (("--kernel", "qmatvec", "--quant", "q4_0,nope"), "--quant nope: not a quant type of"),
+    (("--kernel", "qmatvec", "--quant", "q4_0,"), "an empty quant type name"),
     (("--kernel", "qmatmul", "--quant", "q4_k", "--shape", "4x64x384"),
      "no shape asked for fits the quant types asked for: K (the last dimension) must be a multiple of the type's"
      " block (qmatmul q4_k 4x64x384)"),
@@ -2179,5 +2185,12 @@ def test_cli_build_code_budget(tmp_path: Path, checked) -> None:
     assert list(m["quants"]) == ["q4_0"]
     code, out, err = run_cli(*base, "--quant", "q4_0", "--quant", "nope", "--out", str(tmp_path / "o5"))
     assert code == 2 and "no quant type 'nope' is declared" in err and not (tmp_path / "o5").exists()
+    code, out, err = run_cli(*base, "--quant", "q4_0,q8_0", "--quant", "q4_k", "--out", str(tmp_path / "o6"))
+    assert code == 0, err  # comma-separated and repeated alike, in declaration order
+    m = json.loads((tmp_path / "o6" / "simd128" / "kernels.json").read_text(encoding="utf-8"))
+    assert list(m["quants"]) == ["q8_0", "q4_0", "q4_k"]
+    for bad in ("q4_0,,q8_0", ",", ""):
+        code, out, err = run_cli(*base, "--quant", bad, "--out", str(tmp_path / "o7"))
+        assert code == 2 and "an empty quant type name" in err and not (tmp_path / "o7").exists(), bad
     code, out, err = run_cli(*base, "--quant", "q4_0", "--tune", "qmatvec_q8_0.rows=2", "--out", str(tmp_path / "o5"))
     assert code == 2 and "'qmatvec_q8_0' tunes quant type q8_0, which this build leaves out (it builds q4_0)" in err
