@@ -281,7 +281,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise KernelgenError(f"--store {store}: no such file")
     p = prune(store, checked, dry_run=args.dry_run)
     verb = "would drop" if args.dry_run else "dropped"
-    print(f"{store}: {verb} {p.dropped} timing(s) of other versions of the source than {args.dsl}'s; kept {p.kept}"
+    print(f"{store}: {verb} {p.dropped} timing(s) of other versions of the source than {args.dsl}'s"
+          + (f" or of code this compiler no longer emits ({p.stale}: time them again)" if p.stale else "") + f"; kept {p.kept}"
           + (f" and {p.unreadable} unreadable line(s), as they are" if p.unreadable else "")
           + f" ({p.bytes_before / 1e6:.1f} MB -> {p.bytes_after / 1e6:.1f} MB)")
     return 0
@@ -432,7 +433,8 @@ def parser() -> argparse.ArgumentParser:
     ca.set_defaults(func=cmd_carry)
     pr = sub.add_parser("prune", parents=[common],
                         help="drop the store's timings of other versions of the source (a build cannot pick them;"
-                             " run after carry and tune, with version control holding the old store)")
+                             " run after carry and tune, with version control holding the old store) and of code the"
+                             " compiler no longer emits (after a change to the compiler: time those again)")
     pr.add_argument("--store", type=Path, help=f"tuning store (default {STORE})")
     pr.add_argument("--dry-run", action="store_true", help="say what would be dropped, change nothing")
     pr.set_defaults(func=cmd_prune)

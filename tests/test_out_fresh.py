@@ -63,3 +63,21 @@ def test_committed_out_uses_the_timings_of_every_kernel_the_store_times(target: 
     partial = manifest["tune"].get("partial", {})
     assert not partial, (f"out/{target}'s picks of {', '.join(partial)} were made without some of the store's timings "
                          f"({partial}): run `kernelgen tune --kernel NAME --engine ENGINE` for the engines named, then build")
+
+
+def test_committed_store_times_the_code_this_compiler_emits() -> None:
+    """Every timing in the committed store records the code it ran (a fingerprint), and that is still
+    what the compiler makes of its variant: a change to the lowering of some type leaves its source,
+    and so its timings' key, as it was, and its old timings would go on picking its variants (Q2_K's
+    did, measured on 4-bit codes, after its codes became 2-bit)."""
+    from kernelgen.compiler.check import check
+    from kernelgen.compiler.parse import parse
+    from kernelgen.tuning.store import load_store, stale
+
+    records = load_store(STORE)
+    unmarked = [r for r in records if r.code is None]
+    assert not unmarked, f"{len(unmarked)} timing(s) in {STORE.name} record no code fingerprint, e.g. {unmarked[0].origin}"
+    old = stale(records, check(parse((ROOT / "kernels.dsl").read_text(encoding="utf-8"))))
+    kinds = sorted({f"{r.target} {r.kernel} {r.quant or ''}".strip() for r in old})
+    assert not old, (f"{len(old)} timing(s) time code the compiler no longer emits ({', '.join(kinds[:6])}): "
+                     f"run `kernelgen prune`, time them again (`kernelgen tune`), then build out/")

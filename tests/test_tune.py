@@ -35,6 +35,7 @@ from kernelgen.cli import main
 from kernelgen.errors import KernelgenError
 from kernelgen.errors import DslError
 from kernelgen.compiler.parse import parse
+from kernelgen.tuning.fingerprint import Code
 from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash, load_store
 from kernelgen.tuning.timing import measure
 from kernelgen.tuning.tune import SPECS, parse_shape, tune
@@ -595,6 +596,26 @@ def test_prune_drops_only_the_timings_of_other_versions(tmp_path, checked) -> No
     assert [f.name for f in tmp_path.iterdir()] == ["store.jsonl"]  # no temporary file left
 
 
+def test_prune_drops_the_timings_of_code_the_compiler_no_longer_emits(tmp_path, checked) -> None:
+    """A change to the lowering leaves the source, so the key (kernel_hash), as it was: the record's
+    fingerprint tells the timing of other code, which prune drops and says so; a timing from before
+    fingerprints (code None) cannot be told and stays."""
+    store = tmp_path / "store.jsonl"
+    code = Code(checked)
+    fresh = dataclasses.replace(rec(checked, {"unroll": 4}, 1e-6), code=code.fingerprint("simd128", "dot_f32", None, {"unroll": 4}))
+    legacy = rec(checked, {"unroll": 2}, 2e-6)
+    other = dataclasses.replace(rec(checked, {"unroll": 1}, 3e-6), code="0" * 64)
+    moved = dataclasses.replace(fresh, tune={"unroll": 1}, seconds=4e-6)  # unroll 4's code on unroll 1's timing
+    for r in (fresh, legacy, other, moved):
+        append_record(store, r)
+    assert S.stale(load_store(store), checked) == [other, moved]
+    assert S.prune(store, checked, dry_run=True).stale == 2
+    code_, out, err = run_cli("prune", "--dsl", str(DSL_PATH), "--store", str(store))
+    assert code_ == 0 and "dropped 2 timing(s)" in out and "or of code this compiler no longer emits (2: time them again)" in out, err
+    assert load_store(store) == [fresh, legacy]
+    assert code.fingerprint("simd128", "dot_f32", None, {"unroll": 3}) is None  # outside its domain: no code
+
+
 def test_prune_leaves_a_store_that_changed_meanwhile_as_it_is(tmp_path, checked, monkeypatch) -> None:
     """A tune appending while prune reads: the rewrite would lose its timing, so nothing is dropped."""
     store = tmp_path / "store.jsonl"
@@ -890,6 +911,15 @@ def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, f
     rest = _tune_dot(SOURCE, partial, retime=0)
     assert [r.tune for r in rest] == variants(checked, "dot_f32")[1:]
     assert not any(r.retimed for r in rest)
+
+    # A timing of code the compiler no longer emits is timed again; one from before fingerprints is not.
+    lines = [json.loads(line) for line in before.decode().splitlines() if not json.loads(line)["retimed"]]
+    lines[0]["code"], lines[1]["code"] = "0" * 64, None
+    marked = tmp_path / "marked.jsonl"
+    marked.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    redone = _tune_dot(SOURCE, marked, retime=0)
+    assert [(r.tune, r.code) for r in redone] == [(first[0].tune, first[0].code)]
+    assert first[0].code == Code(checked).fingerprint("simd128", "dot_f32", None, first[0].tune)
 
 
 def test_tune_with_no_budget_times_nothing(tmp_path: Path, fast) -> None:
@@ -1599,6 +1629,13 @@ def test_tune_times_a_kernel_with_a_pool_job_on_every_core_too(checked, tmp_path
         assert all(r.status == "ok" and r.seconds > 0 and r.engine == "wasmtime" for r in timed)
     assert {r.threads for r in new if r.kernel == "dot_f32"} == {1}
     assert load_store(store) == new
+    # each timing records the code it ran: a threaded one its pool job's, so it differs from the same
+    # variant's on one thread, and every one is what the compiler emits (prune keeps them all)
+    code = Code(checked)
+    assert all(r.code == code.fingerprint(r.target, r.kernel, r.quant, r.tune, r.threads) is not None for r in new)
+    one, two = ({r.code for r in new if r.kernel == "qmatmul" and r.tune == every[0] and r.threads == t} for t in (1, 2))
+    assert len(one) == len(two) == 1 and one != two
+    assert S.stale(new, checked) == [] and S.prune(store, checked).dropped == 0
     with pytest.raises(ValueError, match="on 2 threads: timed in wasmtime only"):
         T.run_case(SOURCE, checked, "simd128", "qmatmul", "q8_0", (3, 8, 64), every[0], engine="v8 11.3", threads=2)
 

@@ -7,30 +7,21 @@ both sources and comparing the code it runs, and keys copies of them to the edit
 re-tune after such an edit times only what changed (`kernelgen carry OLD.dsl`, then
 `kernelgen tune --quant ...`).
 
-The code compared is every function the timed call reaches (a pool job's: the job and par_for, the
-pool's driver), as WAT without comments (they name DSL lines, which an edit moves) and with its
-locals declared in name order. A kernel can read another kernel's tune value (qmatmul's tiles read
-qmatvec.accs); the code is compared under each variant of that kernel the store holds, as a timing
-may have been taken beside any of them.
+The code compared is fingerprint.Code's: every function the timed call reaches. A kernel can read
+another kernel's tune value (qmatmul's tiles read qmatvec.accs); the code is compared under each
+variant of that kernel the store holds, as a timing may have been taken beside any of them.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..compiler.check import Checked, resolve_tune, select_quants, tune_key
-from ..compiler.lower import Lowered, lower
-from ..compiler.wat import Func, Writer
+from ..compiler.check import Checked, resolve_tune, tune_key
 from ..errors import DslError
+from .fingerprint import Code
 from .store import Record, declares, kernel_hash
-
-_CALL = re.compile(r"\(call \$([A-Za-z0-9_]+)")
-_COMMENT = re.compile(r"\s*;;.*$")
-DRIVER = "par_for"  # the pool's driver: a pool job's timing runs it (timing.POOL_REPEAT)
 
 
 @dataclass
@@ -43,51 +34,6 @@ class Carried:
     kept: set[tuple[str, str, str | None]] = field(default_factory=set)
 
 
-def _text(f: Func) -> str:
-    """f's WAT without comments, its locals in name order: where a declaration sits is not code (the
-    body names every local), and an edit of one type's branch can move another's."""
-    w = Writer()
-    w.func(0, dataclasses.replace(f, locals=sorted(f.locals)))
-    return "\n".join(line for line in (_COMMENT.sub("", s) for s in w.lines) if line.strip())
-
-
-class _Code:
-    """The code one source lowers to, per target and tune table (lowerings shared through lower's memo)."""
-
-    def __init__(self, checked: Checked) -> None:
-        self.checked = checked
-        self._memo: dict = {}
-        self._lowered: dict[tuple, tuple[Lowered, dict[str, str]]] = {}
-
-    def lowered(self, target: str, quant: str | None, table: dict[str, dict[str, int]]) -> tuple[Lowered, dict[str, str]]:
-        key = (target, quant, json.dumps(table, sort_keys=True))
-        if key not in self._lowered:
-            checked = select_quants(self.checked, [quant]) if quant else self.checked
-            low = lower(checked, target, table, self._memo.setdefault((target, quant), {}))
-            self._lowered[key] = low, {f.name: _text(f) for f in low.funcs}
-        return self._lowered[key]
-
-    def reached(self, target: str, kernel: str, quant: str | None,
-                table: dict[str, dict[str, int]]) -> tuple[str, set[tuple[str, str | None]]]:
-        """sha256 of the functions a timing of `kernel` (an export, or a pool job) runs, and the
-        (kernel, quant) of the other kernels whose tune values they read."""
-        low, texts = self.lowered(target, quant, table)
-        job = kernel in self.checked.jobs
-        roots = [e.name for e in (low.jobs if job else low.exports)
-                 if (e.kernel.job if job else e.kernel.name) == kernel and (e.quant.name if e.quant else None) == quant]
-        roots += [DRIVER] * job
-        seen: list[str] = []
-        while roots:
-            name = roots.pop()
-            if name in seen or name not in texts:
-                continue
-            seen.append(name)
-            roots += _CALL.findall(texts[name])
-        reads = {(k, q) for r in self._memo[(target, quant)].values() if r.func is not None and r.func.name in seen
-                 for k, q, _, _ in r.reads}
-        return hashlib.sha256("\n".join(texts[n] for n in sorted(seen)).encode()).hexdigest(), reads
-
-
 def _same_record(r: Record) -> tuple:
     return r.key(), json.dumps(r.tune, sort_keys=True), r.seconds, r.status, r.when
 
@@ -96,7 +42,7 @@ def carry(records: Iterable[Record], old: Checked, new: Checked) -> Carried:
     """Copies, keyed to `new` (kernel_hash), of the timings in `records` that time `old`'s source
     and whose variant compiles to the same code from `new`; and which kernels the edit changed."""
     records = list(records)
-    codes = _Code(old), _Code(new)
+    codes = Code(old), Code(new)
     current = [r for r in records if r.dsl_hash == kernel_hash(old, r.kernel, r.quant) and declares(new, r)
                and r.dsl_hash != kernel_hash(new, r.kernel, r.quant)]
     variants: dict[tuple[str, str, str | None], list[dict[str, int]]] = {}  # stored variants per kernel
@@ -120,7 +66,7 @@ def carry(records: Iterable[Record], old: Checked, new: Checked) -> Carried:
     return out
 
 
-def _same(codes: tuple[_Code, _Code], target: str, kernel: str, quant: str | None, exported: str,
+def _same(codes: tuple[Code, Code], target: str, kernel: str, quant: str | None, exported: str,
           mine: dict[str, dict[str, int]], variants: dict[tuple[str, str, str | None], list[dict[str, int]]]) -> bool:
     """Whether the timed call compiles alike from both sources, under each table it may have run
     with: the declared defaults, and each stored variant of each kernel whose values it reads (a

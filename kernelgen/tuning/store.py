@@ -26,6 +26,7 @@ from ..compiler.check import Checked, resolve_tune
 from ..errors import DslError, KernelgenError
 from ..host.manifest import MAX_THREADS
 from ..host.module import I32_MAX
+from .fingerprint import Code
 
 STORE = Path("tuning") / "store.jsonl"
 FORMAT = 1
@@ -136,6 +137,7 @@ class Record:
     when: float = field(default_factory=time.time)
     engine: str = WASMTIME  # what ran it: wasmtime (its version is in host), or "v8 <version>" (tuning/v8.py)
     threads: int = 1  # 1: the kernel called on one thread; more: its pool job on that many (tune.threaded)
+    code: str | None = None  # the fingerprint of the code it ran (fingerprint.Code); None: a timing from before them
     origin: str = field(default="", compare=False, repr=False)  # file:line it was read from; not stored
 
     def stored(self) -> dict:
@@ -151,7 +153,7 @@ class Record:
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "kernel": (str,), "quant": (str, type(None)), "target": (str,), "shape": (str,), "dsl_hash": (str,),
     "host": (dict,), "tune": (dict,), "seconds": (float, int, type(None)), "status": (str,), "retimed": (bool,),
-    "when": (float, int), "engine": (str,), "threads": (int,),
+    "when": (float, int), "engine": (str,), "threads": (int,), "code": (str, type(None)),
 }
 
 
@@ -160,8 +162,9 @@ def _check_record(data: object) -> Record:
     Exact types first, then values (a store holds tens of thousands of lines, read by every build)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not a kernelgen tuning record of this format")
-    # lines from before engines were timed in wasmtime, and those from before threaded timings on one thread
-    fields = {"engine": WASMTIME, "threads": 1, **data}
+    # lines from before engines were timed in wasmtime, from before threaded timings on one thread, and
+    # from before fingerprints
+    fields = {"engine": WASMTIME, "threads": 1, "code": None, **data}
     del fields["format"]
     if fields.keys() != _FIELD_TYPES.keys():
         raise ValueError("not a kernelgen tuning record of this format")
@@ -251,42 +254,63 @@ def append_record(path: Path, rec: Record) -> None:
         f.write(json.dumps(rec.stored(), sort_keys=True) + "\n")
 
 
+def stale(records: list[Record], checked: Checked) -> list[Record]:
+    """The records of `checked`'s source (kernel_hash) whose code fingerprint this compiler no longer
+    emits for their variant (a change to the lowering, not to the source): their timings are of
+    other code. Records from before fingerprints (code None) cannot be told and are not listed."""
+    code = Code(checked)
+    return [r for r in records if r.code is not None and declares(checked, r)
+            and r.dsl_hash == kernel_hash(checked, r.kernel, r.quant)
+            and r.code != code.fingerprint(r.target, r.kernel, r.quant, r.tune, r.threads)]
+
+
 @dataclass
 class Pruned:
-    """What prune kept and dropped, in lines of the store; `bytes_before` and `bytes_after` its size."""
+    """What prune kept and dropped, in lines of the store; `bytes_before` and `bytes_after` its size;
+    `stale` of the dropped: timings of the current source whose code the compiler no longer emits."""
     kept: int
     dropped: int
     unreadable: int
     bytes_before: int
     bytes_after: int
+    stale: int = 0
 
 
 def prune(path: Path, checked: Checked, dry_run: bool = False) -> Pruned:
     """Rewrite the store at `path` without the timings of other versions of the source than
     `checked`'s (kernel_hash, as the build weighs them: those of a kernel or quant type it no longer
-    declares too). A build can pick only from the rest; carry keys timings to an edited source, so
-    the old ones are what its history (version control) holds. Lines that are no record of this
-    format stay as they are: prune drops only what it can read. The rewrite replaces the file at once,
-    and not at all when the store changed meanwhile (a tune appending): KernelgenError."""
+    declares too), nor those of its version whose code the compiler no longer emits (`stale`). A
+    build can pick only from the rest; carry keys timings to an edited source, so the old ones are
+    what its history (version control) holds. Lines that are no record of this format stay as they
+    are: prune drops only what it can read. The rewrite replaces the file at once, and not at all
+    when the store changed meanwhile (a tune appending): KernelgenError."""
     before = path.stat()
     raw = path.read_bytes()
     kept: list[bytes] = []
     dropped = unreadable = 0
-    for line in raw.splitlines():
+    records: dict[int, Record] = {}  # line index -> the record on it (every line that holds one)
+    lines = raw.splitlines()
+    for n, line in enumerate(lines):
+        if line.strip():
+            try:
+                rec = _check_record(json.loads(line))
+            except (ValueError, RecursionError):
+                continue
+            records[n] = rec
+    old = {id(r) for r in stale(list(records.values()), checked)}
+    for n, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            rec = _check_record(json.loads(line))
-        except (ValueError, RecursionError):  # undecodable, not JSON, not a record: kept as it is
+        rec = records.get(n)
+        if rec is None:  # undecodable, not JSON, not a record: kept as it is
             unreadable += 1
             kept.append(line)
-            continue
-        if declares(checked, rec) and rec.dsl_hash == kernel_hash(checked, rec.kernel, rec.quant):
+        elif declares(checked, rec) and rec.dsl_hash == kernel_hash(checked, rec.kernel, rec.quant) and id(rec) not in old:
             kept.append(line)
         else:
             dropped += 1
     out = b"".join(line + b"\n" for line in kept)
-    result = Pruned(len(kept) - unreadable, dropped, unreadable, len(raw), len(out))
+    result = Pruned(len(kept) - unreadable, dropped, unreadable, len(raw), len(out), len(old))
     if dry_run or not dropped:
         return result
     tmp = path.with_name(f".{path.name}.prune-{os.getpid()}")

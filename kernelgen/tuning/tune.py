@@ -28,6 +28,7 @@ from ..compiler.build import choose_tune, compile_source, from_built
 from ..compiler.check import Checked, check, tune_key, variants
 from ..names import variant_name
 from ..compiler.parse import parse
+from .fingerprint import Code
 from .store import WASMTIME, Record, append_record, host, kernel_hash, load_store, usable
 from .timing import ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source, time_job
 from .v8 import engine_name, in_browser, measure_v8
@@ -336,15 +337,18 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
          retime: int = 3, out=sys.stderr, remeasure: bool = False, engine: str = "wasmtime") -> list[Record]:
     """Tune `kernels` on `targets`, timed on `engine` (timing.ENGINES; pool jobs in wasmtime only: their
     threads are the Python host's); every result is appended to `store` as it comes. What `store`
-    already holds for this host and DSL is skipped, unless `remeasure`."""
+    already holds for this host and DSL is skipped, unless `remeasure` or its timing is of code the
+    compiler no longer emits (fingerprint)."""
     checked = check(parse(source))
     me = host()
     engines = engine_names(engine)
     stored = load_store(store)
     hash_of = functools.cache(functools.partial(kernel_hash, checked))  # 1-2 ms each: once per kernel and type
-    done = set() if remeasure else {
-        (r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine, r.threads)
-        for r in stored if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant)}
+    done: dict[tuple, set[str | None]] = {}  # what the store times for this host and source -> the code it ran
+    for r in [] if remeasure else stored:
+        if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant):
+            done.setdefault((r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine,
+                             r.threads), set()).add(r.code)
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     unfit = unfit_cases(checked, kernels, shapes, quants)
     plans: list[tuple[str, Plan]] = []
@@ -368,7 +372,15 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         return (p.kernel, p.quant, target, "x".join(map(str, p.shape)), json.dumps(p.tune, sort_keys=True), p.engine,
                 p.threads)
 
-    if all(key(t, p) in done for t, p in plans):
+    code = Code(checked)  # each timing's fingerprint: what `kernelgen prune` tells stale timings by
+
+    def timed(target: str, p: Plan) -> bool:
+        """Whether the store times p's code already (a timing from before fingerprints counts; one of
+        code the compiler no longer emits does not)."""
+        codes = done.get(key(target, p))
+        return bool(codes) and (None in codes or code.fingerprint(target, p.kernel, p.quant, p.tune, p.threads) in codes)
+
+    if all(timed(t, p) for t, p in plans):
         print(f"nothing to do: all {len(plans)} variant(s) asked for are already recorded in {store} for this"
               f" host and kernel source; pass --remeasure to time them again", file=out)
         return []
@@ -381,7 +393,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
     try:
         for i, (target, p) in enumerate(plans, 1):
             shape = "x".join(map(str, p.shape))
-            if key(target, p) in done:
+            if timed(target, p):
                 continue
             if time.monotonic() - start > budget:
                 print(f"\ntime budget of {budget:.0f} s used; {len(plans) - i + 1} variant(s) left", file=out)
@@ -392,7 +404,7 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine,
                                        records=stored + new, threads=p.threads)
             rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel, p.quant), me, p.tune, seconds, status,
-                         engine=p.engine, threads=p.threads)
+                         engine=p.engine, threads=p.threads, code=code.fingerprint(target, p.kernel, p.quant, p.tune, p.threads))
             append_record(store, rec)
             new.append(rec)
         new += _retime_best(source, checked, new, store, retime, out, stored)
@@ -417,7 +429,7 @@ def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path,
             seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune,
                                        engine=engine, records=stored + recs, threads=threads)
             rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True,
-                         engine=engine, threads=threads)
+                         engine=engine, threads=threads, code=r.code)
             append_record(store, rec)
             again.append(rec)
     return again
