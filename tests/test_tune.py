@@ -929,6 +929,23 @@ def test_tune_with_no_budget_times_nothing(tmp_path: Path, fast) -> None:
     assert "time budget" in out.getvalue() and not store.exists()
 
 
+def test_tune_notes_when_its_dram_shape_fits_the_last_level_cache(checked, tmp_path: Path, monkeypatch) -> None:
+    """qmatvec's last default shape is meant to read DRAM; where the last-level cache holds it, the
+    picks are of weights in cache, and tune says so before timing anything."""
+    from kernelgen.tuning import tune as T
+    big, rows1 = T.QMATVEC_SHAPES[-1], {"rows": 1, "accs": 1}
+    plans = [T.Plan("qmatvec", "q8_0", big, rows1), T.Plan("qmatvec", "q4_k", big, rows1)]
+    note = T.cache_note(checked, plans, {"L2": 2 << 20, "L3": 300 << 20})
+    assert note.startswith("note: 8192x8192 (at most 68 MB of weights) fits this machine's L3 cache (300 MB)")
+    for llc in ({"L2": 2 << 20, "L3": 32 << 20}, {}):  # DRAM after all, or caches unknown
+        assert T.cache_note(checked, plans, llc) is None
+    assert T.cache_note(checked, [T.Plan("qmatvec", "q8_0", (256, 4096), rows1)], {"L3": 300 << 20}) is None
+    monkeypatch.setattr(T, "caches", lambda: {"L3": 300 << 20})
+    out = io.StringIO()
+    assert tune(SOURCE, ["simd128"], ["qmatvec"], {"qmatvec": [big]}, ["q8_0"], tmp_path / "s.jsonl", -1.0, out=out) == []
+    assert "fits this machine's L3 cache (300 MB)" in out.getvalue()
+
+
 def test_tune_unknown_strategy_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown strategy"):
         tune(SOURCE, ["simd128"], ["dot_f32"], {}, None, tmp_path / "s.jsonl", 1.0, strategy="greedy",

@@ -43,7 +43,7 @@ from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
-from .store import Record, host
+from .store import Record, caches, host
 from .v8 import NODE_FLAGS, chromium_path, node_path, run_group
 from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
@@ -816,22 +816,6 @@ def format_table(report: Report) -> str:
                       f"all-types build keeps to {CODE_BUDGET} bytes of quant code with the smallest variant of:"]
         lines += [f"  {t}: {dropped_text(dropped)}" for t, dropped in report.budget.items() if dropped]
     return "\n".join(lines)
-
-
-def caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict[str, int]:
-    """The first core's data caches by level ("L1", "L2", "L3"), in bytes, as Linux's sysfs gives
-    them; empty where it does not. Not part of store.host() (a timing's key): a machine's caches
-    decide what the bench's DRAM shape measures, not which variant wins on it."""
-    out: dict[str, int] = {}
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    for d in sorted(root.glob("index*")):
-        try:
-            kind, level, size = ((d / f).read_text().strip() for f in ("type", "level", "size"))
-            if kind != "Instruction":
-                out[f"L{int(level)}"] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def _mb(n: float) -> str:

@@ -67,6 +67,22 @@ def host() -> dict[str, object]:
             "wasmtime": wasmtime_version(), "wabt": wabt_version()}
 
 
+def caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict[str, int]:
+    """The first core's data caches by level ("L1", "L2", "L3"), in bytes, as Linux's sysfs gives
+    them; empty where it does not. Not part of host() (a timing's key, which names the CPU model
+    already): they decide whether the shapes bench and tune mean to read DRAM do so."""
+    out: dict[str, int] = {}
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for d in sorted(root.glob("index*")):
+        try:
+            kind, level, size = ((d / f).read_text().strip() for f in ("type", "level", "size"))
+            if kind != "Instruction":
+                out[f"L{int(level)}"] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def wasmtime_version() -> str:
     from importlib.metadata import version
     return version("wasmtime")
