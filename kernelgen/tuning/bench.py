@@ -43,7 +43,7 @@ from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
 from .. import library
 from ..names import parse_variant, variant_name
-from .store import Record, caches, host
+from .store import Record, caches, host, last_level
 from .v8 import NODE_FLAGS, chromium_path, node_path, run_group
 from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
@@ -825,7 +825,7 @@ def _mb(n: float) -> str:
 def _cache_note(report: Report) -> list[str]:
     """A warning when the shape meant to read DRAM (BIG) fits this machine's last-level cache: its
     rows then measure that cache, and its goals (issue 13: weights that do not fit it) are not tested."""
-    llc = max(report.machine.get("caches", {}).items(), key=lambda x: x[0], default=None)
+    llc = last_level(report.machine.get("caches", {}))
     big = f"{BIG[0]}x{BIG[1]}"
     fit = sorted({(r.nbytes, r.key.split()[1]) for r in report.rows if r.nbytes and r.key.endswith(big)
                   and r.key.startswith("qmatvec")})

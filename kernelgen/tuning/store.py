@@ -83,6 +83,11 @@ def caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict[str,
     return out
 
 
+def last_level(levels: dict[str, int]) -> tuple[str, int] | None:
+    """The last-level cache of caches()' result, (level, bytes); None when none is known."""
+    return max(levels.items(), default=None)
+
+
 def wasmtime_version() -> str:
     from importlib.metadata import version
     return version("wasmtime")

@@ -29,7 +29,7 @@ from ..compiler.check import Checked, check, tune_key, variants
 from ..names import variant_name
 from ..compiler.parse import parse
 from .fingerprint import Code
-from .store import WASMTIME, Record, append_record, caches, host, kernel_hash, load_store, usable
+from .store import WASMTIME, Record, append_record, caches, host, kernel_hash, last_level, load_store, usable
 from .timing import ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source, time_job
 from .v8 import engine_name, in_browser, measure_v8
 
@@ -320,10 +320,10 @@ def cache_note(checked: Checked, plans: list[Plan], llc: dict[str, int] | None =
     matrices of 4096x4096, a Xeon with a 300 MB L3 that holds 8192x8192)."""
     big = QMATVEC_SHAPES[-1]
     quants = {p.quant for p in plans if p.kernel == "qmatvec" and p.shape == big}
-    levels = caches() if llc is None else llc
-    if not quants or not levels:
+    last = last_level(caches() if llc is None else llc)
+    if not quants or last is None:
         return None
-    level, size = max(levels.items())
+    level, size = last
     most = max(math.prod(big) * checked.quants[q].stored_bytes // checked.quants[q].block for q in quants)
     if most > size:
         return None
