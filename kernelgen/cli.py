@@ -192,7 +192,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tuning.tune import SPECS, parse_shape, tune, unfit_cases
+    from .tuning.tune import SPECS, parse_shape, shape_forms, tune, unfit_cases
 
     source = _read(args.dsl)
     checked = check(parse(source, str(args.dsl)))
@@ -207,11 +207,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise KernelgenError(str(e)) from None
     for k, given in shapes.items():
-        dims = len(SPECS[k][1][0])  # a kernel's shapes all have as many dimensions as its defaults
-        if any(len(s) != dims for s in given):
-            raise KernelgenError(f"--shape: {k} takes shapes of {dims} dimension(s) "
-                                 f"({'x'.join('NK' if dims == 2 else 'MNK' if dims == 3 else 'N')}), e.g. "
-                                 f"{'x'.join(map(str, SPECS[k][1][0]))}")
+        forms = shape_forms(k)
+        if any(len(s) not in {f.count("x") + 1 for f in forms} for s in given):
+            raise KernelgenError(f"--shape: {k} takes shapes {' or '.join(forms)}, e.g. {'x'.join(map(str, SPECS[k][1][-1]))}")
     args.quant = list(dict.fromkeys(args.quant)) if args.quant else None  # a type named twice is timed once
     for q in args.quant or []:
         if q not in checked.quants:
@@ -409,7 +407,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", parents=[common], help="time every variant of tunable kernels, append to the store")
     t.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     t.add_argument("--kernel", default="*", help="kernel name pattern (default: every tunable kernel)")
-    t.add_argument("--shape", action="append", default=[], help="N, NxK, or MxNxK for matrix products (repeatable; default: each kernel's shapes)")
+    t.add_argument("--shape", action="append", default=[], help="N, NxK, MxNxK for matrix products, or LxNxK for mat-vec over L matrices in turn (weights from DRAM) (repeatable; default: each kernel's shapes)")
     t.add_argument("--quant", action="extend", type=_quant_names, metavar="TYPE[,TYPE..]",
                    help="quant types for generic kernels (repeatable or comma-separated; default: all)")
     t.add_argument("--budget", type=_budget, default=600.0, help="seconds to spend (default 600)")

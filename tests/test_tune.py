@@ -934,16 +934,47 @@ def test_tune_notes_when_its_dram_shape_fits_the_last_level_cache(checked, tmp_p
     picks are of weights in cache, and tune says so before timing anything."""
     from kernelgen.tuning import tune as T
     big, rows1 = T.QMATVEC_SHAPES[-1], {"rows": 1, "accs": 1}
+    assert big == T.QMATVEC_DRAM and T.layered("qmatvec", big)
     plans = [T.Plan("qmatvec", "q8_0", big, rows1), T.Plan("qmatvec", "q4_k", big, rows1)]
-    note = T.cache_note(checked, plans, {"L2": 2 << 20, "L3": 300 << 20})
-    assert note.startswith("note: 8192x8192 (at most 68 MB of weights) fits this machine's L3 cache (300 MB)")
-    for llc in ({"L2": 2 << 20, "L3": 32 << 20}, {}):  # DRAM after all, or caches unknown
+    note = T.cache_note(checked, plans, {"L2": 2 << 20, "L3": 2 << 30})
+    assert note.startswith("note: 56x4096x4096 (at most 952 MB of weights) fits this machine's L3 cache (2048 MB)")
+    for llc in ({"L2": 2 << 20, "L3": 300 << 20}, {}):  # DRAM after all (a 300 MB L3 held 8192x8192), or caches unknown
         assert T.cache_note(checked, plans, llc) is None
-    assert T.cache_note(checked, [T.Plan("qmatvec", "q8_0", (256, 4096), rows1)], {"L3": 300 << 20}) is None
-    monkeypatch.setattr(T, "caches", lambda: {"L3": 300 << 20})
+    assert T.cache_note(checked, [T.Plan("qmatvec", "q8_0", (256, 4096), rows1)], {"L3": 2 << 30}) is None
+    monkeypatch.setattr(T, "caches", lambda: {"L3": 2 << 30})
     out = io.StringIO()
     assert tune(SOURCE, ["simd128"], ["qmatvec"], {"qmatvec": [big]}, ["q8_0"], tmp_path / "s.jsonl", -1.0, out=out) == []
-    assert "fits this machine's L3 cache (300 MB)" in out.getvalue()
+    assert "fits this machine's L3 cache (2048 MB)" in out.getvalue()
+
+
+def test_tune_times_mat_vec_over_layers_in_turn_in_wasmtime_only(checked, tmp_path: Path, fast) -> None:
+    """A layered shape L x N x K is L distinct matrices mat-vec'd in turn, one call each, as decoding
+    reads a model's layers (past the last-level cache together: weights from DRAM). Every variant is
+    checked and timed on one thread and on the pool, in wasmtime only, whatever --engine asks."""
+    from kernelgen.tuning import tune as T
+    store, shape = tmp_path / "s.jsonl", (3, 16, 256)
+    new = tune(SOURCE, ["simd128"], ["qmatvec"], {"qmatvec": [shape]}, ["q4_k"], store, 300.0, out=io.StringIO(),
+               retime=0, engine="both")
+    threads = {1, T.threaded(checked, "qmatvec") or 1}
+    assert sorted((json.dumps(r.tune, sort_keys=True), r.threads) for r in new) == sorted(
+        (json.dumps(t, sort_keys=True), n) for t in variants(checked, "qmatvec") for n in threads)
+    assert all(r.status == "ok" and r.seconds > 0 and r.engine == S.WASMTIME and r.shape == "3x16x256" for r in new)
+
+    (built,) = compile_source(SOURCE, targets=("simd128",))
+    k = from_built(built)
+    case = T._case_qmatvec(k, "q4_k", shape, np.random.default_rng(0))
+    assert len(case.layers) == 3 and case.args == case.layers[-1] and case.work == 3 * 16 * 256
+    planes = len(k.manifest["quants"]["q4_k"]["planes"])
+    assert len({tuple(a[:planes]) for a in case.layers}) == 3  # distinct matrices ...
+    assert len({tuple(a[planes:]) for a in case.layers}) == 1  # ... times the same activations, into one y
+    export = k.export_name("qmatvec", "q4_k")
+    for a in case.layers:
+        k.call(export, *a)
+    assert case.verify(None) is None  # the check is of the last matrix
+    k.call(export, *case.layers[0])
+    assert "differ from numpy" in case.verify(None)
+    with pytest.raises(ValueError, match="a layered shape is timed in wasmtime only"):
+        T.run_case(SOURCE, checked, "simd128", "qmatvec", "q4_k", shape, {"rows": 1, "accs": 1}, engine="v8 11.3")
 
 
 def test_tune_unknown_strategy_is_an_error(tmp_path: Path) -> None:
@@ -984,10 +1015,13 @@ def test_tune_records_a_wrong_variant_as_failed_and_never_picks_it(tmp_path: Pat
     (("--kernel", "nomatch"), "matches no tunable kernel"),
     (("--kernel", "dot_f32", "--shape", "0x5"), "dimensions must be positive"),
     (("--kernel", "dot_f32", "--shape", "big"), "write N, NxK or MxNxK"),
-    (("--kernel", "qmatmul", "--shape", "64x64"), "qmatmul takes shapes of 3 dimension(s) (MxNxK)"),
+    (("--kernel", "qmatmul", "--shape", "64x64"), "qmatmul takes shapes MxNxK, e.g. 64x4096x4096"),
     (("--kernel", "qmatvec", "--quant", "nope"), "--quant nope: not a quant type of"),
     (("--kernel", "qmatvec", "--quant", "q4_0,nope"), "--quant nope: not a quant type of"),
     (("--kernel", "qmatvec", "--quant", "q4_0,"), "an empty quant type name"),
+    (("--kernel", "qmatvec", "--shape", "2x3x4x256"), "qmatvec takes shapes NxK or LxNxK, e.g. 56x4096x4096"),
+    (("--kernel", "qmatvec", "--quant", "q8_0", "--shape", "64x4096x4096"),
+     "qmatvec q8_0 64x4096x4096: 1088 MB of weights; at most 1024 MB (the module's memory holds 2 GiB)"),
     (("--kernel", "qmatmul", "--quant", "q4_k", "--shape", "4x64x384"),
      "no shape asked for fits the quant types asked for: K (the last dimension) must be a multiple of the type's"
      " block (qmatmul q4_k 4x64x384)"),

@@ -49,7 +49,7 @@ from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
-from .timing import (ENGINES as ENGINE_SETS, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
+from .timing import (ENGINES as ENGINE_SETS, CASE_MAX_BYTES, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
                      STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source,
                      roof_name, stream_name, time_job)
 
@@ -382,7 +382,6 @@ def _matvec_cases() -> list[Case]:
 
 # the goals' types, Q5_K, Q3_K and Q2_K (the types of Q5_K_M, Q3_K_* and Q2_K files, no goal)
 DRAM_TYPES = ("q8_0", "q4_0", *K_QUANT_GOAL, "q5_k", "q3_k", "q2_k")
-DRAM_MAX_BYTES = 1 << 30  # Q8_0's packed weights at most: the module's memory holds 2 GiB
 Q8_0_PACKED = 36 / 32  # bytes per weight of packed Q8_0: 32 int8 codes and an f32 scale per block
 
 
@@ -405,9 +404,9 @@ def dram_table(rows: int, cols: int, layers: int = 1, cores: int | None = None) 
                          f"multiple of 256 (a K-quant super-block)")
     shape = f"{rows}x{cols}" if layers == 1 else f"{layers} layers of {rows}x{cols}"
     n = layers * rows * cols
-    if n * Q8_0_PACKED > DRAM_MAX_BYTES:
+    if n * Q8_0_PACKED > CASE_MAX_BYTES:
         raise ValueError(f"--dram {shape}: {n * Q8_0_PACKED / 2**20:.0f} MB of packed Q8_0; at most "
-                         f"{DRAM_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
+                         f"{CASE_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
     stream_row, row = f"stream of q8_0's packed bytes {shape}", lambda q: f"qmatvec {q} {shape}"
     cases = [Case("stream of q8_0's packed bytes", shape, n, "weights", stream("q8_0", rows, cols, layers),
                   weights=("q8_0", layers * rows, cols)),

@@ -145,6 +145,7 @@ COMPUTE_SOURCE = "".join(_roof_source(accs, nw, na) for accs, (nw, na) in ROOF_A
 
 
 MAX_REPS = 1 << 24
+CASE_MAX_BYTES = 1 << 30  # weights a timed case puts in a module's memory at most: it holds 2 GiB
 
 # The pool's par_for called reps times: a threaded job timed inside wasm.
 POOL_REPEAT = """
@@ -210,17 +211,22 @@ def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: b
 
 def time_job(k: Any, export: str, args: list, threads: int, chunk: int | None = None,
              verify: Callable[[], str | None] = lambda: None, min_batch: float = 0.02,
-             samples: int = 5) -> tuple[float | None, str | None]:
+             samples: int = 5, layers: list[list] | None = None) -> tuple[float | None, str | None]:
     """Parallel `export` with `args` on `threads` threads through the pool's par_for (POOL_REPEAT's
     bench_par_for), `chunk` items per claim (None: Pool.default_chunk): (seconds per run, None), or
-    (None, the problem) when `verify` finds one in the first run's output."""
+    (None, the problem) when `verify` finds one in the first run's output. `layers`: the argument
+    lists of as many calls in turn, each through the pool from Python (`args` is the last)."""
     call = job_call(k.manifest, export, args)
     with Pool(k, threads) as pool:
         chunk = chunk or pool.default_chunk(call)
-        pool.call(export, args, chunk)  # runs it once and publishes the arguments
+        for a in layers or [args]:
+            pool.call(export, a, chunk)  # runs it once and publishes the arguments
         problem = verify()
         if problem:
             return None, problem
+        if layers:
+            return measure(lambda reps: [pool.call(export, a, chunk) for _ in range(reps) for a in layers],
+                           min_batch, samples).seconds, None
         index = pool.job_index(call.job)
         return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk), min_batch, samples).seconds, None
 

@@ -23,14 +23,14 @@ import wasmtime
 
 from .. import reference
 from ..errors import KernelgenError
-from ..host.api import Act, Kernels, Packed
+from ..host.api import Act, Kernels
 from ..compiler.build import choose_tune, compile_source, from_built
 from ..compiler.check import Checked, check, tune_key, variants
 from ..names import variant_name
 from ..compiler.parse import parse
 from .fingerprint import Code
 from .store import WASMTIME, Record, append_record, caches, host, kernel_hash, last_level, load_store, usable
-from .timing import ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source, time_job
+from .timing import CASE_MAX_BYTES, ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source, time_job
 from .v8 import engine_name, in_browser, measure_v8
 
 
@@ -44,10 +44,11 @@ class Case:
     args: list
     verify: Callable[[object], str | None]  # given the call's result: None when right, else what is wrong
     work: float  # weights (mat-vec) or elements per call
+    layers: list[list] | None = None  # a layered shape: each matrix's arguments, called in turn (args: the last's)
 
 
-def _weights(k: Kernels, quant: str, n: int, kk: int, rng: np.random.Generator) -> tuple[np.ndarray, Packed]:
-    """n random rows of `quant` blocks (small scales and zero points), and them packed."""
+def _weights(k: Kernels, quant: str, n: int, kk: int, rng: np.random.Generator) -> np.ndarray:
+    """n random rows of `quant` blocks (small scales and zero points)."""
     q = k.quants[quant]
     if kk % q.block:
         raise ValueError(f"{quant}: rows of {kk} values are not whole {q.block}-value blocks")
@@ -59,7 +60,7 @@ def _weights(k: Kernels, quant: str, n: int, kk: int, rng: np.random.Generator) 
         elif f.count is None and f.name in q.value_fields:  # a per-block offset such as a zero point:
             blocks[f.name] = rng.integers(0, 16, blocks.shape)  # small, so values stay in int8
     q.set_scale_bytes(blocks, 0.01)  # an exponent byte: scales near the f16 ones, no overflow to inf
-    return blocks, k.pack(quant, blocks)
+    return blocks
 
 
 def _qcheck(k: Kernels, quant: str, blocks: np.ndarray, act: Act, y: int, m: int, n: int) -> Callable[[object], str | None]:
@@ -88,17 +89,45 @@ def _qcheck(k: Kernels, quant: str, blocks: np.ndarray, act: Act, y: int, m: int
 
 
 def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+    """Shape n x k, or layers x n x k: as many matrices, each mat-vec'd in turn (_layered)."""
+    if len(shape) == 3:
+        return _layered(k, quant, shape, rng)
     n, kk = shape
-    blocks, w = _weights(k, quant, n, kk, rng)
+    blocks = _weights(k, quant, n, kk, rng)
+    w = k.pack(quant, blocks)
     act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
     aq, ad, y = *k.put_act(act), k.module.alloc(4 * n)
     return Case([*w.args, aq, ad, y, n, kk], _qcheck(k, quant, blocks, act, y, 1, n), float(n * kk))
 
 
+_LAYERS: dict[tuple, tuple[list[dict[str, np.ndarray]], np.ndarray]] = {}  # the last layered case's planes
+
+
+def _layered(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
+    """`layers` matrices of n x k, mat-vec'd in turn with one call each, as decoding reads a model's
+    layers: together they pass the last-level cache, so every matrix comes from DRAM (bench's
+    `--dram LxNxK` form). Their packed planes are kept for the next variant of the same type, shape
+    and layout (making and packing a GB of blocks takes seconds; a variant's timing about one); the
+    check is of the last matrix."""
+    layers, n, kk = shape
+    q = k.quants[quant]
+    key = (quant, shape, json.dumps(k.manifest["quants"][quant], sort_keys=True))
+    if key not in _LAYERS:
+        _LAYERS.clear()  # one case at a time: each holds up to CASE_MAX_BYTES
+        made = [_weights(k, quant, n, kk, rng) for _ in range(layers)]
+        _LAYERS[key] = ([q.pack(q.as_blocks(b)) for b in made], made[-1])
+    planes, last = _LAYERS[key]
+    act = k.quantize_act(rng.standard_normal(kk).astype(np.float32))
+    aq, ad, y = *k.put_act(act), k.module.alloc(4 * n)
+    calls = [[*(k.module.put(a) for a in p.values()), aq, ad, y, n, kk] for p in planes]
+    return Case(calls[-1], _qcheck(k, quant, last, act, y, 1, n), float(layers * n * kk), calls)
+
+
 def _case_qmatmul(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
     """Shape m x n x k: m tokens, n rows of W of length k."""
     m, n, kk = shape
-    blocks, w = _weights(k, quant, n, kk, rng)
+    blocks = _weights(k, quant, n, kk, rng)
+    w = k.pack(quant, blocks)
     act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
     aq, ad, y = *k.put_act(act), k.module.alloc(4 * m * n)
     return Case([*w.args, aq, ad, y, m, n, kk], _qcheck(k, quant, blocks, act, y, m, n), float(m * n * kk))
@@ -151,14 +180,33 @@ PREFILL_SHAPES = [(4, 1536, 384), (16, 1024, 4096), (64, 4096, 4096)]
 # Attention at T = 128, head size 32 and 64: scores (nt) 128 x 128 x head, out (nn) 128 x head x 128.
 ATTENTION_SHAPES = {"nt": [(128, 128, 32), (128, 128, 64)], "nn": [(128, 32, 128), (128, 64, 128)]}
 
-# Decode reads every weight once per token, from DRAM for any real model, so mat-vec is tuned at the
-# bench's DRAM shape too (8192x8192, bench.BIG), not only at shapes a cache holds. From DRAM more rows
-# at once (more concurrent streams) win: at 16384x32768, beyond a 480 MB L3, rows 4 ran 1.82x (Q4_0),
-# 2.25x (Q4_K), 1.09x (Q8_0) and 1.05x (Q6_K) rows 2 on relaxed SIMD and 1.08-1.16x on SIMD128, where
-# at 4096x4096 the same pair read 0.86-1.25x (Intel Xeon with AVX-512 VNNI, wasmtime).
-QMATVEC_SHAPES = [(4096, 4096), (256, 4096), (8192, 8192)]
+# Decode reads every weight once per token, from DRAM for any real model, so mat-vec is tuned at a
+# DRAM shape too, not only at shapes a cache holds: QMATVEC_DRAM matrices of 4096x4096 read in turn
+# (_layered), 952 MiB of Q8_0 and 294 MiB of Q2_K (the smallest type: about the size of the largest
+# last-level cache seen here, a Xeon's 300 MiB L3, which held the 8192x8192 this shape replaces, so
+# that the picks made on it were of weights in cache). From DRAM more rows at once (more concurrent streams) win: at 16384x32768, beyond a 480
+# MB L3, rows 4 ran 1.82x (Q4_0), 2.25x (Q4_K), 1.09x (Q8_0) and 1.05x (Q6_K) rows 2 on relaxed SIMD
+# and 1.08-1.16x on SIMD128, where at 4096x4096 the same pair read 0.86-1.25x (Intel Xeon with
+# AVX-512 VNNI, wasmtime). The layered shape is timed in wasmtime only (V8 would be handed a copy of
+# a GB of memory per variant; how V8 ranks the variants from DRAM is not measured).
+QMATVEC_DRAM = (56, 4096, 4096)
+QMATVEC_SHAPES = [(4096, 4096), (256, 4096), QMATVEC_DRAM]
+LAYERED = ("qmatvec", "qmatvec_job")  # kernels whose 3-dimension shapes are layers x rows x columns
 
-# kernel -> (case maker, default shapes); shapes are "N", "NxK" or (matrix products) "MxNxK".
+
+def layered(kernel: str, shape: tuple[int, ...]) -> bool:
+    return kernel in LAYERED and len(shape) == 3
+
+
+def shape_forms(kernel: str) -> tuple[str, ...]:
+    """The shapes `kernel` takes, as --shape writes them."""
+    if kernel in LAYERED:
+        return ("NxK", "LxNxK")
+    return ({1: "N", 2: "NxK", 3: "MxNxK"}[len(SPECS[kernel][1][0])],)
+
+
+# kernel -> (case maker, default shapes); shapes are "N", "NxK", (matrix products) "MxNxK" or
+# (mat-vec over layers) "LxNxK".
 SPECS: dict[str, tuple[Callable, list[tuple[int, ...]]]] = {
     "qmatvec": (_case_qmatvec, QMATVEC_SHAPES),
     "qmatmul": (_case_qmatmul, PREFILL_SHAPES),
@@ -187,7 +235,7 @@ def _run_job(k: Kernels, kernel: str, quant: str | None, case: Case, tune: dict[
     """Time parallel `kernel` on the pool with `tune`'s threads and chunk (none: the pool's default
     for the call, Pool.default_chunk), after checking its output once."""
     seconds, problem = time_job(k, k.export_name(kernel, quant), case.args, tune["threads"], tune.get("chunk"),
-                                lambda: case.verify(None), min_batch, samples)
+                                lambda: case.verify(None), min_batch, samples, case.layers)
     return (None, f"failed: wrong results ({problem})") if problem else (seconds, "ok")
 
 
@@ -263,6 +311,8 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
     of the verified memory: not pool jobs), or with `threads` > 1 its pool job in wasmtime on that
     many threads: (seconds per call, status)."""
     maker, _ = SPECS[kernel]
+    if layered(kernel, shape) and engine != WASMTIME:
+        raise ValueError(f"{kernel} at {'x'.join(map(str, shape))}: a layered shape is timed in wasmtime only, not {engine}")
     table = variant_table(checked, target, kernel, tune, records)
     if threads > 1:
         if engine != WASMTIME:
@@ -283,11 +333,15 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
     try:
         if kernel in checked.jobs:
             return _run_job(k, checked.jobs[kernel].name, quant, case, tune, min_batch, samples)
-        problem = case.verify(k.call(k.export_name(kernel, quant), *case.args))
+        export = k.export_name(kernel, quant)
+        problem = case.verify([k.call(export, *a) for a in case.layers or [case.args]][-1])
         if problem:
             return None, f"failed: wrong results ({problem})"
         bench = variant_name(repeat_name(kernel), quant, {})
-        if engine == WASMTIME:
+        if case.layers:  # one call per matrix, from Python: 30-60 us against a matrix's milliseconds
+            timing = measure(lambda reps: [k.call(export, *a) for _ in range(reps) for a in case.layers], min_batch,
+                             samples, thread_time=True)
+        elif engine == WASMTIME:
             timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
         else:
             try:
@@ -317,7 +371,7 @@ def cache_note(checked: Checked, plans: list[Plan], llc: dict[str, int] | None =
     last-level cache (`llc`: caches() by level) for every type planned at it: the picks are then
     made on cache-resident weights, while decoding reads them from DRAM, where more rows at once
     can win (relaxed SIMD Q4_K, Q5_K, Q6_K qmatvec rows 4 ran 1.05-1.14x their rows 2 picks on 48
-    matrices of 4096x4096, a Xeon with a 300 MB L3 that holds 8192x8192)."""
+    matrices of 4096x4096, a Xeon with a 300 MB L3 that held 8192x8192)."""
     big = QMATVEC_SHAPES[-1]
     quants = {p.quant for p in plans if p.kernel == "qmatvec" and p.shape == big}
     last = last_level(caches() if llc is None else llc)
@@ -329,7 +383,7 @@ def cache_note(checked: Checked, plans: list[Plan], llc: dict[str, int] | None =
         return None
     return (f"note: {'x'.join(map(str, big))} (at most {most / 2**20:.0f} MB of weights) fits this machine's {level}"
             f" cache ({size / 2**20:.0f} MB): qmatvec's picks here are made on weights in cache; decoding reads"
-            f" them from DRAM, where more rows at once can win (`kernelgen bench --dram LAYERSxROWSxCOLS` times that)")
+            f" them from DRAM, where more rows at once can win (--shape LAYERSx4096x4096 with more layers times that)")
 
 
 def unfit_cases(checked: Checked, kernels: list[str], shapes: dict[str, list[tuple[int, ...]]],
@@ -342,6 +396,10 @@ def unfit_cases(checked: Checked, kernels: list[str], shapes: dict[str, list[tup
         generic = (checked.jobs.get(kernel) or checked.kernels[kernel]).ast.generics
         for q in (quants or list(checked.quants)) if generic else [None]:
             for shape in shapes.get(kernel) or SPECS[kernel][1]:
+                size = math.prod(shape) // checked.quants[q].block * checked.quants[q].stored_bytes if q else 0
+                if layered(kernel, shape) and size > CASE_MAX_BYTES:
+                    raise ValueError(f"{kernel} {q} {'x'.join(map(str, shape))}: {size / 2**20:.0f} MB of weights; at most"
+                                     f" {CASE_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
                 if _fits(checked, q, shape):
                     left = True
                 else:
@@ -376,11 +434,11 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         for kernel in kernels:
             kinfo = checked.jobs.get(kernel) or checked.kernels[kernel]
             qs = (quants or list(checked.quants)) if kinfo.ast.generics else [None]
-            on = [WASMTIME] if kernel in checked.jobs else engines
             for q in qs:
                 for shape in shapes.get(kernel) or SPECS[kernel][1]:
                     if not _fits(checked, q, shape):
                         continue
+                    on = [WASMTIME] if kernel in checked.jobs or layered(kernel, shape) else engines
                     for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
                         plans += [(target, Plan(kernel, q, shape, t, e)) for e in on]
                         if WASMTIME in on and threaded(checked, kernel):
