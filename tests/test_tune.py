@@ -922,6 +922,29 @@ def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, f
     assert first[0].code == Code(checked).fingerprint("simd128", "dot_f32", None, first[0].tune)
 
 
+def test_tune_times_every_variant_where_the_store_times_some(checked, tmp_path: Path, fast) -> None:
+    """A pick compares only the variants timed on every shape: where this host's timings hold a shape
+    beyond the defaults for some variants only (an old default, a run cut short), a default run of
+    tune times the others there too; shapes asked for with --shape are timed alone."""
+    store, out = tmp_path / "s.jsonl", io.StringIO()
+    first = tune(SOURCE, ["simd128"], ["dot_f32"], {"dot_f32": [(128,)]}, None, store, 120.0, out=out, retime=0)
+    keep = first[0]
+    lines = [line for line in store.read_text(encoding="utf-8").splitlines() if json.loads(line)["tune"] == keep.tune]
+    store.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    assert tune(SOURCE, ["simd128"], ["dot_f32"], {"dot_f32": [(256,)]}, None, store, 120.0, out=out,
+                retime=0)[0].shape == "256"  # asked for: no other shape
+    new = tune(SOURCE, ["simd128"], ["dot_f32"], {}, None, store, 120.0, out=(said := io.StringIO()), retime=0)
+    every = {json.dumps(t, sort_keys=True) for t in variants(checked, "dot_f32")}
+    for shape in ("4096", "128", "256"):  # the default, and the two the store times some variants at
+        timed = {json.dumps(r.tune, sort_keys=True) for r in load_store(store) if r.shape == shape}
+        assert timed == every, shape
+    assert not any(r.shape == "128" and r.tune == keep.tune for r in new)  # already there
+    assert "also timed where the store times other variants" in said.getvalue()
+    assert said.getvalue().startswith("also timed where the store times other variants (a pick compares those timed"
+                                      " on every shape): simd128 dot_f32 128\n")  # not 256: every variant has it
+    assert set(S.variant_scores(load_store(store), checked, "dot_f32", "simd128", S.host())) == every
+
+
 def test_tune_with_no_budget_times_nothing(tmp_path: Path, fast) -> None:
     out = io.StringIO()
     store = tmp_path / "store.jsonl"

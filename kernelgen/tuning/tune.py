@@ -427,22 +427,42 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant):
             done.setdefault((r.kernel, r.quant, r.target, r.shape, json.dumps(r.tune, sort_keys=True), r.engine,
                              r.threads), set()).add(r.code)
+    # The shapes beyond the defaults that this host's timings of the current source hold, per kernel,
+    # type and target, each with the (engine, threads) it was timed in: a pick compares only variants
+    # timed on every shape (store.compare), so where some variants were timed on one (an old default,
+    # a run cut short) the others are timed there too, in those engines, or they stay out of the pick
+    # (simd128 Q4_0 and five other types were left on rows 1 by rows 1's 8192x8192 timings).
+    elsewhere: dict[tuple, dict[tuple[int, ...], set[tuple[str, int]]]] = {}
+    for r in stored:
+        if r.host == me and r.dsl_hash == hash_of(r.kernel, r.quant) and r.kernel in kernels and r.kernel not in shapes:
+            try:
+                shape = parse_shape(r.shape)
+            except ValueError:  # a line another version wrote: it cannot be timed again
+                continue
+            if shape not in SPECS[r.kernel][1]:
+                elsewhere.setdefault((r.kernel, r.quant, r.target), {}).setdefault(shape, set()).add((r.engine, r.threads))
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     unfit = unfit_cases(checked, kernels, shapes, quants)
     plans: list[tuple[str, Plan]] = []
+    extras: set[tuple] = set()  # (target, kernel, quant, shape) of those shapes
     for target in targets:
         for kernel in kernels:
             kinfo = checked.jobs.get(kernel) or checked.kernels[kernel]
             qs = (quants or list(checked.quants)) if kinfo.ast.generics else [None]
             for q in qs:
-                for shape in shapes.get(kernel) or SPECS[kernel][1]:
+                extra = elsewhere.get((kernel, q, target), {})
+                extras.update((target, kernel, q, s) for s in extra)
+                for shape in shapes.get(kernel) or SPECS[kernel][1] + sorted(extra):
                     if not _fits(checked, q, shape):
                         continue
-                    on = [WASMTIME] if kernel in checked.jobs or layered(kernel, shape) else engines
+                    if shape in extra:
+                        runs = sorted(extra[shape])
+                    else:
+                        runs = [(e, 1) for e in ([WASMTIME] if kernel in checked.jobs or layered(kernel, shape) else engines)]
+                        if WASMTIME in dict(runs) and threaded(checked, kernel):
+                            runs.append((WASMTIME, threaded(checked, kernel)))
                     for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
-                        plans += [(target, Plan(kernel, q, shape, t, e)) for e in on]
-                        if WASMTIME in on and threaded(checked, kernel):
-                            plans.append((target, Plan(kernel, q, shape, t, WASMTIME, threaded(checked, kernel))))
+                        plans += [(target, Plan(kernel, q, shape, t, e, n)) for e, n in runs]
     if unfit:
         print(f"not timed, their rows not whole blocks of the type: {', '.join(unfit)}", file=out)
     if note := cache_note(checked, [p for _, p in plans]):
@@ -460,6 +480,11 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         codes = done.get(key(target, p))
         return bool(codes) and (None in codes or code.fingerprint(target, p.kernel, p.quant, p.tune, p.threads) in codes)
 
+    completed = dict.fromkeys(f"{t} {p.kernel}{' ' + p.quant if p.quant else ''} {'x'.join(map(str, p.shape))}"
+                              for t, p in plans if (t, p.kernel, p.quant, p.shape) in extras and not timed(t, p))
+    if completed:
+        print(f"also timed where the store times other variants (a pick compares those timed on every shape):"
+              f" {', '.join(completed)}", file=out)
     if all(timed(t, p) for t, p in plans):
         print(f"nothing to do: all {len(plans)} variant(s) asked for are already recorded in {store} for this"
               f" host and kernel source; pass --remeasure to time them again", file=out)
