@@ -209,7 +209,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for k, given in shapes.items():
         forms = shape_forms(k)
         if any(len(s) not in {f.count("x") + 1 for f in forms} for s in given):
-            raise KernelgenError(f"--shape: {k} takes shapes {' or '.join(forms)}, e.g. {'x'.join(map(str, SPECS[k][1][-1]))}")
+            example = "x".join(map(str, SPECS[k][1][-1]))
+            raise KernelgenError(f"--shape: {k} takes shapes {' or '.join(forms)}, e.g. {example}")
     args.quant = list(dict.fromkeys(args.quant)) if args.quant else None  # a type named twice is timed once
     for q in args.quant or []:
         if q not in checked.quants:
@@ -407,7 +408,9 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", parents=[common], help="time every variant of tunable kernels, append to the store")
     t.add_argument("--target", type=_targets, default=TARGET_NAMES, help="simd128, relaxed-simd or all (default all)")
     t.add_argument("--kernel", default="*", help="kernel name pattern (default: every tunable kernel)")
-    t.add_argument("--shape", action="append", default=[], help="N, NxK, MxNxK for matrix products, or LxNxK for mat-vec over L matrices in turn (weights from DRAM) (repeatable; default: each kernel's shapes)")
+    t.add_argument("--shape", action="append", default=[],
+                   help="N, NxK, MxNxK for matrix products, or LxNxK for mat-vec over L matrices in turn (weights"
+                        " from DRAM) (repeatable; default: each kernel's shapes)")
     t.add_argument("--quant", action="extend", type=_quant_names, metavar="TYPE[,TYPE..]",
                    help="quant types for generic kernels (repeatable or comma-separated; default: all)")
     t.add_argument("--budget", type=_budget, default=600.0, help="seconds to spend (default 600)")

@@ -49,9 +49,9 @@ from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
-from .timing import (ENGINES as ENGINE_SETS, CASE_MAX_BYTES, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS, ROOF_OPS, STREAM_ALIGN,
-                     STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python, repeat_name, repeat_source,
-                     roof_name, stream_name, time_job)
+from .timing import (ENGINES as ENGINE_SETS, CASE_MAX_BYTES, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS,
+                     ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python,
+                     repeat_name, repeat_source, roof_name, stream_name, time_job)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target

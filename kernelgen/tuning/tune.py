@@ -184,11 +184,12 @@ ATTENTION_SHAPES = {"nt": [(128, 128, 32), (128, 128, 64)], "nn": [(128, 32, 128
 # DRAM shape too, not only at shapes a cache holds: QMATVEC_DRAM matrices of 4096x4096 read in turn
 # (_layered), 952 MiB of Q8_0 and 294 MiB of Q2_K (the smallest type: about the size of the largest
 # last-level cache seen here, a Xeon's 300 MiB L3, which held the 8192x8192 this shape replaces, so
-# that the picks made on it were of weights in cache). From DRAM more rows at once (more concurrent streams) win: at 16384x32768, beyond a 480
-# MB L3, rows 4 ran 1.82x (Q4_0), 2.25x (Q4_K), 1.09x (Q8_0) and 1.05x (Q6_K) rows 2 on relaxed SIMD
-# and 1.08-1.16x on SIMD128, where at 4096x4096 the same pair read 0.86-1.25x (Intel Xeon with
-# AVX-512 VNNI, wasmtime). The layered shape is timed in wasmtime only (V8 would be handed a copy of
-# a GB of memory per variant; how V8 ranks the variants from DRAM is not measured).
+# that the picks made on it were of weights in cache). From DRAM more rows at once (more concurrent
+# streams) win: at 16384x32768, beyond a 480 MB L3, rows 4 ran 1.82x (Q4_0), 2.25x (Q4_K), 1.09x
+# (Q8_0) and 1.05x (Q6_K) rows 2 on relaxed SIMD and 1.08-1.16x on SIMD128, where at 4096x4096 the
+# same pair read 0.86-1.25x (Intel Xeon with AVX-512 VNNI, wasmtime). The layered shape is timed in
+# wasmtime only (V8 would be handed a copy of a GB of memory per variant; how V8 ranks the variants
+# from DRAM is not measured).
 QMATVEC_DRAM = (56, 4096, 4096)
 QMATVEC_SHAPES = [(4096, 4096), (256, 4096), QMATVEC_DRAM]
 LAYERED = ("qmatvec", "qmatvec_job")  # kernels whose 3-dimension shapes are layers x rows x columns
@@ -312,7 +313,8 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
     many threads: (seconds per call, status)."""
     maker, _ = SPECS[kernel]
     if layered(kernel, shape) and engine != WASMTIME:
-        raise ValueError(f"{kernel} at {'x'.join(map(str, shape))}: a layered shape is timed in wasmtime only, not {engine}")
+        raise ValueError(f"{kernel} at {'x'.join(map(str, shape))}: a layered shape is timed in wasmtime only,"
+                         f" not {engine}")
     table = variant_table(checked, target, kernel, tune, records)
     if threads > 1:
         if engine != WASMTIME:
@@ -440,7 +442,8 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
             except ValueError:  # a line another version wrote: it cannot be timed again
                 continue
             if shape not in SPECS[r.kernel][1]:
-                elsewhere.setdefault((r.kernel, r.quant, r.target), {}).setdefault(shape, set()).add((r.engine, r.threads))
+                at = elsewhere.setdefault((r.kernel, r.quant, r.target), {})
+                at.setdefault(shape, set()).add((r.engine, r.threads))
     stored = usable(stored, checked)  # what the build would read: the other kernels' picks (variant_table)
     unfit = unfit_cases(checked, kernels, shapes, quants)
     plans: list[tuple[str, Plan]] = []
@@ -458,7 +461,8 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
                     if shape in extra:
                         runs = sorted(extra[shape])
                     else:
-                        runs = [(e, 1) for e in ([WASMTIME] if kernel in checked.jobs or layered(kernel, shape) else engines)]
+                        alone = kernel in checked.jobs or layered(kernel, shape)  # wasmtime only
+                        runs = [(e, 1) for e in ([WASMTIME] if alone else engines)]
                         if WASMTIME in dict(runs) and threaded(checked, kernel):
                             runs.append((WASMTIME, threaded(checked, kernel)))
                     for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
