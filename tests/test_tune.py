@@ -982,6 +982,7 @@ def test_tune_times_mat_vec_over_layers_in_turn_in_wasmtime_only(checked, tmp_pa
     assert sorted((json.dumps(r.tune, sort_keys=True), r.threads) for r in new) == sorted(
         (json.dumps(t, sort_keys=True), n) for t in variants(checked, "qmatvec") for n in threads)
     assert all(r.status == "ok" and r.seconds > 0 and r.engine == S.WASMTIME and r.shape == "3x16x256" for r in new)
+    assert T._LAYERS == {}  # the planes kept between variants are let go when the run ends
 
     (built,) = compile_source(SOURCE, targets=("simd128",))
     k = from_built(built)

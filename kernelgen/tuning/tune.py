@@ -100,7 +100,7 @@ def _case_qmatvec(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random
     return Case([*w.args, aq, ad, y, n, kk], _qcheck(k, quant, blocks, act, y, 1, n), float(n * kk))
 
 
-_LAYERS: dict[tuple, tuple[list[dict[str, np.ndarray]], np.ndarray]] = {}  # the last layered case's planes
+_LAYERS: dict[tuple, tuple[list[dict[str, np.ndarray]], np.ndarray]] = {}  # the last layered case's planes (a tune run)
 
 
 def _layered(k: Kernels, quant: str, shape: tuple[int, ...], rng: np.random.Generator) -> Case:
@@ -519,6 +519,8 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         new += _retime_best(source, checked, new, store, retime, out, stored)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(new)} result(s) kept in {store}", file=out)
+    finally:
+        _LAYERS.clear()  # a layered case's planes (up to CASE_MAX_BYTES) outlive no run
     print(file=out)
     return new
 
