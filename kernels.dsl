@@ -582,6 +582,8 @@ inline kernel qdot16[Q: quant, S: i32](acc: i32x4, wv: i8x16, wq: ptr, a: ptr, h
 inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
     static if Q.pair16 * (Q.has_zero <= S * Q.block_zero) {  # the codes' dot (qdot16's idot7) of both halves at once
         return idot7p(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), a, 0);
+    } else static if Q.nib16 * (Q.has_zero <= S * Q.block_zero) {  # both halves' codes from the nibbles at once
+        return idotn(i32x4.splat(0), i8x16.load(wq), a);
     } else static if Q.sub16 * S {  # both halves under their sub-block scales in one widening dot
         return idotss(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), wq + Q.sub_scales_at, a);
     } else {
@@ -806,6 +808,7 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, 
 #   y[t, r] at y + (t * n + r) * 4
 kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, r0: i32, rs: i32, nb: i32, n: i32) {
     var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
+    var wv[N * Q.block / 16]: i8x16 = i8x16.splat(0);  # half h of row r: wv[h * N + r] (unused on idotn)
     var wrow[N]: ptr = 0;
     unroll r in 0..N {
         wrow[r] = w.q + (r0 + r * rs) * nb * Q.bytes;
@@ -829,10 +832,11 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
             }
             for j in 0..4 {
                 var raw[M * N]: i32x4 = i32x4.splat(0);
-                var wv[N * Q.block / 16]: i8x16 = i8x16.splat(0);  # half h of row r: wv[h * N + r]
                 unroll h in 0..Q.block / 16 {
-                    unroll r in 0..N {
-                        wv[h * N + r] = qlanes[Q, 1](wb[r], h);
+                    static if Q.nib16 * (Q.has_zero <= Q.block_zero) == 0 {  # idotn reads the bytes
+                        unroll r in 0..N {
+                            wv[h * N + r] = qlanes[Q, 1](wb[r], h);
+                        }
                     }
                     unroll t in 0..M {
                         unroll r in 0..N {
@@ -840,6 +844,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                             static if Q.pair16 * (Q.has_zero <= Q.block_zero) {  # both halves at once (qraw)
                                 static if h == 1 {
                                     raw[i] = idot7p(i32x4.splat(0), wv[r], wv[N + r], ab[t], 0);
+                                }
+                            } else static if Q.nib16 * (Q.has_zero <= Q.block_zero) {  # from the nibbles (qraw)
+                                static if h == 1 {
+                                    raw[i] = idotn(i32x4.splat(0), i8x16.load(wb[r]), ab[t]);
                                 }
                             } else static if Q.sub16 {  # both halves under their scales at once (qraw)
                                 static if h == 1 {

@@ -295,6 +295,63 @@ def test_idotss_is_refused_on_relaxed_simd():
         compile_kernels(src, "relaxed-simd")
 
 
+IDOTN_SRC = ("export kernel f(w: ptr, a: ptr, y: ptr) {\n"
+             "    i32x4.store(y, idotn(i32x4.splat(0), i8x16.load(w), a));\n}\n")
+
+
+def test_idotn_is_refused_on_relaxed_simd():
+    from kernelgen.compiler.build import compile_kernels
+    from kernelgen.errors import DslError
+    with pytest.raises(DslError, match=r":2:\d+: idotn takes SIMD128's i16 activations"):
+        compile_kernels(IDOTN_SRC, "relaxed-simd")
+
+
+def test_idotn_lanes_are_the_split_dots_of_the_nibble_codes():
+    """SIMD128's idotn reads 32 codes straight from 16 packed bytes (byte j: code j low, j + 16 high)
+    against activations in the split i16 layout: lane k is 256 times the products of values 4k..4k+3
+    and 16+4k..16+4k+3, the lanes of unpacking each half and _idot_split's dots, with codes 0 and 15
+    against activations of -127 and 127 (every product at its largest)."""
+    from kernelgen.compiler.build import compile_kernels
+    k = compile_kernels(IDOTN_SRC, "simd128")
+    rng = rng_for("idotn")
+    cases = [(np.full(32, 15), np.full(32, 127)), (np.full(32, 15), np.full(32, -127)),
+             (np.tile([0, 15], 16), np.tile([-127, 127], 16)), (np.arange(32) % 16, np.arange(32) * 8 - 127)]
+    cases += [(rng.integers(0, 16, 32), rng.integers(-127, 128, 32)) for _ in range(20)]
+    y = k.module.alloc(16)
+    for codes, act in cases:
+        packed = (codes[:16] | codes[16:] << 4).astype(np.uint8)
+        split = np.concatenate([np.concatenate([h[0::2], h[1::2]]) for h in (act[:16], act[16:])]).astype(np.int16)
+        k.call("f", k.module.put(packed), k.module.put(split), y)
+        prod = codes.astype(np.int64) * act
+        want = [256 * (prod[4 * j:4 * j + 4].sum() + prod[16 + 4 * j:20 + 4 * j].sum()) for j in range(4)]
+        np.testing.assert_array_equal(k.module.get(y, np.int32, 4), want, err_msg=f"codes {codes}, act {act}")
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k"])
+def test_nibble_types_take_idotn_on_simd128_with_results_unchanged(name):
+    """Q4_0, Q4_1 and Q4_K (Q.nib16) take idotn in SIMD128's tiles, and every qmatvec variant gives the
+    rows-1 results bit for bit, which the one-block steps (qleft) compute, on K tails and outlier
+    blocks."""
+    from kernelgen.compiler.build import compile_source, from_built
+    src = DSL_PATH.read_text(encoding="utf-8")
+    outs = {}
+    for rows in (1, 2, 4):
+        (built,) = compile_source(src, targets=("simd128",), tune={"qmatvec": {"rows": rows, "accs": 1}},
+                                  code_budget=None, quants=(name,))
+        assert "0x00f0" in built.wat  # idotn's mask of the high nibbles of even bytes
+        k = from_built(built)
+        q = k.quants[name]
+        rng = rng_for(f"idotn-{name}")
+        nb = 13 if q.block == 32 else 3
+        b = random_blocks(q, rng, 7, nb, (0.5, 2.0))
+        x = rng.standard_normal(nb * q.block).astype(np.float32)
+        x[:32] = 1e4  # activations of +-127
+        outs[rows] = k.qmatvec(k.pack(name, b), k.quantize_act(x))
+        assert_q_close(outs[rows], *f64_reference(k, name, b, k.quantize_act(x)), f"{name} rows {rows}")
+    for rows in (2, 4):
+        assert_bitwise_equal(outs[rows], outs[1], f"{name} qmatvec rows {rows} vs rows 1")
+
+
 def test_a_manifest_of_another_packed_layout_is_refused(quants):
     """A library built for another packing (a manifest whose planes are not what this kernelgen's
     pack writes: Q4_K's f32 scale and offset planes of an older build) is refused with a rebuild

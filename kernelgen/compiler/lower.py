@@ -20,7 +20,7 @@ from .check import Checked, KernelInfo, tune_for
 from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
-from ..quantformat import SUB_SCALES, Int, Lookup, QuantFormat
+from ..quantformat import SUB_SCALES, Call, Int, Lookup, QuantFormat
 from .quant import lower_scales, unpack_lanes
 from .wat import (Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, forward_copies, locals_named, number,
                   share_vector_constants, untee_unread, walk as _walk)
@@ -271,6 +271,15 @@ def _i16_units(q: QuantFormat, act_max: int) -> int:
     return min(1 << (n.bit_length() - 1), span)
 
 
+def _nib16(q: QuantFormat) -> bool:
+    """Q.nib16: a block of 32 whose codes (QuantFormat.codes) are nib() of the bytes at the start of
+    its packed values, less a constant zero, with no sub-block scales between: Q4_0, Q4_1, Q4_K."""
+    codes = q.codes
+    return (codes is not None and q.group == 1 and q.sub_scales is None and q.kernel.block == 32
+            and isinstance(codes[0], Call) and codes[0].func == "nib" and isinstance(codes[1], Int)
+            and q.kernel.value_offset(codes[0].field) == 0)
+
+
 def _int_scales(q: QuantFormat) -> bool:
     """Q.int_scales: the grouped layout of a super-block record whose kernel blocks scale by an
     unsigned byte I under the super-block's F (Q4_K, Q5_K; the offset too, if any), so the kernels
@@ -438,7 +447,7 @@ class Lowerer:
         assert v.code is not None
         return v.code
 
-    def load_once(self, op: str, offset: int, addr: Instr) -> Instr:
+    def load_once(self, op: str, offset: int, addr: Instr, shl: int = 0) -> Instr:
         """`op` (a v128 load) at `addr` + `offset`, loaded once for the statements that follow while
         nothing can change it (Frame.emitted): a later load of the same address (integer arithmetic
         of locals and constants) + offset reads the value from a local, which is dropped where no
@@ -448,8 +457,12 @@ class Lowerer:
         and the grouped layout's kernels loaded a block's codes once per nibble and its activations
         once per lane group (relaxed qmatvec at 256x4096 in Node 20: Q4_0 1.13x, Q4_K 1.11x, Q6_K
         1.13x, Q5_K 1.02x with them merged; wasmtime and Chromium 156 merge them already: 0.98-1.02x).
-        DSL vector loads go through here too."""
+        DSL vector loads go through here too. `shl` > 0: the loaded i16 lanes shifted left by it,
+        shared so (SIMD128's scaled activations for idotn: one shift per block for a tile's rows)."""
         load = Instr(op, (f"offset={offset}",) if offset else (), (addr,))
+        if shl:
+            load = I("i16x8.shl", load, I("i32.const", str(shl)))
+            op = f"{op} << {shl}"
         if (any(x.op != "local.get" and x.op not in _PURE_INT for x in _walk(addr))
                 or any(name.removeprefix("$") in self._frame.temps for name in _locals_read(addr))):
             return load
@@ -970,6 +983,10 @@ class Lowerer:
                          # of both halves at most 4 * code_max * ACT_MAX in magnitude
                          "pair16": int(bool(dot7) and b.sub_scales is None and b.kernel.block == 32
                                        and 4 * b.code_max * act_max <= 32767),
+                         # a 32-block's codes as nibbles at the start of its bytes (split order:
+                         # byte j holds codes j and j + 16) with a constant zero: idotn reads them
+                         # straight from the 16 bytes on SIMD128's split i16 activations
+                         "nib16": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b)),
                          # a sub-scaled 32-block's two halves under one widening dot (idotss):
                          # SIMD128's split i16 activations, values of at most 64 in magnitude
                          "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])

@@ -34,7 +34,7 @@ class Ctx(Protocol):
     def error(self, message: str) -> Exception: ...
     def materialize(self, v: Val, type_: str | None = None) -> Instr: ...
     def reuse(self, v: Val) -> tuple[Instr, Instr]: ...
-    def load_once(self, op: str, offset: int, addr: Instr) -> Instr: ...
+    def load_once(self, op: str, offset: int, addr: Instr, shl: int = 0) -> Instr: ...
 
 
 Op = Callable[[Ctx, "str | None", list[Val]], Val]
@@ -742,6 +742,35 @@ def _idotss_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", I("i16x8.narrow_i32x4_s", *halves), scales))
 
 
+_IDOTN = (("acc", "i32x4", "accumulator"), ("w", "i8x16", "packed nibbles"), ("ptr", "i32", "activation address"))
+
+
+def _idotn_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idotn(acc, w, a): acc + 256 c.a (DOT_SHIFT 8) for the 32 codes c packed as nibbles in w (byte
+    j holds c_j low and c_(j+16) high: Q.nib16) and activations stored as split i16 (SIMD128_ACT).
+    Read as i16x8, lane m of w holds c_2m, c_2m+16, c_2m+1 and c_2m+17 in its four nibbles, low
+    first: an and each takes the first three as c, 16 c and 256 c, a shift the last as c, and each
+    meets its activation plane times 256, 16, 1 and 256 (shifts of the loads, shared by a tile's
+    rows: Lowerer.load_once), so every product is 256 c a, at most 15 * 32512 in magnitude. Four
+    operations unpack 32 codes where the nibbles' ands and shift then _idot_split's shift and and
+    per 16 took seven. The lanes hold the products _idot_split's would, so the float order over
+    lanes (qstep1) is unchanged."""
+    acc, w, a, offset = _dot_args(c, args, "idotn", _IDOTN)
+    first, again = c.reuse(w)
+    p = c.materialize(a, "i32")  # local reads and constants (kernels.dsl's): each load's address
+    parts = []
+    for k, (mask, shl) in enumerate((("0x000f", 8), ("0x0f00", 0), ("0x00f0", 4), (None, 8))):
+        lanes = first if k == 0 else again
+        codes = (I("i16x8.shr_u", lanes, I("i32.const", "12")) if mask is None
+                 else I("v128.and", lanes, I("v128.const", "i16x8", *[mask] * 8)))
+        parts.append(I("i32x4.dot_i16x8_s", codes, c.load_once("v128.load", offset * 2 + 16 * k, p, shl)))
+    return _plus_acc(c, acc, I("i32x4.add", I("i32x4.add", parts[0], parts[1]), I("i32x4.add", parts[2], parts[3])))
+
+
+def _idotn_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    raise c.error("idotn takes SIMD128's i16 activations; on relaxed SIMD nibble codes go through idot7p")
+
+
 def _idotss_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     raise c.error("idotss takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
 
@@ -898,6 +927,7 @@ SIMD128: dict[str, Op] = {
     "idot7z": _idot7z_simd128,
     "idot7zs": _idot7zs_simd128,
     "idotss": _idotss_simd128,
+    "idotn": _idotn_simd128,
     "hdot7": _hdot7(_pairs_simd128),
     "hdot7z": _hdot7z(_pairs_simd128),
     "pairsum": _pairsum,
@@ -913,6 +943,7 @@ RELAXED: dict[str, Op] = {
     "idot7z": _idot7z_relaxed,
     "idot7zs": _idot7zs_relaxed,
     "idotss": _idotss_relaxed,
+    "idotn": _idotn_relaxed,
     "hdot7": _hdot7(_pairs_relaxed),
     "hdot7z": _hdot7z(_pairs_relaxed),
     "madd": _madd_relaxed,
