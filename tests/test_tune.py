@@ -1139,6 +1139,25 @@ def test_measure_stops_growing_for_a_call_that_takes_no_time(monkeypatch: pytest
     assert t.seconds == 0.0
 
 
+def test_measure_sizes_again_when_a_slow_first_batch_left_batches_the_clock_cannot_resolve(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call that pays for compiling (V8 under load) can take min_batch alone, which ended the
+    sizing at one rep per batch: on a clock of 100 us steps (Chromium's page) every sample read 0 s,
+    and a pick divided by it. The batches are sized again until they take what the clock can time."""
+    clock = FakeClock(per_rep=1e-6)
+    _fake_time(monkeypatch, clock)
+    monkeypatch.setattr(kernelgen.tuning.timing, "time", types.SimpleNamespace(
+        perf_counter=lambda: clock.now // 1e-4 * 1e-4))
+
+    def call(reps: int) -> None:
+        if not clock.calls:
+            clock.now += 0.05  # the first call compiles
+        clock.call(reps)
+
+    t = measure(call, min_batch=0.02, samples=5)
+    assert t.reps * 1e-6 >= 0.01 and t.seconds == pytest.approx(1e-6, rel=0.02)
+
+
 def test_measure_by_thread_time_leaves_out_waiting() -> None:
     """thread_time=True counts this thread's CPU time: a call that spends most of its wall time
     waiting (here asleep, as when other work holds the core) measures its work alone."""
@@ -1877,6 +1896,16 @@ def test_tune_verifies_super_block_and_exponent_types_against_numpy(checked, qua
                                        ("qmatmul", (3, 8, 512), {"tokens": 1, "rows": 2})):
         seconds, status = run_case(SOURCE, checked, "relaxed-simd", kernel, quant, shape, tune_values, 1e-4, 1)
         assert status == "ok" and seconds > 0, (kernel, status)
+
+
+def test_a_timing_of_no_time_is_a_failed_variant(checked, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that did not advance (every batch 0 s) gives a failed status, not a time of 0 that the
+    store would refuse and a pick would divide by."""
+    from kernelgen.tuning.timing import MAX_REPS, Timing
+    from kernelgen.tuning.tune import run_case
+    monkeypatch.setattr(kernelgen.tuning.tune, "measure", lambda *a, **k: Timing(0.0, (0.0,) * 5, MAX_REPS))
+    seconds, status = run_case(SOURCE, checked, "simd128", "qmatvec", "q8_0", (8, 256), {"rows": 1, "accs": 1}, 1e-4, 1)
+    assert seconds is None and status.startswith("failed:") and "did not advance" in status
 
 
 def test_tune_leaves_out_shapes_whose_rows_are_not_whole_blocks_of_a_type(checked, tmp_path: Path, fast) -> None:

@@ -352,6 +352,8 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
                 return None, f"failed: in {engine} ({e})"
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         return None, f"failed: trapped ({str(e).splitlines()[0]})"
+    if not timing.seconds > 0:  # a store keeps positive times only (store.Record), and a pick divides by them
+        return None, f"failed: {timing.reps} calls per batch timed at {timing.seconds} s (the clock did not advance)"
     return timing.seconds, "ok"
 
 
