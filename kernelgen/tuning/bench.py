@@ -49,9 +49,9 @@ from .peer import SeedPeer
 from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
-from .timing import (ENGINES as ENGINE_SETS, CASE_MAX_BYTES, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS,
+from .timing import (ENGINES as ENGINE_SETS, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS,
                      ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python,
-                     repeat_name, repeat_source, roof_name, stream_name, time_job)
+                     check_case_bytes, repeat_name, repeat_source, roof_name, stream_name, time_job)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
@@ -404,9 +404,7 @@ def dram_table(rows: int, cols: int, layers: int = 1, cores: int | None = None) 
                          f"multiple of 256 (a K-quant super-block)")
     shape = f"{rows}x{cols}" if layers == 1 else f"{layers} layers of {rows}x{cols}"
     n = layers * rows * cols
-    if n * Q8_0_PACKED > CASE_MAX_BYTES:
-        raise ValueError(f"--dram {shape}: {n * Q8_0_PACKED / 2**20:.0f} MB of packed Q8_0; at most "
-                         f"{CASE_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
+    check_case_bytes(f"--dram {shape}", n * Q8_0_PACKED, "packed Q8_0")
     stream_row, row = f"stream of q8_0's packed bytes {shape}", lambda q: f"qmatvec {q} {shape}"
     cases = [Case("stream of q8_0's packed bytes", shape, n, "weights", stream("q8_0", rows, cols, layers),
                   weights=("q8_0", layers * rows, cols)),

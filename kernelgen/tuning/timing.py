@@ -147,6 +147,13 @@ COMPUTE_SOURCE = "".join(_roof_source(accs, nw, na) for accs, (nw, na) in ROOF_A
 MAX_REPS = 1 << 24
 CASE_MAX_BYTES = 1 << 30  # weights a timed case puts in a module's memory at most: it holds 2 GiB
 
+
+def check_case_bytes(subject: str, nbytes: float, what: str) -> None:
+    """Refuse a case whose `nbytes` of `what` pass CASE_MAX_BYTES, before anything is made or timed."""
+    if nbytes > CASE_MAX_BYTES:
+        raise ValueError(f"{subject}: {nbytes / 2**20:.0f} MB of {what}; at most {CASE_MAX_BYTES >> 20} MB"
+                         " (the module's memory holds 2 GiB)")
+
 # The pool's par_for called reps times: a threaded job timed inside wasm.
 POOL_REPEAT = """
 export kernel bench_par_for(reps: i32, job: i32, count: i32, chunk: i32) {

@@ -30,7 +30,7 @@ from ..names import variant_name
 from ..compiler.parse import parse
 from .fingerprint import Code
 from .store import WASMTIME, Record, append_record, caches, host, kernel_hash, last_level, load_store, usable
-from .timing import CASE_MAX_BYTES, ENGINES, POOL_REPEAT, measure, repeat_name, repeat_source, time_job
+from .timing import ENGINES, POOL_REPEAT, check_case_bytes, measure, repeat_name, repeat_source, time_job
 from .v8 import engine_name, in_browser, measure_v8
 
 
@@ -400,10 +400,10 @@ def unfit_cases(checked: Checked, kernels: list[str], shapes: dict[str, list[tup
         generic = (checked.jobs.get(kernel) or checked.kernels[kernel]).ast.generics
         for q in (quants or list(checked.quants)) if generic else [None]:
             for shape in shapes.get(kernel) or SPECS[kernel][1]:
-                size = math.prod(shape) // checked.quants[q].block * checked.quants[q].stored_bytes if q else 0
-                if layered(kernel, shape) and size > CASE_MAX_BYTES:
-                    raise ValueError(f"{kernel} {q} {'x'.join(map(str, shape))}: {size / 2**20:.0f} MB of weights; at most"
-                                     f" {CASE_MAX_BYTES >> 20} MB (the module's memory holds 2 GiB)")
+                if layered(kernel, shape):
+                    qf = checked.quants[q]
+                    check_case_bytes(f"{kernel} {q} {'x'.join(map(str, shape))}",
+                                     math.prod(shape) // qf.block * qf.stored_bytes, "weights")
                 if _fits(checked, q, shape):
                     left = True
                 else:
