@@ -584,6 +584,8 @@ inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
         return idot7p(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), a, 0);
     } else static if Q.nib16 * (Q.has_zero <= S * Q.block_zero) {  # both halves' codes from the nibbles at once
         return idotn(i32x4.splat(0), i8x16.load(wq), a);
+    } else static if Q.nibss * S {  # both halves under their sub-block scales, from the nibbles
+        return idotns(i32x4.splat(0), i8x16.load(wq), wq + Q.sub_scales_at, a);
     } else static if Q.sub16 * S {  # both halves under their sub-block scales in one widening dot
         return idotss(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), wq + Q.sub_scales_at, a);
     } else {
@@ -833,7 +835,7 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
             for j in 0..4 {
                 var raw[M * N]: i32x4 = i32x4.splat(0);
                 unroll h in 0..Q.block / 16 {
-                    static if Q.nib16 * (Q.has_zero <= Q.block_zero) == 0 {  # idotn reads the bytes
+                    static if Q.nib16 * (Q.has_zero <= Q.block_zero) + Q.nibss == 0 {  # idotn(s) read the bytes
                         unroll r in 0..N {
                             wv[h * N + r] = qlanes[Q, 1](wb[r], h);
                         }
@@ -848,6 +850,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                             } else static if Q.nib16 * (Q.has_zero <= Q.block_zero) {  # from the nibbles (qraw)
                                 static if h == 1 {
                                     raw[i] = idotn(i32x4.splat(0), i8x16.load(wb[r]), ab[t]);
+                                }
+                            } else static if Q.nibss {  # both halves under their scales, from the nibbles (qraw)
+                                static if h == 1 {
+                                    raw[i] = idotns(i32x4.splat(0), i8x16.load(wb[r]), wb[r] + Q.sub_scales_at, ab[t]);
                                 }
                             } else static if Q.sub16 {  # both halves under their scales at once (qraw)
                                 static if h == 1 {

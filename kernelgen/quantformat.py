@@ -565,6 +565,7 @@ class QuantFormat:
     interleaved: tuple[str, ...]  # nibble fields read with nibi(): repacked to split order in plane q
     sub: int | None = None  # a super-block's sub-block size: scale and offset are formulas of s
     group: int = 1  # rows per group of the packed planes: 1, or GROUP_ROWS (the grouped layout)
+    crumbs: bool = True  # 2-bit integers of a re-encoded type packed as crumbs (else nibbles: Target.layout)
 
     # ---- the blocks kernels see (cached: each folds the formulas, and lowering reads them at every Q.<attr>)
     @functools.cached_property
@@ -714,9 +715,10 @@ class QuantFormat:
         # 16 values, 0.625 and 0.75 bytes per value) ran relaxed Q5_K and Q6_K mat-vec at 0.67x and
         # 0.53x at 256x4096 and 1.07x and 0.83x from DRAM on one thread, 1.27x and 1.00x from DRAM
         # on two (Zen 4, wasmtime): bytes win while the cores, not DRAM, bound decoding. 2-bit codes
-        # take crumbs: relaxed Q2_K mat-vec 1.3x nibbles' rate from DRAM at the same rate in L2,
-        # simd128 1.1x from DRAM and 0.9x in L2, in 0.66x and 0.70x the bytes per weight; Xeon.)
-        return ("crumb" if width <= 2 else "nib" if width <= 4 else "byte"), lo
+        # take crumbs: relaxed Q2_K mat-vec 1.3x nibbles' rate from DRAM at the same rate in L2, in
+        # 0.66x the bytes per weight; Xeon. SIMD128 packs them as nibbles (`crumbs` False, from
+        # Target.layout), which its idotns reads in five operations per 32: 1.2-1.36x crumbs' rate.)
+        return ("crumb" if width <= 2 and self.crumbs else "nib" if width <= 4 else "byte"), lo
 
     @functools.cached_property
     def codes(self) -> tuple[Node, Node] | None:
@@ -865,6 +867,8 @@ class QuantFormat:
                     tuple(d["value_fields"]), tuple(d["interleaved"]), d.get("sub"), d["group"])
             if q.group not in (1, GROUP_ROWS):
                 raise ValueError(f"group {q.group}: this kernelgen packs rows one by one or in groups of {GROUP_ROWS}")
+            if q.reencoded and q.encoding[0] == "crumb" and d["encoding"]["kind"] == "nib":
+                q = dataclasses.replace(q, crumbs=False)
             planes = d["planes"]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None

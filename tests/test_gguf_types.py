@@ -299,13 +299,6 @@ IDOTN_SRC = ("export kernel f(w: ptr, a: ptr, y: ptr) {\n"
              "    i32x4.store(y, idotn(i32x4.splat(0), i8x16.load(w), a));\n}\n")
 
 
-def test_idotn_is_refused_on_relaxed_simd():
-    from kernelgen.compiler.build import compile_kernels
-    from kernelgen.errors import DslError
-    with pytest.raises(DslError, match=r":2:\d+: idotn takes SIMD128's i16 activations"):
-        compile_kernels(IDOTN_SRC, "relaxed-simd")
-
-
 def test_idotn_lanes_are_the_split_dots_of_the_nibble_codes():
     """SIMD128's idotn reads 32 codes straight from 16 packed bytes (byte j: code j low, j + 16 high)
     against activations in the split i16 layout: lane k is 256 times the products of values 4k..4k+3
@@ -327,11 +320,44 @@ def test_idotn_lanes_are_the_split_dots_of_the_nibble_codes():
         np.testing.assert_array_equal(k.module.get(y, np.int32, 4), want, err_msg=f"codes {codes}, act {act}")
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k"])
+IDOTNS_SRC = ("export kernel f(w: ptr, s: ptr, a: ptr, y: ptr) {\n"
+              "    i32x4.store(y, idotns(i32x4.splat(0), i8x16.load(w), s, a));\n}\n")
+
+
+@pytest.mark.parametrize("op", ["idotn", "idotns"])
+def test_nibble_dots_are_refused_on_relaxed_simd(op):
+    from kernelgen.compiler.build import compile_kernels
+    from kernelgen.errors import DslError
+    with pytest.raises(DslError, match=rf":2:\d+: {op} takes SIMD128's i16 activations"):
+        compile_kernels({"idotn": IDOTN_SRC, "idotns": IDOTNS_SRC}[op], "relaxed-simd")
+
+
+def test_idotns_lanes_sum_to_the_sub_scaled_dot_of_the_nibble_codes():
+    """SIMD128's idotns reads 32 codes from 16 packed bytes as idotn does and weighs each half of 16
+    by its sub-block scale (an i32 holding it in both i16 halves, as Q2_K's packed plane stores it):
+    the lanes sum to s0 * c[:16].a[:16] + s1 * c[16:].a[16:], exactly, with codes 0 and 15 against
+    activations of -127 and 127 and scales of -128 and 127."""
+    from kernelgen.compiler.build import compile_kernels
+    k = compile_kernels(IDOTNS_SRC, "simd128")
+    rng = rng_for("idotns")
+    cases = [(np.full(32, 15), np.full(32, 127), (127, 127)), (np.full(32, 15), np.full(32, -127), (-128, 127)),
+             (np.tile([0, 15], 16), np.tile([-127, 127], 16), (1, -1)), (np.arange(32) % 16, np.arange(32) * 8 - 127, (3, 0))]
+    cases += [(rng.integers(0, 16, 32), rng.integers(-127, 128, 32), tuple(rng.integers(-128, 128, 2))) for _ in range(20)]
+    y = k.module.alloc(16)
+    for codes, act, (s0, s1) in cases:
+        packed = (codes[:16] | codes[16:] << 4).astype(np.uint8)
+        split = np.concatenate([np.concatenate([h[0::2], h[1::2]]) for h in (act[:16], act[16:])]).astype(np.int16)
+        scales = np.array([s0, s0, s1, s1], dtype=np.int16)
+        k.call("f", k.module.put(packed), k.module.put(scales), k.module.put(split), y)
+        prod = codes.astype(np.int64) * act
+        assert k.module.get(y, np.int32, 4).sum() == s0 * prod[:16].sum() + s1 * prod[16:].sum(), (codes, act, s0, s1)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k", "q2_k"])
 def test_nibble_types_take_idotn_on_simd128_with_results_unchanged(name):
-    """Q4_0, Q4_1 and Q4_K (Q.nib16) take idotn in SIMD128's tiles, and every qmatvec variant gives the
-    rows-1 results bit for bit, which the one-block steps (qleft) compute, on K tails and outlier
-    blocks."""
+    """Q4_0, Q4_1 and Q4_K (Q.nib16) take idotn in SIMD128's tiles, Q2_K (its 2-bit codes packed as
+    nibbles there: Q.nibss) idotns, and every qmatvec variant gives the rows-1 results bit for bit,
+    which the one-block steps (qleft) compute, on K tails and outlier blocks."""
     from kernelgen.compiler.build import compile_source, from_built
     src = DSL_PATH.read_text(encoding="utf-8")
     outs = {}
@@ -339,6 +365,7 @@ def test_nibble_types_take_idotn_on_simd128_with_results_unchanged(name):
         (built,) = compile_source(src, targets=("simd128",), tune={"qmatvec": {"rows": rows, "accs": 1}},
                                   code_budget=None, quants=(name,))
         assert "0x00f0" in built.wat  # idotn's mask of the high nibbles of even bytes
+        assert ("idotns(" in built.wat) == (name == "q2_k")
         k = from_built(built)
         q = k.quants[name]
         rng = rng_for(f"idotn-{name}")
@@ -350,6 +377,23 @@ def test_nibble_types_take_idotn_on_simd128_with_results_unchanged(name):
         assert_q_close(outs[rows], *f64_reference(k, name, b, k.quantize_act(x)), f"{name} rows {rows}")
     for rows in (2, 4):
         assert_bitwise_equal(outs[rows], outs[1], f"{name} qmatvec rows {rows} vs rows 1")
+
+
+def test_each_targets_packed_layout_round_trips_through_the_manifest():
+    """Every declared type as each target packs it (Target.layout: the grouped layout, SIMD128's
+    nibbles for Q2_K's 2-bit codes) comes back from its manifest entry as it was, so a host packs
+    what the kernels read."""
+    from kernelgen.compiler.check import check
+    from kernelgen.compiler.ops import TARGETS
+    from kernelgen.compiler.parse import parse
+    from kernelgen.quantformat import QuantFormat
+    declared = check(parse(DSL_PATH.read_text(encoding="utf-8"))).quants
+    for target in TARGETS.values():
+        for name, q in declared.items():
+            laid = target.layout(q)
+            assert QuantFormat.from_json(name, laid.to_json()) == laid, f"{name} on {target.name}"
+    assert TARGETS["simd128"].layout(declared["q2_k"]).encoding[0] == "nib"
+    assert TARGETS["relaxed-simd"].layout(declared["q2_k"]).encoding[0] == "crumb"
 
 
 def test_a_manifest_of_another_packed_layout_is_refused(quants):

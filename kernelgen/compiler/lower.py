@@ -271,12 +271,14 @@ def _i16_units(q: QuantFormat, act_max: int) -> int:
     return min(1 << (n.bit_length() - 1), span)
 
 
-def _nib16(q: QuantFormat) -> bool:
+def _nib16(q: QuantFormat, subs: bool = False) -> bool:
     """Q.nib16: a block of 32 whose codes (QuantFormat.codes) are nib() of the bytes at the start of
-    its packed values, less a constant zero, with no sub-block scales between: Q4_0, Q4_1, Q4_K."""
+    its packed values, less a constant zero, with no sub-block scales between: Q4_0, Q4_1, Q4_K.
+    `subs`: Q.nibss, the same codes with no zero under sub-block scales of 16 (SIMD128's Q2_K)."""
     codes = q.codes
-    return (codes is not None and q.group == 1 and q.sub_scales is None and q.kernel.block == 32
+    return (codes is not None and q.group == 1 and (q.sub_scales is not None) == subs and q.kernel.block == 32
             and isinstance(codes[0], Call) and codes[0].func == "nib" and isinstance(codes[1], Int)
+            and (not subs or (codes[1].value == 0 and q.sub == 16))
             and q.kernel.value_offset(codes[0].field) == 0)
 
 
@@ -987,6 +989,8 @@ class Lowerer:
                          # byte j holds codes j and j + 16) with a constant zero: idotn reads them
                          # straight from the 16 bytes on SIMD128's split i16 activations
                          "nib16": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b)),
+                         # nib16's layout under sub-block scales of 16 (zero 0): idotns on SIMD128
+                         "nibss": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b, subs=True)),
                          # a sub-scaled 32-block's two halves under one widening dot (idotss):
                          # SIMD128's split i16 activations, values of at most 64 in magnitude
                          "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])

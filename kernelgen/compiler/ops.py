@@ -733,38 +733,67 @@ def _idotss_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     lanes are added in integers (S in kernels.dsl)."""
     acc, w0, w1, s, a, offset = _dot_args(c, args, "idotss", _IDOTSS)
     p1, p2 = c.reuse(a)
-    shift = I("i32.const", str(SIMD128_ACT["DOT_SHIFT"]))
     zero = Val(I("v128.const", "i32x4", *["0"] * 4), "i32x4")
-    halves = [I("i32x4.shr_s", c.materialize(_idot_split(c, zero, w, p, offset + 16 * h)), shift)
+    halves = [c.materialize(_idot_split(c, zero, w, p, offset + 16 * h))
               for h, (w, p) in enumerate(((w0, Val(p1, "i32")), (w1, Val(p2, "i32"))))]
+    return _scaled_halves(c, acc, *halves, s)
+
+
+def _scaled_halves(c: Ctx, acc: Val, h0: Instr, h1: Instr, s: Val) -> Val:
+    """acc + s0 h0 + s1 h1 for two halves' i16 dots (256 times each half's products, lanes of
+    four at most 64 * 127 each) and their sub-block scales at s and s + 4 (SUB_SCALES): each half
+    shifted exact, both narrowed into one i16x8 (exact), and one widening dot with the scales (s0
+    in the low four lanes, s1 in the high) applies both (idotss, idotns)."""
+    shift = I("i32.const", str(SIMD128_ACT["DOT_SHIFT"]))
     s1, s2 = c.reuse(Val(I("v128.load64_zero", c.materialize(s, "i32")), "i32x4"))
     scales = I("i8x16.shuffle", *_lane_bytes((0, 0, 1, 1), 4), s1, s2)
-    return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", I("i16x8.narrow_i32x4_s", *halves), scales))
+    halves = I("i16x8.narrow_i32x4_s", I("i32x4.shr_s", h0, shift), I("i32x4.shr_s", h1, shift))
+    return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", halves, scales))
 
 
 _IDOTN = (("acc", "i32x4", "accumulator"), ("w", "i8x16", "packed nibbles"), ("ptr", "i32", "activation address"))
+_IDOTNS = (*_IDOTN[:2], ("s", "i32", "scale address"), _IDOTN[2])
 
 
-def _idotn_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    """idotn(acc, w, a): acc + 256 c.a (DOT_SHIFT 8) for the 32 codes c packed as nibbles in w (byte
-    j holds c_j low and c_(j+16) high: Q.nib16) and activations stored as split i16 (SIMD128_ACT).
+def _nibble_dots(c: Ctx, w: Val, a: Val, offset: int) -> list[Instr]:
+    """idotn's four i16 dots, of codes 2m, 2m + 1 (a block's first half: activation planes 0, 1),
+    then 2m + 16, 2m + 17 (its second half: planes 2, 3), for the 32 codes packed as nibbles in w
+    (byte j holds c_j low and c_(j+16) high) and activations stored as split i16 (SIMD128_ACT).
     Read as i16x8, lane m of w holds c_2m, c_2m+16, c_2m+1 and c_2m+17 in its four nibbles, low
     first: an and each takes the first three as c, 16 c and 256 c, a shift the last as c, and each
     meets its activation plane times 256, 16, 1 and 256 (shifts of the loads, shared by a tile's
-    rows: Lowerer.load_once), so every product is 256 c a, at most 15 * 32512 in magnitude. Four
-    operations unpack 32 codes where the nibbles' ands and shift then _idot_split's shift and and
-    per 16 took seven. The lanes hold the products _idot_split's would, so the float order over
-    lanes (qstep1) is unchanged."""
-    acc, w, a, offset = _dot_args(c, args, "idotn", _IDOTN)
+    rows: Lowerer.load_once), so every product is 256 c a, at most 15 * 32512 in magnitude."""
     first, again = c.reuse(w)
     p = c.materialize(a, "i32")  # local reads and constants (kernels.dsl's): each load's address
-    parts = []
+    dots = []
     for k, (mask, shl) in enumerate((("0x000f", 8), ("0x0f00", 0), ("0x00f0", 4), (None, 8))):
         lanes = first if k == 0 else again
         codes = (I("i16x8.shr_u", lanes, I("i32.const", "12")) if mask is None
                  else I("v128.and", lanes, I("v128.const", "i16x8", *[mask] * 8)))
-        parts.append(I("i32x4.dot_i16x8_s", codes, c.load_once("v128.load", offset * 2 + 16 * k, p, shl)))
-    return _plus_acc(c, acc, I("i32x4.add", I("i32x4.add", parts[0], parts[1]), I("i32x4.add", parts[2], parts[3])))
+        dots.append(I("i32x4.dot_i16x8_s", codes, c.load_once("v128.load", offset * 2 + 16 * k, p, shl)))
+    return dots
+
+
+def _idotn_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idotn(acc, w, a): acc + 256 c.a (DOT_SHIFT 8) for the 32 codes c packed as nibbles in w
+    (Q.nib16), the sum of _nibble_dots. Four operations unpack 32 codes where the nibbles' ands and
+    shift then _idot_split's shift and and per 16 took seven. The lanes hold the products
+    _idot_split's would, so the float order over lanes (qstep1) is unchanged."""
+    acc, w, a, offset = _dot_args(c, args, "idotn", _IDOTN)
+    d = _nibble_dots(c, w, a, offset)
+    return _plus_acc(c, acc, I("i32x4.add", I("i32x4.add", d[0], d[1]), I("i32x4.add", d[2], d[3])))
+
+
+def _idotns_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idotns(acc, w, sp, a): idotss of the 32 codes packed as nibbles in w (Q.nibss: no zero, sub-
+    block scales of 16 at sp): each half's two _nibble_dots summed apart, then _scaled_halves.
+    Five operations unpack 32 codes where SIMD128's Q2_K took ten (a crumb plane's load, multiply,
+    shift and and per 16, then _idot_split's shift and and) and two i16 multiplies: simd128 Q2_K
+    mat-vec 1.3-1.36x at 256x4096 and 4096x4096, 1.17-1.29x from DRAM on rows 2 and 4 in twice
+    the code bytes (Xeon, wasmtime). Only for sums whose lanes are added in integers (S), as idotss."""
+    acc, w, s, a, offset = _dot_args(c, args, "idotns", _IDOTNS)
+    d = _nibble_dots(c, w, a, offset)
+    return _scaled_halves(c, acc, I("i32x4.add", d[0], d[1]), I("i32x4.add", d[2], d[3]), s)
 
 
 def _idotn_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -773,6 +802,10 @@ def _idotn_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
 
 def _idotss_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     raise c.error("idotss takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
+
+
+def _idotns_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    raise c.error("idotns takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
 
 
 def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -928,6 +961,7 @@ SIMD128: dict[str, Op] = {
     "idot7zs": _idot7zs_simd128,
     "idotss": _idotss_simd128,
     "idotn": _idotn_simd128,
+    "idotns": _idotns_simd128,
     "hdot7": _hdot7(_pairs_simd128),
     "hdot7z": _hdot7z(_pairs_simd128),
     "pairsum": _pairsum,
@@ -943,6 +977,7 @@ RELAXED: dict[str, Op] = {
     "idot7z": _idot7z_relaxed,
     "idot7zs": _idot7zs_relaxed,
     "idotss": _idotss_relaxed,
+    "idotns": _idotns_relaxed,
     "idotn": _idotn_relaxed,
     "hdot7": _hdot7(_pairs_relaxed),
     "hdot7z": _hdot7z(_pairs_relaxed),
@@ -976,8 +1011,13 @@ class Target:
         Measured against the rows layout (4 rows x 4-byte granules, AMD EPYC Zen 4): relaxed Q4_0
         mat-vec 1.2-1.6x in wasmtime, 1.1-1.2x in Node 20, 1.5-2.1x in Chromium 156, its GEMM
         1.4-2.3x on all three; the i16 scheme (Q8_0: 8 operations per 16 products either way) and
-        SIMD128 gained nothing (0.8-1.0x), so they keep rows."""
-        return dataclasses.replace(q, group=GROUP_ROWS) if self.dot_scheme(q.codes is not None) == "i7" else q
+        SIMD128 gained nothing (0.8-1.0x), so they keep rows. SIMD128 packs 2-bit integers as
+        nibbles, not crumbs (QuantFormat.crumbs): Q2_K then takes idotns."""
+        if self.dot_scheme(q.codes is not None) == "i7":
+            return dataclasses.replace(q, group=GROUP_ROWS)
+        if self.constants["ACT_SPLIT"] and q.reencoded and q.encoding[0] == "crumb":
+            return dataclasses.replace(q, crumbs=False)  # SIMD128 reads nibbles faster (idotns)
+        return q
 
 
 # How activations are quantized and stored for the integer dot on each target (kernels read these
