@@ -717,7 +717,7 @@ class QuantFormat:
         # on two (Zen 4, wasmtime): bytes win while the cores, not DRAM, bound decoding. 2-bit codes
         # take crumbs: relaxed Q2_K mat-vec 1.3x nibbles' rate from DRAM at the same rate in L2, in
         # 0.66x the bytes per weight; Xeon. SIMD128 packs them as nibbles (`crumbs` False, from
-        # Target.layout), which its idotns reads in five operations per 32: 1.2-1.36x crumbs' rate.)
+        # Target.layout), which its idotns unpacks in four operations per 32: 1.2-1.36x crumbs' rate.)
         return ("crumb" if width <= 2 and self.crumbs else "nib" if width <= 4 else "byte"), lo
 
     @functools.cached_property

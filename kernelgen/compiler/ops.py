@@ -787,8 +787,8 @@ def _idotn_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
 def _idotns_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idotns(acc, w, sp, a): idotss of the 32 codes packed as nibbles in w (Q.nibss: no zero, sub-
     block scales of 16 at sp): each half's two _nibble_dots summed apart, then _scaled_halves.
-    Five operations unpack 32 codes where SIMD128's Q2_K took ten (a crumb plane's load, multiply,
-    shift and and per 16, then _idot_split's shift and and) and two i16 multiplies: simd128 Q2_K
+    Four operations unpack 32 codes where SIMD128's Q2_K took ten, two of them i16 multiplies (a
+    crumb plane's multiply, shift and and per 16, then _idot_split's shift and and): simd128 Q2_K
     mat-vec 1.3-1.36x at 256x4096 and 4096x4096, 1.17-1.29x from DRAM on rows 2 and 4 in twice
     the code bytes (Xeon, wasmtime). Only for sums whose lanes are added in integers (S), as idotss."""
     acc, w, s, a, offset = _dot_args(c, args, "idotns", _IDOTNS)
