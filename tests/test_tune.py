@@ -2172,6 +2172,33 @@ def test_build_takes_the_middle_variant_where_the_pick_does_not_fit(checked) -> 
     assert used == bytes_of[2] and m["tune"]["values"]["qmatvec_q8_0"] == {"rows": 2, "accs": 1}
 
 
+def test_build_takes_qmatmuls_variant_on_qmatvecs_tile_where_its_pick_does_not_fit(checked) -> None:
+    """qmatvec's pick (rows 4, 2x) and qmatmul's (2 x 2, 2x) do not fit together, nor does rows 4 beside
+    qmatmul's smallest variant (its single-row code): qmatmul's 1 x 4, 1.67x and timed, calls the
+    tile qmatvec's pick holds, so the budget of those two builds both and names what it gave up."""
+    times = {"qmatvec": (({"rows": 1, "accs": 1}, 1.0), ({"rows": 4, "accs": 1}, 0.5)),
+             "qmatmul": (({"tokens": 1, "rows": 1}, 1.0), ({"tokens": 2, "rows": 2}, 0.5),
+                         ({"tokens": 1, "rows": 4}, 0.6))}
+    records = [rec(checked, tune, seconds, "64x256x256", kernel=k, quant="q4_1")
+               for k, tunes in times.items() for tune, seconds in tunes]
+
+    def build(**kw):
+        (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), quants=("q4_1",), **kw)
+        return b.manifest, size.sizes(b).figures()[size.QUANT_CODE]
+
+    def bytes_of(mv: dict, mm: dict) -> int:
+        return build(tune={"qmatvec_q4_1": mv, "qmatmul_q4_1": mm}, code_budget=None)[1]
+
+    r4, shared = {"rows": 4, "accs": 1}, {"tokens": 1, "rows": 4}
+    budget = bytes_of(r4, shared)
+    assert budget < min(bytes_of(r4, {"tokens": 2, "rows": 2}), bytes_of(r4, {"tokens": 1, "rows": 1}))
+    m, used = build(records=records, tune_host=HOST_A, code_budget=budget)
+    values = m["tune"]["values"]
+    assert used <= budget and values["qmatvec_q4_1"] == r4 and values["qmatmul_q4_1"] == shared
+    assert m["tune"]["budget"]["dropped"] == {"qmatmul_q4_1": {"fast": {"tokens": 2, "rows": 2}, "speedup": 2.0,
+                                                                "built": shared, "built_speedup": 1.667}}
+
+
 def test_build_keeps_the_budget_when_qmatmul_takes_qmatvecs_accs(checked) -> None:
     """qmatmul's tiles take qmatvec's accs without its name saying so, so a type whose qmatvec pick
     has accs 2 builds qmatmul code the budget's costs (by function name) did not count: the build

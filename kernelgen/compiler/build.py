@@ -39,6 +39,7 @@ from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
 from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, host, load_store, middle_tune,
+                             shared_tune,
                             other_versions, smallest, speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
@@ -180,7 +181,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     smallest variant (its code is built for every such type); a kernel without timings takes its
     declared defaults. The account's "upgrades" are the store's picks of one type that are not the
     smallest variant (what a byte budget may take back), and for each its middle variant where the
-    store has one (store.middle_tune: what the budget may build instead)."""
+    store has one (store.middle_tune: what the budget may build instead), and the type's other
+    kernels' variants on its tile (store.shared_tune)."""
     overrides = dict(overrides or {})
     want = tune_host or host()
     # This target's and host's records by kernel and quant type (ALL_QUANTS: of any type): each of
@@ -223,6 +225,17 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
                 if (mid := middle_tune(mine[name, q], checked, name, target, want, least, best, q)) is not None:
                     upgrades.append(Upgrade(tune_key(name, q), q, least, mid,
                                             speedup(mine[name, q], checked, name, target, want, mid, least, q), middle=True))
+    for u in [u for u in upgrades if not u.middle]:  # each pick's tile for the type's other kernels
+        owner = u.key.removesuffix(f"_{u.quant}")
+        for name, k in checked.kernels.items():
+            key = tune_key(name, u.quant)
+            if name == owner or not k.ast.generics or not k.ast.tunes or sources.get(key) != "store":
+                continue
+            least = smallest(checked, name)
+            shared = shared_tune(mine.get((name, u.quant), []), checked, name, target, want, least, u.fast, u.quant)
+            if shared is not None and all(x.fast != shared for x in upgrades if x.key == key):
+                gain = speedup(mine[name, u.quant], checked, name, target, want, shared, least, u.quant)
+                upgrades.append(Upgrade(key, u.quant, least, shared, gain, shares=owner))
     values = resolve_tune(checked, overrides)
     sources.update({key: "override" for key in overrides if key not in sources})
     pool = {}  # run-time choices for pool jobs (threads, items per claim), from the store only
@@ -252,12 +265,14 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     it gives up (and the middle variant built instead, with its own).
 
     Costs are measured, not modelled: one build per combination of the tuned kernels' levels
-    (smallest, middle, pick; qmatvec and qmatmul: nine builds, one of them `built`) gives every
-    type's code at each level, since types share no code. A model from function names and call
+    (smallest, middle, pick, on another pick's tile; qmatvec and qmatmul: twelve builds, one of them
+    `built`) gives every type's code at each level, since types share no code. A model from function names and call
     graphs missed what an export's name leaves out (qmatmul's tiles take qmatvec's accs): 1,571
     bytes under the truth on relaxed SIMD, and the greedy repair after it dropped four picks to keep
     one. Taking a middle variant instead of the smallest kept relaxed SIMD's Q8_0 mat-vec at 1.35x of
-    the smallest's speed where the pick (1.42x) did not fit."""
+    the smallest's speed where the pick (1.42x) did not fit; a GEMM on qmatvec's tile cut what the
+    committed build gives up from 158x to 16x on simd128 and from 38x to 18x on relaxed SIMD (the
+    products of the speedups left out, weighed by priority)."""
     upgrades: list[Upgrade] = info["upgrades"]
     quants = tuple(checked.quants)
     priority = {q.name: q.priority for q in checked.program.quants if q.priority is not None and q.name in quants}
@@ -270,7 +285,7 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
         return u.key.removesuffix(f"_{u.quant}")
 
     def level(u: Upgrade) -> int:  # 0 is the smallest variant
-        return 1 if u.middle else 2
+        return 1 if u.middle else 3 if u.shares else 2
 
     def compiled(taken: list[Upgrade], account: dict) -> Built:
         chosen = {k: v for k, v in values.items() if k not in keys}  # a key left out: the kernel's smallest
@@ -282,7 +297,7 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     # Each tuned kernel at each level (0: smallest, 1: middle, 2: pick) across all types at once;
     # a type with no middle variant of a kernel keeps its smallest at level 1.
     kernels = sorted({kernel_of(u) for u in upgrades})
-    levels = [(0, 1, 2) if any(u.middle and kernel_of(u) == k for u in upgrades) else (0, 2) for k in kernels]
+    levels = [tuple(sorted({0, 2} | {level(u) for u in upgrades if kernel_of(u) == k})) for k in kernels]
     sizes: dict[tuple[int, ...], dict[str, int]] = {}
     for combo in itertools.product(*levels):
         taken = [u for u in upgrades if level(u) == combo[kernels.index(kernel_of(u))]]
@@ -295,7 +310,7 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     def build(names: set[str]) -> Built:
         taken = [u for u in upgrades if u.name in names]
         built_as = {u.key: u for u in taken}
-        dropped = [u for u in upgrades if not u.middle and (u.key not in built_as or built_as[u.key].middle)]
+        dropped = [u for u in upgrades if not u.alternative and (u.key not in built_as or built_as[u.key].alternative)]
         return compiled(taken, {**info, "source": {**info["source"], **{u.key: "budget" for u in dropped}},
                                 "budget": {"bytes": budget, **({"priority": priority} if priority else {}),
                                            "dropped": {u.key: {

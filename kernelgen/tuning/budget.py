@@ -7,7 +7,8 @@ alone, with SIZE_MARGIN against the smallest variant; each pick is code in that 
 budget. When they do, the build keeps the picks that together give the most measured speed (the
 product of their speedups over the smallest variants, from the tuning records, each type's raised
 to its declared `priority`: the types most models ship count most) within the budget, and builds
-the smallest variant for the others. The manifest's `tune.budget` names the picks left
+the smallest variant for the others (or an alternative: a middle variant, or one that calls the tile
+another kernel's pick holds). The manifest's `tune.budget` names the picks left
 out and the speed each gives up. A build of the types one model uses (`kernelgen build --quant`,
 check.select_quants) spends the same budget on those types alone.
 """
@@ -29,7 +30,8 @@ CODE_BUDGET = 32768
 @dataclass(frozen=True)
 class Upgrade:
     """One quant type's tuned variant of one kernel, in place of its smallest variant: the store's
-    pick, or (`middle`) the fastest variant between the two, for a budget the pick does not fit."""
+    pick, or for a budget the pick does not fit (an alternative) the fastest variant between the two
+    (`middle`), or the one that takes another kernel's pick's values (`shares`: store.shared_tune)."""
 
     key: str  # the build table's key (check.tune_key): `qmatvec_q8_0`
     quant: str
@@ -37,6 +39,11 @@ class Upgrade:
     fast: dict[str, int]
     speedup: float  # time of `small` / time of `fast`, by the tuning records (store.speedup)
     middle: bool = False
+    shares: str | None = None  # the kernel whose pick's tile this variant calls
+
+    @property
+    def alternative(self) -> bool:  # built in place of the pick, never beside it
+        return self.middle or self.shares is not None
 
     @property
     def name(self) -> str:  # what spend's choices hold: the key and the variant (`qmatvec_q8_0__rows2_accs1`)

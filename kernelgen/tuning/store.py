@@ -496,6 +496,18 @@ def middle_tune(records: list[Record], checked: Checked, kernel: str, target: st
     return json.loads(best) if scores[best] * SIZE_MARGIN < base else None
 
 
+def shared_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+                small: dict, other: dict, quant: str | None = ALL_QUANTS) -> dict | None:
+    """`small` with each tune parameter that another kernel's pick `other` names too taken from it
+    (qmatmul's rows from qmatvec's pick: the two then call one tile), when the store has timed it
+    and it beats `small` by SIZE_MARGIN: for a byte budget, a variant whose code the other kernel's
+    pick already holds. None otherwise."""
+    shared = {p: other.get(p, v) for p, v in small.items()}
+    scores = variant_scores(records, checked, kernel, target, want_host, quant)
+    base, mine = scores.get(json.dumps(small, sort_keys=True)), scores.get(json.dumps(shared, sort_keys=True))
+    return shared if base is not None and mine is not None and mine * SIZE_MARGIN < base else None
+
+
 def speedup(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
             fast: dict, slow: dict, quant: str | None = ALL_QUANTS) -> float:
     """How many times faster variant `fast` runs than `slow` by the records (variant_scores); a
