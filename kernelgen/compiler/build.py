@@ -39,8 +39,7 @@ from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
 from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, host, load_store, middle_tune,
-                             shared_tune,
-                            other_versions, smallest, speedup, usable)
+                            other_versions, shared_tune, smallest, speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -265,9 +264,9 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
     it gives up (and the middle variant built instead, with its own).
 
     Costs are measured, not modelled: one build per combination of the tuned kernels' levels
-    (smallest, middle, pick, on another pick's tile; qmatvec and qmatmul: twelve builds, one of them
-    `built`) gives every type's code at each level, since types share no code. A model from function names and call
-    graphs missed what an export's name leaves out (qmatmul's tiles take qmatvec's accs): 1,571
+    (smallest, middle, pick, on another pick's tile; qmatvec and qmatmul: at most sixteen builds, one
+    of them `built`) gives every type's code at each level, since types share no code. A model from
+    function names and call graphs missed what an export's name leaves out (qmatmul's tiles take qmatvec's accs): 1,571
     bytes under the truth on relaxed SIMD, and the greedy repair after it dropped four picks to keep
     one. Taking a middle variant instead of the smallest kept relaxed SIMD's Q8_0 mat-vec at 1.35x of
     the smallest's speed where the pick (1.42x) did not fit; a GEMM on qmatvec's tile cut what the
@@ -294,8 +293,8 @@ def within_budget(checked: Checked, built: Built, values: dict[str, dict[str, in
 
     if sum(by_type(built).values()) <= budget or not upgrades:
         return built
-    # Each tuned kernel at each level (0: smallest, 1: middle, 2: pick) across all types at once;
-    # a type with no middle variant of a kernel keeps its smallest at level 1.
+    # Each tuned kernel at each level (0: smallest, 1: middle, 2: pick, 3: on another pick's tile)
+    # across all types at once; a type with no such variant of a kernel keeps its smallest there.
     kernels = sorted({kernel_of(u) for u in upgrades})
     levels = [tuple(sorted({0, 2} | {level(u) for u in upgrades if kernel_of(u) == k})) for k in kernels]
     sizes: dict[tuple[int, ...], dict[str, int]] = {}
