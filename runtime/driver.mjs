@@ -64,17 +64,51 @@ function chooseTarget(requested, relaxed) {
     : { target: 'simd128', why: relaxed.note };
 }
 
+/**
+ * Which build of the target to run: a flavor (manifest.flavors: the same kernels and results, ops
+ * in forms faster where the engine lowers the relaxed dot as its `when` says) or the base build.
+ * `requested`: 'auto' (undefined: the first flavor whose `when` the probe matches), 'base' or a
+ * flavor's name. Returns {flavor: its name or null for the base, dir, why}.
+ */
+export function chooseFlavor(manifest, requested, relaxed) {
+  const flavors = manifest.flavors ?? {};
+  if (requested !== undefined && typeof requested !== 'string') {
+    throw new TypeError(`flavor must be 'auto', 'base' or a flavor's name, got ${typeof requested}`);
+  }
+  if (requested === undefined || requested === 'auto') {
+    const match = Object.entries(flavors).find(([, f]) => Object.entries(f.when).every(([k, v]) => relaxed[k] === v));
+    return match
+      ? { flavor: match[0], dir: match[1].dir, why: match[1].why ?? `the probe found ${JSON.stringify(match[1].when)}` }
+      : { flavor: null, dir: null, why: 'no flavor of this build suits the probe of the relaxed dot' };
+  }
+  if (requested === 'base') return { flavor: null, dir: null, why: 'requested' };
+  if (!(requested in flavors)) {
+    const have = Object.keys(flavors).join(', ') || 'it has none';
+    throw new RangeError(`flavor must be 'auto', 'base' or one of this build's flavors (${have}), got ${requested}`);
+  }
+  return { flavor: requested, dir: flavors[requested].dir, why: 'requested' };
+}
+
 export class Driver {
   /**
-   * Load `baseUrl`/<target>/kernels.{json,wasm} (baseUrl: the build's out/ directory as a URL) and
-   * start a pool of `threads` threads. `stopFlag`: an Int32Array[1] on a SharedArrayBuffer whose
-   * nonzero value ends a bench loop (or null).
+   * Load `baseUrl`/<target>/kernels.{json,wasm} (baseUrl: the build's out/ directory as a URL), or
+   * its `flavor`'s build in the directory the manifest names (chooseFlavor), and start a pool of
+   * `threads` threads. `stopFlag`: an Int32Array[1] on a SharedArrayBuffer whose nonzero value ends
+   * a bench loop (or null).
    */
-  static async load({ baseUrl, target, threads, stopFlag = null }) {
+  static async load({ baseUrl, target, flavor, threads, stopFlag = null }) {
     const relaxed = await probeRelaxedDot();
     const chosen = chooseTarget(target, relaxed);
     const dir = new URL(`${chosen.target}/`, baseUrl);
-    const { manifest, wasm, notes } = await loadBuild(dir);
+    let { manifest, wasm, notes } = await loadBuild(dir);
+    const flavored = chooseFlavor(manifest, flavor, relaxed);
+    if (flavored.flavor !== null) {
+      ({ manifest, wasm, notes } = await loadBuild(new URL(`${flavored.dir}/`, dir)));
+      if (manifest.flavor !== flavored.flavor) {
+        const where = new URL(`${flavored.dir}/kernels.json`, dir);
+        throw new Error(`${where}: not the ${flavored.flavor} flavor's manifest`);
+      }
+    }
     const shared = sharedMemoryStatus();
     let size = threads ?? Math.min(hardwareThreads(), MAX_THREADS);
     if (!shared.canThread && size > 1) {
@@ -96,6 +130,8 @@ export class Driver {
       environment: isNode ? `node ${process.versions.node}` : 'browser',
       target: chosen.target,
       targetReason: chosen.why,
+      flavor: flavored.flavor,
+      flavorReason: flavored.why,
       relaxedDot: relaxed,
       sharedArrayBuffer: shared.sharedArrayBuffer,
       crossOriginIsolated: shared.crossOriginIsolated,

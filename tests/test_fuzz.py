@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kernelgen.cli import main
+from kernelgen.compiler.ops import TARGETS
 
 DSL_PATH = Path(__file__).resolve().parents[1] / "kernels.dsl"
 SEED = 20240611
@@ -326,12 +327,13 @@ def test_check_mutant_errors_show_the_line(check_outcomes: list[Outcome]) -> Non
 def test_build_mutants(check_outcomes: list[Outcome], tmp_path: Path) -> None:
     """Some mutants go through `build` too: half that `check` accepted, half it rejected. A build
     exits 0 or 2 like check; it fails whenever check failed; success writes the six files of both
-    targets and failure writes nothing."""
+    targets (and their flavors') and failure writes nothing."""
     accepted = [o for o in check_outcomes if o.code == 0][:N_BUILD // 2]
     rejected = [o for o in check_outcomes if o.code == 2][:N_BUILD // 2]
     assert accepted and rejected
     path = tmp_path / "kernels.dsl"
-    want = sorted(f"{t}/kernels.{e}" for t in ("simd128", "relaxed-simd") for e in ("wat", "wasm", "json"))
+    want = sorted(f"{d}/kernels.{e}" for t in ("simd128", "relaxed-simd")
+                  for d in (t, *(f"{t}/{f.name}" for f in TARGETS[t].flavors)) for e in ("wat", "wasm", "json"))
     bad = []
     for checked in accepted + rejected:
         m = checked.mutant

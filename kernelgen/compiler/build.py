@@ -10,6 +10,7 @@ identical bytes; a build that changes nothing writes nothing.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -58,6 +59,7 @@ class Built:
     wat: str
     wasm: bytes
     manifest: dict
+    flavors: dict[str, Built] = field(default_factory=dict)  # the target's flavors (Target.flavors), by name
 
 
 def inputs_hash(source: str, target: str, tune: dict, max_pages: int) -> str:
@@ -89,13 +91,8 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
     checked program."""
     t = TARGETS[target]
     memo = memo or Memo()
-    lowered = lower(checked, target, tune, memo.lowered)
+    lowered, wat, wasm, digest = _module(checked, target, tune, dsl_name, max_pages, memo)
     memory = layout.describe(max_pages)
-    digest = inputs_hash(checked.source, target, tune, max_pages)
-    wat, spans = render_module(lowered.funcs, memo.rendered, jobs=[j.name for j in lowered.jobs], file="kernels.wat",
-                               version=__version__, dsl=dsl_name, target=target, inputs_hash=digest,
-                               features=t.features, memory=memory, constants=t.constants)
-    wasm = assemble(wat, t.wat2wasm_flags, spans, checked.source)
     manifest = {
         "kernelgen": __version__,
         "target": target,
@@ -132,8 +129,40 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                  for i, j in enumerate(lowered.jobs)},
         "wasm_bytes": len(wasm),
         "wasm_sha256": hashlib.sha256(wasm).hexdigest(),  # the hosts refuse a wasm from another build
+        # other builds of these kernels, each in the directory named here beside this manifest, for
+        # the engines whose probe of the relaxed dot finds `when` (ops.Flavor; hosts choose)
+        **({"flavors": {f.name: {"dir": f.name, "when": f.when, "why": f.why} for f in t.flavors}}
+           if t.flavors else {}),
     }
     return Built(target, wat, wasm, manifest)
+
+
+def _module(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_name: str, max_pages: int,
+            memo: Memo, flavor: str | None = None) -> tuple[Any, str, bytes, str]:
+    """Lowered, text, wasm and inputs hash of one target's module (in `flavor`: its inputs are its
+    base build's, so is their hash)."""
+    t = TARGETS[target] if flavor is None else TARGETS[target].flavored(flavor)
+    lowered = lower(checked, target, tune, memo.lowered, flavor)
+    digest = inputs_hash(checked.source, target, tune, max_pages)
+    wat, spans = render_module(lowered.funcs, memo.rendered, jobs=[j.name for j in lowered.jobs], file="kernels.wat",
+                               version=__version__, dsl=dsl_name, target=t.key, inputs_hash=digest,
+                               features=t.features, memory=layout.describe(max_pages), constants=t.constants)
+    return lowered, wat, assemble(wat, t.wat2wasm_flags, spans, checked.source), digest
+
+
+def with_flavors(checked: Checked, base: Built, dsl_name: str, max_pages: int, memo: Memo) -> Built:
+    """`base` with its target's flavors built on the same tune values: each a manifest like base's
+    but for its own wasm (so hosts check it alike), the same exports and jobs."""
+    values = base.manifest["tune"]["values"]
+    flavors = {}
+    for f in TARGETS[base.target].flavors:
+        lowered, wat, wasm, _ = _module(checked, base.target, values, dsl_name, max_pages, memo, f.name)
+        manifest = {k: v for k, v in base.manifest.items() if k != "flavors"}
+        manifest.update(flavor=f.name, wasm_bytes=len(wasm), wasm_sha256=hashlib.sha256(wasm).hexdigest())
+        if {e.name: _export_entry(e) for e in lowered.exports} != base.manifest["exports"]:
+            raise KernelgenError(f"{base.target}'s {f.name} flavor exports other functions than its base build")
+        flavors[f.name] = Built(base.target, wat, wasm, manifest)
+    return dataclasses.replace(base, flavors=flavors)
 
 
 def _act_dtype(constants: dict[str, int]) -> str:
@@ -340,18 +369,21 @@ BUDGET_RETRIES = 4  # choices made again when a measured choice misses the budge
 def compile_source(source: str, filename: str = "kernels.dsl", targets: tuple[str, ...] = TARGET_NAMES,
                    tune: dict[str, dict[str, int]] | None = None, records: list[Record] | None = None,
                    tune_host: dict | None = None, max_pages: int = layout.MAX_PAGES,
-                   code_budget: int | None = CODE_BUDGET, quants: tuple[str, ...] | None = None) -> list[Built]:
+                   code_budget: int | None = CODE_BUDGET, quants: tuple[str, ...] | None = None,
+                   flavors: bool = True) -> list[Built]:
     """Parse, check and compile `source` for `targets`; raises DslError on any user mistake.
     `records` (a tuning store) supplies tune values for kernels `tune` does not set, within
     `code_budget` bytes of quant-type code per target (within_budget; None: no budget). `quants`
-    names the quant types to build (check.select_quants; None: every declared type)."""
+    names the quant types to build (check.select_quants; None: every declared type); `flavors`
+    whether to build each target's flavors too (Built.flavors)."""
     checked = check(parse(source, filename))
     if quants is not None:
         checked = select_quants(checked, quants)
     if records:
         records = usable(records, checked)
     one = functools.partial(_compile_one, checked, tune=tune, records=records, tune_host=tune_host,
-                            dsl_name=Path(filename).name, max_pages=max_pages, code_budget=code_budget)
+                            dsl_name=Path(filename).name, max_pages=max_pages, code_budget=code_budget,
+                            flavors=flavors)
     if not _fork_targets(targets):
         return [one(t) for t in targets]
     # One process per target: the targets share nothing past `checked`, and lowering is pure Python
@@ -418,20 +450,26 @@ def _fork_targets(targets: tuple[str, ...]) -> bool:
 
 
 def _compile_one(checked: Checked, target: str, tune: dict[str, dict[str, int]] | None, records: list[Record] | None,
-                 tune_host: dict | None, dsl_name: str, max_pages: int, code_budget: int | None) -> Built:
+                 tune_host: dict | None, dsl_name: str, max_pages: int, code_budget: int | None,
+                 flavors: bool = True) -> Built:
     """One target of compile_source: its tune values, its build, the byte budget's builds."""
     memo = Memo()  # shared by the builds within_budget makes
     values, info = choose_tune(checked, target, tune, records, tune_host)
     b = compile_target(checked, target, values, dsl_name, info, max_pages, memo)
     if code_budget is not None:
         b = within_budget(checked, b, values, info, code_budget, dsl_name, max_pages, memo)
-    return b
+    return with_flavors(checked, b, dsl_name, max_pages, memo) if flavors else b
 
 
 def compile_kernels(source: str, target: str = "relaxed-simd", tune: dict[str, dict[str, int]] | None = None,
-                    deterministic: bool = False, filename: str = "kernels.dsl") -> Kernels:
-    """Compile DSL source in memory (no files written) and load it."""
-    (built,) = compile_source(source, filename, (target,), tune)
+                    deterministic: bool = False, filename: str = "kernels.dsl", flavor: str | None = None) -> Kernels:
+    """Compile DSL source in memory (no files written) and load it (its `flavor`: Target.flavors)."""
+    (built,) = compile_source(source, filename, (target,), tune, flavors=flavor is not None)
+    if flavor is not None:
+        if flavor not in built.flavors:
+            raise ValueError(f"compile_kernels flavor: {target} has {', '.join(built.flavors) or 'no flavors'}, "
+                             f"not {flavor!r}")
+        built = built.flavors[flavor]
     return from_built(built, deterministic)
 
 
@@ -444,13 +482,15 @@ LOCK_TIMEOUT = 120.0  # seconds a build waits for another one writing the same o
 
 
 def write_outputs(built: list[Built], out_dir: Path, lock_timeout: float = LOCK_TIMEOUT) -> list[Path]:
-    """Write each target's files under out_dir/<target>/, all at once; returns the files that changed.
+    """Write each target's files under out_dir/<target>/ (a flavor's in out_dir/<target>/<flavor>/),
+    all at once; returns the files that changed.
 
     out_dir must be new, empty, or hold only target directories: it is replaced as a whole.
     """
-    files = {Path(b.target) / name: data for b in built for name, data in (
-        ("kernels.wat", b.wat.encode()), ("kernels.wasm", b.wasm),
-        ("kernels.json", (json.dumps(b.manifest, indent=2, sort_keys=False) + "\n").encode()))}
+    files = {Path(b.target, *([f.manifest["flavor"]] if f is not b else [])) / name: data
+             for b in built for f in (b, *b.flavors.values()) for name, data in (
+                 ("kernels.wat", f.wat.encode()), ("kernels.wasm", f.wasm),
+                 ("kernels.json", (json.dumps(f.manifest, indent=2, sort_keys=False) + "\n").encode()))}
     out_dir = Path(out_dir)
     try:
         parent = out_dir.absolute().parent

@@ -499,7 +499,7 @@ class Lowerer:
         """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
         its pool "job" (or reuse its lowering from another build: self.memo). Returns, for a parallel
         export, its item count as hosts evaluate it."""
-        key = (self.target.name, role, name)
+        key = (self.target.key, role, name)
         if (done := self.memo.get(key)) is not None and self._still_holds(done):
             for callee, args in done.internals:
                 self.instances.internal(callee, args, self.error)
@@ -1245,11 +1245,12 @@ class Lowered:
 
 
 def lower(checked: Checked, target_name: str, tune: dict[str, dict[str, int]],
-          memo: dict[tuple[str, str, str], Reused] | None = None) -> Lowered:
-    """Lower `checked` for a target with these tune values. `memo` (a dict kept across builds of
-    this one checked program, filled here) lets another build reuse each function it has in
-    common: a build in within_budget lowers only the functions its values change."""
-    target = TARGETS[target_name]
+          memo: dict[tuple[str, str, str], Reused] | None = None, flavor: str | None = None) -> Lowered:
+    """Lower `checked` for a target (in one of its flavors: Target.flavored) with these tune values.
+    `memo` (a dict kept across builds of this one checked program, filled here) lets another build
+    reuse each function it has in common: a build in within_budget lowers only the functions its
+    values change."""
+    target = TARGETS[target_name] if flavor is None else TARGETS[target_name].flavored(flavor)
     lw = Lowerer(replace(checked, quants={n: target.layout(q) for n, q in checked.quants.items()}), target, tune, memo)
     try:
         funcs = lw.run()

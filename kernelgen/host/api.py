@@ -163,6 +163,7 @@ class Kernels:
         check_manifest(manifest, bytes(wasm), where)
         self.manifest = manifest
         self.target: str = manifest["target"]
+        self.flavor: str | None = manifest.get("flavor")  # None: the target's base build
         self.module = host.Module(wasm, manifest, deterministic)
         self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
                                                 for name, q in manifest["quants"].items()}
@@ -719,15 +720,40 @@ def padded_rows(x: np.ndarray, fill: float = 0.0) -> np.ndarray:
     return out
 
 
-def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", deterministic: bool = False) -> Kernels:
+def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", deterministic: bool = False,
+         flavor: str = "auto") -> Kernels:
     """Load out_dir/<target>/kernels.wasm with its manifest; with no out_dir, the library's build that
-    ships with kernelgen (kernelgen/library.py)."""
+    ships with kernelgen (kernelgen/library.py). `flavor`: "auto" loads the build the manifest's
+    flavors name for this engine's lowering of the relaxed dot (wasmtime's is the base build's),
+    "base" the base build, a flavor's name that flavor (same results, bit for bit)."""
     if not isinstance(target, str):
         raise TypeError(f"load target: expected a target name (str), got {type(target).__name__}")
+    if not isinstance(flavor, str):
+        raise TypeError(f"load flavor: expected 'auto', 'base' or a flavor's name (str), got {type(flavor).__name__}")
     deterministic = _flag("load deterministic", deterministic)
     if not (out_dir is None or isinstance(out_dir, (str, Path))):
         raise TypeError(f"load out_dir: expected a path (str or Path) or None, got {type(out_dir).__name__}")
     d = Path(library.out() if out_dir is None else out_dir) / target
+    wasm, manifest = _read_build(d, target)
+    flavors = manifest.get("flavors") or {}
+    if flavor == "auto":
+        probe = host.relaxed_dot_probe(deterministic)
+        flavor = next((name for name, f in flavors.items() if all(probe.get(k) == v for k, v in f["when"].items())),
+                      "base")
+    if flavor == "base":
+        return Kernels(wasm, manifest, deterministic, str(d / "kernels.json"))
+    if flavor not in flavors:
+        raise ValueError(f"load flavor: expected 'auto', 'base' or one of this build's flavors "
+                         f"({', '.join(flavors) or 'it has none'}), got {flavor!r}")
+    d = d / flavors[flavor]["dir"]
+    wasm, manifest = _read_build(d, target)
+    if manifest.get("flavor") != flavor:
+        raise KernelgenError(f"{d / 'kernels.json'}: not the {flavor} flavor's manifest")
+    return Kernels(wasm, manifest, deterministic, str(d / "kernels.json"))
+
+
+def _read_build(d: Path, target: str) -> tuple[bytes, dict]:
+    """kernels.wasm and kernels.json of the build in `d`."""
     try:
         manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
         wasm = (d / "kernels.wasm").read_bytes()
@@ -737,4 +763,4 @@ def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", determ
         raise KernelgenError(f"{d}: cannot read the build for target {target!r} ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
-    return Kernels(wasm, manifest, deterministic, str(d / "kernels.json"))
+    return wasm, manifest

@@ -71,6 +71,12 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
             raise fail(f"jobs.{name}.tuned must give threads in 1..{MAX_THREADS} and chunk in 1..{I32_MAX}, got {tuned}")
     if not isinstance(manifest["exports"], dict) or not isinstance(manifest["quants"], dict):
         raise fail("exports and quants must be objects")
+    flavors = manifest.get("flavors", {})
+    if not isinstance(flavors, dict) or not all(isinstance(f, dict) and isinstance(f.get("dir"), str)
+                                                and f["dir"].isidentifier() and isinstance(f.get("when"), dict)
+                                                for f in flavors.values()):
+        raise fail("flavors must map names to a directory name (dir, a plain name) and the probe outcome "
+                   "they suit (when)")
     for name, e in manifest["exports"].items():
         if not (isinstance(e, dict) and isinstance(e.get("kernel"), str)
                 and (e.get("quant") is None or isinstance(e["quant"], str)) and isinstance(e.get("params"), list)):

@@ -81,6 +81,27 @@ def engine(deterministic: bool = False) -> wasmtime.Engine:
     return wasmtime.Engine(cfg)
 
 
+# runtime/features.mjs's probe: lane 0 of the relaxed dot-add of splats a = -128 and b = 0xff (its
+# 7-bit operand's top bit set, which no kernel does) tells how the engine lowers it: b read as signed
+# gives 4 * 128; read as unsigned, x86's pmaddubsw saturates each pair to -32768, vpdpbusd does not.
+_PROBE_WAT = """(module (func (export "dot") (param i32 i32) (result i32)
+  (i32x4.extract_lane 0 (i32x4.relaxed_dot_i8x16_i7x16_add_s
+    (i8x16.splat (local.get 0)) (i8x16.splat (local.get 1)) (v128.const i32x4 0 0 0 0)))))"""
+_PROBE_OUTCOMES = {4 * 128: {"sevenBit": "signed", "saturates": False},
+                   2 * -32768: {"sevenBit": "unsigned", "saturates": True},
+                   4 * -128 * 255: {"sevenBit": "unsigned", "saturates": False}}
+
+
+@functools.cache
+def relaxed_dot_probe(deterministic: bool = False) -> dict[str, Any]:
+    """How this wasmtime lowers the relaxed dot (what a manifest's flavors' `when` is matched with):
+    {"sevenBit": "signed" | "unsigned" | "unknown", "saturates": bool | None, "topBitLane": int}."""
+    store = wasmtime.Store(engine(deterministic))
+    lane = wasmtime.Instance(store, wasmtime.Module(engine(deterministic), _PROBE_WAT), []).exports(store)["dot"](
+        store, -128, -1)
+    return {**_PROBE_OUTCOMES.get(lane, {"sevenBit": "unknown", "saturates": None}), "topBitLane": lane}
+
+
 def _shared_memory_extern(mem: wasmtime.SharedMemory) -> Any:
     """The ``wasmtime_extern_t`` that imports `mem` into an instance.
 

@@ -668,7 +668,8 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
                     k.reset()
         for t, (engine, target) in js_targets.items():
             progress(f"run {i + 1}/{repeat}: the mat-vec and GEMM cases in {t}")
-            machine[engine], times = js_timings(bench.built[target], [c.node for c in node_cases], engine=engine)
+            named, times = js_timings(bench.built[target], [c.node for c in node_cases], engine=engine)
+            machine[engine] = max(named, machine.get(engine, ""), key=len)  # the one naming a flavor, if any
             for c in node_cases:
                 rows[(c.key, t)].value.samples.append(times[c.node])
         progress(f"run {i + 1}/{repeat}: build")
@@ -706,8 +707,9 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
 def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
                engine: str = "node") -> tuple[str, dict[NodeKey, float]]:
     """Time `keys` through the JS runtime on `built` (a bench module) in `engine` (JS_ENGINES: V8 in
-    Node, or in a page of headless Chromium): (engine and version, seconds per call by key). A q8_0
-    mat-vec shape times the seed-style peer too, checked against qmatvec first; a "qmatvec pool" key
+    Node, or in a page of headless Chromium): (engine and version, and the flavor of `built` the
+    runtime chose, if any; seconds per call by key). A q8_0 mat-vec shape times the seed-style peer
+    too, checked against qmatvec first; a "qmatvec pool" key
     runs its shape on the pool's one and two threads. A GEMM key's case is timed on the calling
     thread and on the pool's thread counts its keys name."""
     if engine not in JS_ENGINES:
@@ -725,10 +727,11 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
             if kernel.endswith(POOL):
                 pool.add(threads)
     with tempfile.TemporaryDirectory(prefix="kernelgen-bench-") as tmp:
-        out = Path(tmp, built.target)
-        out.mkdir()
-        (out / "kernels.wasm").write_bytes(built.wasm)
-        (out / "kernels.json").write_text(json.dumps(built.manifest), encoding="utf-8")
+        for b in (built, *built.flavors.values()):  # the runtime loads the flavor that suits the engine
+            out = Path(tmp, built.target, *([b.manifest["flavor"]] if b is not built else []))
+            out.mkdir(parents=True)
+            (out / "kernels.wasm").write_bytes(b.wasm)
+            (out / "kernels.json").write_text(json.dumps(b.manifest), encoding="utf-8")
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
         config = {"out": Path(tmp).as_uri() + "/", "target": built.target, "seed": Path(tmp, "seed.wasm").as_uri(),
                   "minMs": min_ms, "streams": [stream_name(ways, pool=True) for ways in STREAM_WAYS],
@@ -750,7 +753,8 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
     missing = [k for k in keys if k not in times]
     if missing:
         raise KernelgenError(f"{engine} bench did not time {missing}")
-    return data["engine"], times
+    flavor = f" running {built.target}'s {data['flavor']} flavor" if data.get("flavor") else ""
+    return data["engine"] + flavor, times
 
 
 JS_SECONDS = 3600  # one engine's run of every case: minutes in practice

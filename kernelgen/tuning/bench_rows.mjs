@@ -6,7 +6,8 @@
 // plus the streaming reads' pool jobs, `streams`: one per interleaved-stream count), `seed` the URL
 // of the seed-style peer's wasm, `runtime` the URL of runtime/kernelgen.mjs (kernelgen.library.runtime():
 // the checkout's, or the copy an installed wheel carries; file: URLs in Node, the page's server's in
-// Chromium). Resolves to {target, rows: [{kernel, quant, shape, threads, seconds}]},
+// Chromium). Resolves to {target, flavor (the build the runtime chose: null for the base), rows: [{kernel,
+// quant, shape, threads, seconds}]},
 // kernel one of qmatvec (the exported kernel), qmatvec pool (its job on the pool), seed, stream, and
 // for each GEMM case (qmatmul: Y = A W^T of m tokens; matmul_f32_nt: a b^T, b n x k; matmul_f32_nn:
 // a b, b k x n) the kernel on the calling thread and "<kernel> pool" on each of its thread counts;
@@ -215,7 +216,7 @@ export async function benchRows(config) {
         row('roofline', op, [iters], 1, ms / 1e3);
       }
     }
-    return { target: k.info.target, rows };
+    return { target: k.info.target, flavor: k.info.flavor, rows };
   } finally {
     await k.terminate();
   }

@@ -319,7 +319,7 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
     if threads > 1:
         if engine != WASMTIME:
             raise ValueError(f"{kernel} on {threads} threads: timed in wasmtime only, not {engine}")
-        (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table)
+        (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table, flavors=False)
         k = from_built(built)
         case = maker(k, quant, shape, np.random.default_rng(0))
         try:
@@ -327,9 +327,9 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
             return None, f"failed: trapped ({str(e).splitlines()[0]})"
     if kernel in checked.jobs:
-        (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table)
+        (built,) = compile_source(source + POOL_REPEAT, targets=(target,), tune=table, flavors=False)
     else:
-        (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune=table)
+        (built,) = compile_source(source + repeat_source(checked, kernel), targets=(target,), tune=table, flavors=False)
     k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:

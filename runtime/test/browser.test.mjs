@@ -64,6 +64,12 @@ describe('Chromium', { skip: missing, timeout: SUITE_TIMEOUT_MS }, () => {
     t.diagnostic(`relaxed dot in Chromium: ${JSON.stringify(demo.info.relaxedDot)}`);
     assert.equal(demo.info.relaxedDot.supported, true, 'Chromium has had relaxed SIMD since 114');
     assert.equal(demo.info.target, demo.info.relaxedDot.usable ? 'relaxed-simd' : 'simd128', demo.info.targetReason);
+    // a flavor (on x86 with AVX-VNNI: vnni) exactly where the manifest's `when` matches the probe
+    const manifest = await (await page.request.get(new URL('/out/relaxed-simd/kernels.json', page.url()).href)).json();
+    const suits = Object.entries(manifest.flavors ?? {})
+      .find(([, f]) => Object.entries(f.when).every(([k, v]) => demo.info.relaxedDot[k] === v));
+    t.diagnostic(`flavor: ${demo.info.flavor} (${demo.info.flavorReason})`);
+    assert.equal(demo.info.flavor, demo.info.target === 'relaxed-simd' && suits ? suits[0] : null);
   });
 
   test('the demo shows its benchmark table, threaded results bit-identical to one thread', async (t) => {

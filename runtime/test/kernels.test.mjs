@@ -8,6 +8,7 @@ import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { Worker } from 'node:worker_threads';
 
+import { chooseFlavor } from '../driver.mjs';
 import { JobError, loadKernels, probeRelaxedDot } from '../kernelgen.mjs';
 import { halfToFloat } from '../pack.mjs';
 import { defaultChunk, jobCall } from '../pool.mjs';
@@ -18,6 +19,8 @@ const VECTORS = process.env.KERNELGEN_VECTORS;
 const THREADS = 3;
 const probe = await probeRelaxedDot();
 const TARGETS = [['simd128', null], ['relaxed-simd', probe.usable ? null : probe.note]];
+const FLAVORS = Object.fromEntries(await Promise.all(TARGETS.map(async ([target]) => [target, Object.keys(JSON.parse(
+  await readFile(new URL(`../../out/${target}/kernels.json`, import.meta.url), 'utf8')).flavors ?? {})])));
 
 function normals(rand, n) {
   return Float32Array.from({ length: n }, () => (rand() / 2 ** 32 - 0.5) * 6);
@@ -68,12 +71,31 @@ test('probeRelaxedDot says what the engine does with the 7-bit operand', (t) => 
   else assert.match(probe.note, /./);
 });
 
+test('chooseFlavor takes the first flavor whose probe outcome matches, the one asked for, or the base build', () => {
+  const when = { sevenBit: 'unsigned', saturates: false };
+  const manifest = { flavors: { vnni: { dir: 'vnni', when, why: 'fused' } } };
+  const vnni = { usable: true, sevenBit: 'unsigned', saturates: false };
+  assert.deepEqual(chooseFlavor(manifest, undefined, vnni), { flavor: 'vnni', dir: 'vnni', why: 'fused' });
+  assert.deepEqual(chooseFlavor(manifest, 'auto', vnni), { flavor: 'vnni', dir: 'vnni', why: 'fused' });
+  const others = [{ sevenBit: 'unsigned', saturates: true }, { sevenBit: 'signed', saturates: false }, { supported: false }];
+  for (const other of others) {
+    assert.equal(chooseFlavor(manifest, 'auto', other).flavor, null, JSON.stringify(other));
+    assert.equal(chooseFlavor(manifest, 'vnni', other).flavor, 'vnni', 'asked for: loaded whatever the probe says');
+  }
+  assert.equal(chooseFlavor(manifest, 'base', vnni).flavor, null);
+  assert.equal(chooseFlavor({}, 'auto', vnni).flavor, null, 'a manifest without flavors');
+  assert.throws(() => chooseFlavor(manifest, 'avx512', vnni), /one of this build's flavors \(vnni\)/);
+  assert.throws(() => chooseFlavor(manifest, 3, vnni), TypeError);
+});
+
 test('loadKernels picks relaxed SIMD exactly where its dot is usable, and says why', async () => {
   const k = await loadKernels({ threads: 1 });
   try {
     assert.equal(k.info.target, probe.usable ? 'relaxed-simd' : 'simd128');
     assert.match(k.info.targetReason, /./);
     assert.deepEqual(k.info.relaxedDot, probe);
+    assert.equal(k.info.flavor, k.info.target === 'relaxed-simd'
+      ? chooseFlavor(k.manifest, 'auto', probe).flavor : null, k.info.flavorReason);
     assert.equal(k.info.threads, 1);
   } finally {
     await k.terminate();
@@ -306,17 +328,21 @@ describe('test vectors from wasmtime (tests/test_js.py)', { skip: VECTORS ? fals
     const b = await readFile(join(VECTORS, file));
     return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength);
   };
+  // each target's base build, and each flavor of it (same expected bits), whatever this engine's probe says
   for (const [target, unusable] of TARGETS) {
-    test(target, { skip: unusable ?? false }, async (t) => {
-      const index = JSON.parse(await readFile(join(VECTORS, 'index.json'), 'utf8'));
-      const k = await loadKernels({ target, threads: index.threads });
-      try {
-        const results = await runVectors(k, index, read);
-        assert.ok(results.length > 0);
-        for (const r of results) await t.test(r.name, () => assert.ok(r.ok, r.detail));
-      } finally {
-        await k.terminate();
-      }
-    });
+    for (const flavor of ['base', ...(unusable ? [] : FLAVORS[target])]) {
+      test(`${target}${flavor === 'base' ? '' : ` (${flavor} flavor)`}`, { skip: unusable ?? false }, async (t) => {
+        const index = JSON.parse(await readFile(join(VECTORS, 'index.json'), 'utf8'));
+        const k = await loadKernels({ target, flavor, threads: index.threads });
+        try {
+          assert.equal(k.info.flavor, flavor === 'base' ? null : flavor);
+          const results = await runVectors(k, index, read);
+          assert.ok(results.length > 0);
+          for (const r of results) await t.test(r.name, () => assert.ok(r.ok, r.detail));
+        } finally {
+          await k.terminate();
+        }
+      });
+    }
   }
 });
