@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import kernelgen
-from kernelgen.compiler.build import compile_source, from_built, write_outputs
+from kernelgen.compiler.build import Memo, _module, compile_source, from_built, write_outputs
+from kernelgen.compiler.check import check
+from kernelgen.compiler.parse import parse
 from kernelgen.compiler.ops import TARGETS
 from kernelgen.errors import KernelgenError
 from kernelgen.host import module as host_module
@@ -142,3 +144,14 @@ def test_the_committed_build_carries_each_flavor():
         assert manifest["flavors"][flavor]["dir"] == flavor
         k = kernelgen.load(out, target, flavor=flavor)
         assert k.flavor == flavor and k.manifest["tune"] == manifest["tune"]
+
+
+@pytest.mark.parametrize("target, flavor", FLAVORED)
+def test_a_flavor_lowered_alone_is_the_one_built_beside_its_base(builds, target, flavor):
+    """with_flavors reuses the base build's lowering of each function that takes none of the
+    flavor's ops (lower's memo): the flavor it gives is byte for byte one lowered from scratch."""
+    base = builds[target]
+    checked = check(parse(DSL_PATH.read_text(encoding="utf-8"), str(DSL_PATH)))
+    _, _, wasm, _ = _module(checked, target, base.manifest["tune"]["values"], "kernels.dsl", base.manifest["memory"]["max_pages"],
+                            Memo(), flavor)
+    assert wasm == base.flavors[flavor].wasm

@@ -19,7 +19,7 @@ from . import types as T
 from .check import Checked, KernelInfo, tune_for
 from ..errors import DslError
 from ..names import variant_name
-from .ops import TARGETS, Target, Val, fold, is_zero_vector, wrap
+from .ops import TARGETS, Op, Target, Val, fold, is_zero_vector, wrap
 from ..quantformat import SUB_SCALES, Call, Int, Lookup, QuantFormat
 from .quant import lower_scales, unpack_lanes
 from .wat import (Block, Comment, Func, I, If, Instr, Stmt, drop_dead_stores, forward_copies, locals_named, number,
@@ -101,6 +101,8 @@ class Reused:
 
     func: Func | None = None
     count: int | str | list | None = None
+    lowered_for: str = ""  # Target.key: another flavor of the target reuses it unless it took a flavored op
+    ops: set[str] = field(default_factory=set)  # the ops its body took from the target's table
     reads: list[tuple[str, str | None, str, int]] = field(default_factory=list)  # other kernels' tune values
     exports: list[tuple[KernelInfo, QuantFormat | None, str]] = field(default_factory=list)  # exports it calls
     internals: list[tuple[KernelInfo, dict[str, Binding]]] = field(default_factory=list)
@@ -438,7 +440,7 @@ class Lowerer:
             if t == T.FLOAT_LIT:
                 t = "f32"
             if T.is_vector(t):
-                return self.target.ops["splat"](self, t, [v]).code
+                return self._target_op("splat")(self, t, [v]).code
             if T.is_int(t) and not isinstance(v.const, int):
                 raise self.error(f"a float constant cannot be used as {t}")
             if not T.fits(v.const, t):
@@ -499,13 +501,13 @@ class Lowerer:
         """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
         its pool "job" (or reuse its lowering from another build: self.memo). Returns, for a parallel
         export, its item count as hosts evaluate it."""
-        key = (self.target.key, role, name)
+        key = (self.target.name, role, name)
         if (done := self.memo.get(key)) is not None and self._still_holds(done):
             for callee, args in done.internals:
                 self.instances.internal(callee, args, self.error)
             self.funcs.append(done.func)
             return done.count
-        self._record = record = Reused()
+        self._record = record = Reused(lowered_for=self.target.key)
         try:
             record.count = self._lower_body(k, generics, name, role)
         finally:
@@ -515,8 +517,10 @@ class Lowerer:
         return record.count
 
     def _still_holds(self, done: Reused) -> bool:
-        """Whether what `done`'s body read beyond its name is the same in this build."""
-        return all(tune_for(self.tune, kernel, quant).get(param) == value for kernel, quant, param, value in done.reads) \
+        """Whether what `done`'s body read beyond its name is the same in this build: its tune
+        values, the exports it calls, and its ops (this flavor's or the base's, ops.Flavor)."""
+        flavored = {op for f in TARGETS[self.target.name].flavors for op in f.ops}
+        return (done.lowered_for == self.target.key or not done.ops & flavored) and all(tune_for(self.tune, kernel, quant).get(param) == value for kernel, quant, param, value in done.reads) \
             and all(self.instances.export(k, q) == name for k, q, name in done.exports)
 
     def _lower_body(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
@@ -904,7 +908,7 @@ class Lowerer:
             if e.op == "-":
                 if T.is_scalar(v.type) and T.is_int(v.type):
                     return self._binop("-", Val(None, v.type, 0), v)
-                return self.target.ops["neg"](self, None, [v])
+                return self._target_op("neg")(self, None, [v])
             if T.is_vector(v.type):
                 return Val(I("v128.not", self.materialize(v)), v.type)
             return self._binop("^", v, Val(None, v.type, -1))
@@ -952,7 +956,7 @@ class Lowerer:
                 raise self.error(f"shift amount must be {want}, not {b.type}")
         elif b.type not in lits and b.type != t:
             raise self.error(f"type mismatch: {t} {op} {b.type}")
-        return self.target.ops[op](self, None, [a, b])
+        return self._target_op(op)(self, None, [a, b])
 
     def _attr(self, e: A.Attr) -> Val:
         if isinstance(e.base, A.Name):
@@ -1094,8 +1098,14 @@ class Lowerer:
         code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")), form)
         return Val(code, _SCALE_TYPES[form] if lanes == 4 or form == "record" else "f32")
 
+    def _target_op(self, name: str) -> Op | None:
+        """The target's lowering of op `name` (noted in the function's memo record), or None."""
+        if self._record is not None:
+            self._record.ops.add(name)
+        return self.target.ops.get(name)
+
     def _op(self, name: str, qualifier: str | None, arg_nodes: tuple[A.Expr, ...]) -> Val:
-        op = self.target.ops.get(name)
+        op = self._target_op(name)
         if op is None:
             raise self.error(f"op {name!r} is not available on target {self.target.name}")
         args = [self._expr(a) for a in arg_nodes]
