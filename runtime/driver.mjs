@@ -101,12 +101,21 @@ export class Driver {
     const chosen = chooseTarget(target, relaxed);
     const dir = new URL(`${chosen.target}/`, baseUrl);
     let { manifest, wasm, notes } = await loadBuild(dir);
-    const flavored = chooseFlavor(manifest, flavor, relaxed);
+    let flavored = chooseFlavor(manifest, flavor, relaxed);
     if (flavored.flavor !== null) {
-      ({ manifest, wasm, notes } = await loadBuild(new URL(`${flavored.dir}/`, dir)));
-      if (manifest.flavor !== flavored.flavor) {
-        const where = new URL(`${flavored.dir}/kernels.json`, dir);
-        throw new Error(`${where}: not the ${flavored.flavor} flavor's manifest`);
+      try {
+        const build = await loadBuild(new URL(`${flavored.dir}/`, dir));
+        if (build.manifest.flavor !== flavored.flavor) {
+          const where = new URL(`${flavored.dir}/kernels.json`, dir);
+          throw new Error(`${where}: not the ${flavored.flavor} flavor's manifest`);
+        }
+        ({ manifest, wasm, notes } = build);
+      } catch (e) {
+        // a flavor chosen by the probe but not deployed beside its base: the base build gives the same results
+        if (!(e.unreadable && (flavor === undefined || flavor === 'auto'))) throw e;
+        const name = flavored.flavor;
+        notes.push(`the ${name} flavor suits this engine, but ${e.message.split(';')[0]}: running the base build`);
+        flavored = { flavor: null, dir: null, why: `the ${name} flavor is not deployed beside the base build` };
       }
     }
     const shared = sharedMemoryStatus();

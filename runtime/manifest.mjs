@@ -30,7 +30,9 @@ export async function loadBuild(dir) {
     try {
       return await readBytes(url);
     } catch (e) {
-      throw new Error(`${url}: cannot read it (${e.code ?? e.message}); build it with \`kernelgen build\``);
+      const error = new Error(`${url}: cannot read it (${e.code ?? e.message}); build it with \`kernelgen build\``);
+      error.unreadable = true; // absent or not served (the driver runs the base build instead of a flavor so missing)
+      throw error;
     }
   };
   const [json, wasm] = await Promise.all([read(jsonUrl), read(wasmUrl)]);

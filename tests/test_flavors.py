@@ -114,6 +114,11 @@ def test_load_picks_a_flavor_by_the_engines_probe_or_by_name(builds, target, fla
     # the choice follows the probe: an engine that lowers the dot as `when` says gets the flavor
     monkeypatch.setattr(host_module, "relaxed_dot_probe", lambda deterministic=False: {**when, "topBitLane": 0})
     assert kernelgen.load(tmp_path, target).flavor == flavor
+    shutil.rmtree(tmp_path / target / flavor)  # not deployed: auto gives way to the base build, asked for it is missing
+    with pytest.warns(RuntimeWarning, match=f"the {flavor} flavor suits this engine but .* holds no build"):
+        assert kernelgen.load(tmp_path, target).flavor is None
+    with pytest.raises(KernelgenError, match="no build for target"):
+        kernelgen.load(tmp_path, target, flavor=flavor)
     with pytest.raises(ValueError, match=f"one of this build's flavors \\({flavor}\\), got 'nope'"):
         kernelgen.load(tmp_path, target, flavor="nope")
     with pytest.raises(TypeError, match="load flavor"):

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -740,6 +741,12 @@ def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", determ
         probe = host.relaxed_dot_probe(deterministic)
         flavor = next((name for name, f in flavors.items() if all(probe.get(k) == v for k, v in f["when"].items())),
                       "base")
+        there = d / flavors[flavor]["dir"] if flavor != "base" else d
+        if not all((there / f).is_file() for f in ("kernels.json", "kernels.wasm")):
+            # chosen by the probe but not deployed beside its base build: that gives the same results
+            warnings.warn(f"{d}: the {flavor} flavor suits this engine but {there} holds no "
+                          "build; loading the base build", RuntimeWarning, stacklevel=2)
+            flavor = "base"
     if flavor == "base":
         return Kernels(wasm, manifest, deterministic, str(d / "kernels.json"))
     if flavor not in flavors:

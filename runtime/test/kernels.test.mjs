@@ -3,7 +3,8 @@
 // wasmtime on both targets. Run: node --experimental-wasm-relaxed-simd --no-liftoff --test runtime/test/
 
 import assert from 'node:assert/strict';
-import { readFile } from 'node:fs/promises';
+import { cp, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { Worker } from 'node:worker_threads';
@@ -86,6 +87,28 @@ test('chooseFlavor takes the first flavor whose probe outcome matches, the one a
   assert.equal(chooseFlavor({}, 'auto', vnni).flavor, null, 'a manifest without flavors');
   assert.throws(() => chooseFlavor(manifest, 'avx512', vnni), /one of this build's flavors \(vnni\)/);
   assert.throws(() => chooseFlavor(manifest, 3, vnni), TypeError);
+});
+
+test('a flavor the probe picks but which is not deployed gives way to the base build, with a note; asked for, it is an error', {
+  skip: probe.usable ? false : probe.note,
+}, async () => {
+  const dir = await mkdtemp(join(tmpdir(), 'kernelgen-flavor-'));
+  try {
+    await cp(new URL('../../out/relaxed-simd/', import.meta.url), join(dir, 'relaxed-simd'), { recursive: true });
+    const manifest = JSON.parse(await readFile(join(dir, 'relaxed-simd', 'kernels.json'), 'utf8'));
+    manifest.flavors = { ghost: { dir: 'ghost', when: Object.fromEntries(['sevenBit', 'saturates'].map((f) => [f, probe[f]])) } };
+    await writeFile(join(dir, 'relaxed-simd', 'kernels.json'), JSON.stringify(manifest));
+    const k = await loadKernels({ dir, target: 'relaxed-simd', threads: 1 });
+    try {
+      assert.equal(k.info.flavor, null);
+      assert.match(k.info.notes.join('\n'), /the ghost flavor suits this engine, but .*ghost\/kernels\.(json|wasm): cannot read it/);
+    } finally {
+      await k.terminate();
+    }
+    await assert.rejects(loadKernels({ dir, target: 'relaxed-simd', flavor: 'ghost', threads: 1 }), /ghost\/kernels\.(json|wasm): cannot read it/);
+  } finally {
+    await rm(dir, { recursive: true, force: true });
+  }
 });
 
 test('loadKernels picks relaxed SIMD exactly where its dot is usable, and says why', async () => {
