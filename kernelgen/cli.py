@@ -159,6 +159,9 @@ def cmd_build(args: argparse.Namespace) -> int:
                            budget, quants)
     for b in built:
         print(f"{b.target}: {len(b.manifest['exports'])} exports, {len(b.wasm)} bytes of wasm")
+        for name, f in b.flavors.items():
+            print(f"  {name} flavor ({b.target}/{name}/, {len(f.wasm)} bytes): for engines where "
+                  + b.manifest["flavors"][name]["why"])
         if dropped := b.manifest["tune"].get("budget", {}).get("dropped"):
             print(f"  within the {budget}-byte budget of quant-type code, the smallest variant instead of: "
                   + dropped_text(dropped, "x faster"))

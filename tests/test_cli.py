@@ -83,6 +83,8 @@ def test_build_all_writes_both_targets(built: tuple[Path, str]) -> None:
     assert sorted(snapshot(out)) == expected_files()
     for t in TARGETS:
         assert f"{t}: " in stdout
+        for f in OPS_TARGETS[t].flavors:
+            assert f"  {f.name} flavor ({t}/{f.name}/, " in stdout
         assert (out / t / "kernels.wasm").read_bytes()[:4] == b"\0asm"
         assert (out / t / "kernels.wat").read_text(encoding="utf-8").lstrip().startswith((";;", "(module"))
     assert f"{len(expected_files())} file(s) written" in stdout
