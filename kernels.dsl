@@ -11,6 +11,9 @@
 #   DOT_SHIFT          idot, idot7 and idot7z of stored activations (ptr, offset) add the dot
 #                      shifted left by this (8 on simd128: its split dot is 256 x the dot, 0 on
 #                      relaxed SIMD); the kernels shift it out once per group of blocks (qexact)
+#   DOT_ADD            1 where the relaxed i32 dot-add is one instruction (relaxed SIMD's vnni flavor,
+#                      ops.Flavor: Chromium's vpdpbusd), 0 in every base build: the i16 types take a
+#                      block's two halves in idots2's two dot-add chains there (Q.dots2)
 
 # ---- quantization types: stored layouts are llama.cpp's GGUF blocks, byte for byte -------------
 # `priority N` weighs a type's speedups when the build's code budget cannot keep every type's
@@ -588,6 +591,8 @@ inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
         return idotns(i32x4.splat(0), i8x16.load(wq), wq + Q.sub_scales_at, a);
     } else static if Q.sub16 * S {  # both halves under their sub-block scales in one widening dot
         return idotss(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), wq + Q.sub_scales_at, a);
+    } else static if Q.dots2 * S {  # both halves' sign parts in two dot-add chains (DOT_ADD)
+        return idots2(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), a, 0);
     } else {
         var acc: i32x4 = qhalf[Q, S](i32x4.splat(0), qlanes[Q, S](wq, 0), wq, a, 0);
         unroll h in 1..Q.block / 16 {
@@ -858,6 +863,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                             } else static if Q.sub16 {  # both halves under their scales at once (qraw)
                                 static if h == 1 {
                                     raw[i] = idotss(i32x4.splat(0), wv[r], wv[N + r], wb[r] + Q.sub_scales_at, ab[t]);
+                                }
+                            } else static if Q.dots2 {  # both halves' sign parts in two dot-add chains (qraw)
+                                static if h == 1 {
+                                    raw[i] = idots2(i32x4.splat(0), wv[r], wv[N + r], ab[t], 0);
                                 }
                             } else static if h == 0 {  # the first half starts the sum: no add of zero (qraw)
                                 raw[i] = qhalf[Q, 1](i32x4.splat(0), wv[r], wb[r], ab[t], h);

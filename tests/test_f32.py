@@ -63,7 +63,7 @@ def test_manifest_constants(module_cache, target):
     assert k.target == target
     simd128 = target == "simd128"
     assert k.manifest["constants"] == {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2 if simd128 else 1,
-                                       "ACT_SPLIT": int(simd128), "DOT_SHIFT": 8 if simd128 else 0}
+                                       "ACT_SPLIT": int(simd128), "DOT_SHIFT": 8 if simd128 else 0, "DOT_ADD": 0}
     assert k.manifest["activation"]["dtype"] == ("int16" if simd128 else "int8")
     assert k.manifest["activation"]["split"] is simd128
     assert k.manifest["activation"]["sums"] == "int32"

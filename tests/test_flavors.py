@@ -47,9 +47,11 @@ def test_a_flavors_manifest_is_its_bases_but_for_its_wasm(builds, target, flavor
     f = base.flavors[flavor]
     assert base.manifest["flavors"][flavor]["dir"] == flavor
     differ = {k for k in {*base.manifest, *f.manifest} if base.manifest.get(k) != f.manifest.get(k)}
-    assert differ == {"flavor", "flavors", "wasm_bytes", "wasm_sha256"}  # its inputs are the base's
+    assert differ == {"flavor", "flavors", "constants", "wasm_bytes", "wasm_sha256"}  # its inputs are the base's
+    flavored = TARGETS[target].flavored(flavor)
+    assert f.manifest["constants"] == flavored.constants != base.manifest["constants"]
     assert f.wasm != base.wasm
-    # the flavor's ops are its only difference: the i16 types' dots through the relaxed dot-add
+    # the flavor's ops and constants are its only difference: the i16 types' dots through the relaxed dot-add
     assert f.wat.count("i32x4.relaxed_dot_i8x16_i7x16_add_s") > base.wat.count("i32x4.relaxed_dot_i8x16_i7x16_add_s")
     assert f"for target {target}/{flavor}." in f.wat.splitlines()[0]
 

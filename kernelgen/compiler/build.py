@@ -152,13 +152,14 @@ def _module(checked: Checked, target: str, tune: dict[str, dict[str, int]], dsl_
 
 def with_flavors(checked: Checked, base: Built, dsl_name: str, max_pages: int, memo: Memo) -> Built:
     """`base` with its target's flavors built on the same tune values: each a manifest like base's
-    but for its own wasm (so hosts check it alike), the same exports and jobs."""
+    but for its constants and its own wasm (so hosts check it alike), the same exports and jobs."""
     values = base.manifest["tune"]["values"]
     flavors = {}
     for f in TARGETS[base.target].flavors:
         lowered, wat, wasm, _ = _module(checked, base.target, values, dsl_name, max_pages, memo, f.name)
         manifest = {k: v for k, v in base.manifest.items() if k != "flavors"}
-        manifest.update(flavor=f.name, wasm_bytes=len(wasm), wasm_sha256=hashlib.sha256(wasm).hexdigest())
+        manifest.update(flavor=f.name, constants={**base.manifest["constants"], **f.constants}, wasm_bytes=len(wasm),
+                        wasm_sha256=hashlib.sha256(wasm).hexdigest())
         if {e.name: _export_entry(e) for e in lowered.exports} != base.manifest["exports"]:
             raise KernelgenError(f"{base.target}'s {f.name} flavor exports other functions than its base build")
         flavors[f.name] = Built(base.target, wat, wasm, manifest)

@@ -1000,6 +1000,10 @@ class Lowerer:
                          "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])
                                       and b.kernel.block == 32
                                       and 4 * max(-b.value_range[0], b.value_range[1]) * act_max <= 32767),
+                         # where the relaxed dot-add is one instruction (DOT_ADD, the vnni flavor):
+                         # a 32-block's two halves of i16-scheme values through idots2's two chains
+                         "dots2": int(bool(self.target.constants["DOT_ADD"]) and not dot7 and b.sub_scales is None
+                                      and b.kernel.block == 32),
                          "has_zero": has_zero,
                          "block_zero": block_zero,
                          "zero": zero.value if isinstance(zero, Int) else 0,

@@ -647,6 +647,38 @@ def _idots_fused(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(I("i32x4.sub", dot_p, dot_n), "i32x4")
 
 
+_IDOTS2 = (("acc", "i32x4", "accumulator"), ("w0", "i8x16", "first values"), ("w1", "i8x16", "second values"),
+           ("ptr", "i32", "activation address"))
+
+
+def _idots2(idots: Op) -> Op:
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        """idots2(acc, w0, w1, ptr, offset): acc + w0.a[0:16] + w1.a[16:32], a block's two halves:
+        the target's idots of each in turn (its lanes and order)."""
+        acc, w0, w1, a, offset = _dot_args(c, args, "idots2", _IDOTS2)
+        p1, p2 = c.reuse(a)
+        first = idots(c, q, [acc, w0, Val(p1, "i32"), Val(None, T.INT_LIT, offset)])
+        return idots(c, q, [first, w1, Val(p2, "i32"), Val(None, T.INT_LIT, offset + 16)])
+    return lower
+
+
+def _idots2_fused(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idots2 where the relaxed i32 dot-add is one instruction (the vnni flavor): the sign parts'
+    dot-adds of both halves in two chains, p's from acc and n's from zero, subtracted once: four
+    dot-adds and a subtraction per block against idots twice's four, two subtractions and two
+    zeroings. Exact as idots: each chain's lanes sum at most 8 products of 128 * 127."""
+    acc, w0, w1, a, offset = _dot_args(c, args, "idots2", _IDOTS2)
+    a1, a2 = c.reuse(a)
+    p0, n0 = _sign_parts(c, Val(a1, "i32"), offset)
+    p1, n1 = _sign_parts(c, Val(a2, "i32"), offset + 16)
+    w0a, w0b = c.reuse(w0)
+    w1a, w1b = c.reuse(w1)
+    dot = "i32x4.relaxed_dot_i8x16_i7x16_add_s"
+    pos = I(dot, w1a, p1, I(dot, w0a, p0, c.materialize(acc)))
+    neg = I(dot, w1b, n1, I(dot, w0b, n0, I("v128.const", "i32x4", *["0"] * 4)))
+    return Val(I("i32x4.sub", pos, neg), "i32x4")
+
+
 def _idot7_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """idot7(acc, u, a): acc + u.a for codes u in [0, 127], one relaxed dot with the int8
     activations in its signed operand and u in its 7-bit one. Exact on every engine's semantics:
@@ -977,6 +1009,7 @@ SIMD128: dict[str, Op] = {
     "run_job": _run_job,
     "idot": _idot_simd128,
     "idots": _idot_simd128,
+    "idots2": _idots2(_idot_simd128),
     "idot7": _idot_simd128,
     "idot7p": _idot7p_simd128,
     "idot7z": _idot7z_simd128,
@@ -994,6 +1027,7 @@ RELAXED: dict[str, Op] = {
     **SIMD128,
     "idot": _idot_relaxed,
     "idots": _idots_relaxed,
+    "idots2": _idots2(_idots_relaxed),
     "idot7": _idot7_relaxed,
     "idot7p": _idot7p_relaxed,
     "idot7z": _idot7z_relaxed,
@@ -1017,6 +1051,7 @@ class Flavor:
 
     name: str
     ops: dict[str, Op]  # over the target's table
+    constants: dict[str, int]  # over the target's: kernels may take another form in a flavor
     when: dict[str, object]
     why: str
 
@@ -1046,7 +1081,8 @@ class Target:
         if f is None:
             have = ", ".join(x.name for x in self.flavors) or "none"
             raise ValueError(f"{self.name} has no flavor {name!r} (flavors: {have})")
-        return dataclasses.replace(self, ops={**self.ops, **f.ops}, flavors=(), flavor=name)
+        return dataclasses.replace(self, ops={**self.ops, **f.ops}, constants={**self.constants, **f.constants},
+                                   flavors=(), flavor=name)
 
     def dot_scheme(self, codes7: bool) -> str:
         """How a quant type's integer dots run here (the manifest's per-type "dot"): "i7", the
@@ -1082,18 +1118,20 @@ class Target:
 #                      sign-extend, _idot_split); 0: in order.
 #   DOT_SHIFT          idot of stored activations adds the dot << DOT_SHIFT (SIMD128's split dot is
 #                      256 x the dot); kernels shift it out once per group of blocks (qexact).
+# and, not about activations, DOT_ADD: 0 in the base builds, 1 in the vnni flavor (kernels.dsl).
 SIMD128_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 2, "ACT_SPLIT": 1, "DOT_SHIFT": 8}
 RELAXED_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 1, "ACT_SPLIT": 0, "DOT_SHIFT": 0}
 # Relaxed SIMD where its dot-add is x86's vpdpbusd: runtime/features.mjs's probe finds the 7-bit
 # operand read unsigned and no pmaddubsw saturation (Chromium 156 on AVX-VNNI; wasmtime 50 and Node
 # 20 lower the dot-add to pmaddubsw, pmaddwd and an add, and saturate).
-VNNI = Flavor("vnni", {"idots": _idots_fused}, {"sevenBit": "unsigned", "saturates": False},
+VNNI = Flavor("vnni", {"idots": _idots_fused, "idots2": _idots2_fused}, {"DOT_ADD": 1},
+              {"sevenBit": "unsigned", "saturates": False},
               "the relaxed i32 dot-add is one unsaturated instruction (x86 AVX-VNNI vpdpbusd, as Chromium "
               "lowers it): the i16 types' dots through it")
 TARGETS: dict[str, Target] = {
-    "simd128": Target("simd128", SIMD128, SIMD128_ACT,
+    "simd128": Target("simd128", SIMD128, {**SIMD128_ACT, "DOT_ADD": 0},
                       ("simd", "threads"), ("--enable-threads", "--disable-relaxed-simd")),
-    "relaxed-simd": Target("relaxed-simd", RELAXED, RELAXED_ACT,
+    "relaxed-simd": Target("relaxed-simd", RELAXED, {**RELAXED_ACT, "DOT_ADD": 0},
                            ("simd", "relaxed-simd", "threads"), ("--enable-threads",), dot7=True,
                            flavors=(VNNI,)),
 }
