@@ -1044,8 +1044,12 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 # g0 + (G - 1) * gs of W (gs: qgtiles' slab length), row r of group g into y[t, Q.group * g + r]
 # where below n. A stride of 0 repeats a token or group: the tails take the tile the build holds.
 # Per block and lane group j: each group's codes unpacked once for the M tokens and each token's
-# four activations spread once for the G groups (the tile's work sharing); hdot7 adds their pairs in
-# i16 lanes, Q.u16 lane groups at a time (exact: Q.u16 bounds the sums), and pairsum widens them to
+# four activations spread once for the G groups (the tile's work sharing). Where the relaxed dot-add
+# is one instruction (DOT_ADD, Q.adds7: types without sub-block scales or a zero of their own) idot7
+# adds row r's four products straight into lane r, and a block's integer scales (Q.int_scales)
+# multiply each row's lane once (vnni flavor, Chromium 156: Q4_0 1.10-1.38x, MXFP4 1.22-1.32x,
+# Q4_K 1.04-1.11x the i16 pairs' qmatvec rows 2; exact, so the bits are the same). Else hdot7 adds
+# their pairs in i16 lanes, Q.u16 lane groups at a time (exact: Q.u16 bounds the sums), and pairsum widens them to
 # i32 (for sub-block scales, each row's in its lane pair: Q6_K's, stored as int8 pairs, eight bytes a
 # half for the group, widened by the load: quantformat.SUB_SCALES). A constant zero under sub-block scales
 # (Q.const_zero, Q6_K's 32) comes off before the widening as each token's pairs of the zero with its
@@ -1107,7 +1111,13 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                     }
                     unroll g in 0..G {
                         let i = t * G + g;
-                        static if j % Q.u16 == 0 {  # the first of a widening's lane groups starts its sum
+                        static if Q.adds7 {  # (DOT_ADD) row r's four products into lane r: idot7's dot-add
+                            static if j == 0 {
+                                dot[i] = idot7(i32x4.splat(0), u[g], av);
+                            } else {
+                                dot[i] = idot7(dot[i], u[g], av);
+                            }
+                        } else static if j % Q.u16 == 0 {  # the first of a widening's lane groups starts its sum
                             static if Q.own_zeros {  # a zero per row and block
                                 part[i] = hdot7z(i16x8.splat(0), u[g], Q.zeros(wg[g] + k * Q.bytes, j), av);
                             } else {
@@ -1120,7 +1130,13 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                         }
                     }
                 }
-                static if j % Q.u16 == Q.u16 - 1 {
+                static if Q.adds7 * Q.int_scales * (j == Q.units - 1) {  # each row's block scale I on its lane
+                    unroll i in 0..M * G {
+                        let pairs = i32x4.bits(Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));  # I in both halves
+                        dot[i] = dot[i] * (pairs & i32x4.splat(65535));
+                    }
+                }
+                static if (j % Q.u16 == Q.u16 - 1) * (1 - Q.adds7) {
                     unroll i in 0..M * G {
                         var x: i32x4 = i32x4.splat(0);
                         static if Q.const_zero {

@@ -101,8 +101,11 @@ class Reused:
 
     func: Func | None = None
     count: int | str | list | None = None
-    lowered_for: str = ""  # Target.key: another flavor of the target reuses it unless it took a flavored op
-    ops: set[str] = field(default_factory=set)  # the ops its body took from the target's table
+    # what the body took from the target, which its flavors may give otherwise (ops.Flavor): ops by
+    # name, constants and quant types' properties with their values
+    ops: dict[str, Op | None] = field(default_factory=dict)
+    consts: list[tuple[str, int]] = field(default_factory=list)
+    props: list[tuple[QuantFormat, str, int]] = field(default_factory=list)
     reads: list[tuple[str, str | None, str, int]] = field(default_factory=list)  # other kernels' tune values
     exports: list[tuple[KernelInfo, QuantFormat | None, str]] = field(default_factory=list)  # exports it calls
     internals: list[tuple[KernelInfo, dict[str, Binding]]] = field(default_factory=list)
@@ -390,6 +393,8 @@ class Lowerer:
         if name in self.c.consts:
             return self.c.consts[name]
         if name in self.target.constants:  # untyped: adapts to the operand it meets, like a literal
+            if self._record is not None:
+                self._record.consts.append((name, self.target.constants[name]))
             return Val(None, T.INT_LIT, self.target.constants[name])
         if name in layout.FIXED:  # a named global in the WAT, as hand-written engines name their state
             return Val(I("global.get", f"${name}"), "i32")
@@ -507,7 +512,7 @@ class Lowerer:
                 self.instances.internal(callee, args, self.error)
             self.funcs.append(done.func)
             return done.count
-        self._record = record = Reused(lowered_for=self.target.key)
+        self._record = record = Reused()
         try:
             record.count = self._lower_body(k, generics, name, role)
         finally:
@@ -518,10 +523,13 @@ class Lowerer:
 
     def _still_holds(self, done: Reused) -> bool:
         """Whether what `done`'s body read beyond its name is the same in this build: its tune
-        values, the exports it calls, and its ops (this flavor's or the base's, ops.Flavor)."""
-        flavored = {op for f in TARGETS[self.target.name].flavors for op in f.ops}
-        return (done.lowered_for == self.target.key or not done.ops & flavored) and all(tune_for(self.tune, kernel, quant).get(param) == value for kernel, quant, param, value in done.reads) \
-            and all(self.instances.export(k, q) == name for k, q, name in done.exports)
+        values, the exports it calls, and what it took from the target (another flavor's build
+        reuses a function unless one of its ops, constants or quant properties differs there)."""
+        return all(tune_for(self.tune, kernel, quant).get(param) == value for kernel, quant, param, value in done.reads) \
+            and all(self.instances.export(k, q) == name for k, q, name in done.exports) \
+            and all(self.target.ops.get(name) is op for name, op in done.ops.items()) \
+            and all(self.target.constants.get(name) == value for name, value in done.consts) \
+            and all(self._props(q)[prop] == value for q, prop, value in done.props)
 
     def _lower_body(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
         frame = Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
@@ -958,75 +966,86 @@ class Lowerer:
             raise self.error(f"type mismatch: {t} {op} {b.type}")
         return self._target_op(op)(self, None, [a, b])
 
+    def _props(self, b: QuantFormat) -> dict[str, int]:
+        """Quant type b's properties on this target (Q.<name> in kernels.dsl)."""
+        codes = b.codes
+        zero = codes[1] if codes is not None else Int(0)
+        dot7 = int(self.target.dot_scheme(codes is not None) == "i7")
+        act_max = self.target.constants["ACT_MAX"]
+        g = b.group
+        has_zero = int(codes is not None and codes[1] != Int(0))
+        # a constant zero that multiplies whole kernel blocks (no sub-block scales between),
+        # removed per block as zero * sum(a) where that saves work: on the i7 scheme a second
+        # relaxed dot per 16 values, else a subtraction (none for a codebook's zero, folded
+        # into its table: MXFP4 on simd128 measured 0.97x with the sums)
+        block_zero = int(isinstance(zero, Int) and zero.value != 0 and b.sub_scales is None
+                         and (dot7 or not isinstance(b.kernel.unpack, Lookup)))
+        int_scales = int(_int_scales(b) and bool(dot7) and not block_zero)
+        return {"block": b.kernel.block, "bytes": g * b.kernel.bytes, "has_offset": int(b.offset is not None),
+                "has_sub_scales": int(b.sub_scales is not None),
+                "sub_scales_at": g * b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
+                "dot7": dot7,
+                # the grouped layout (quantformat): rows per group, 1 for rows one by one;
+                # lane groups of a block (unpack's j: 16 values of a row, or 4 of each of
+                # the group's rows); and how many of those hdot7 may add in one i16 lane
+                "group": g,
+                "units": g * b.kernel.block // 16,
+                "u16": _i16_units(b, act_max),
+                # a 32-block's two halves of code products add in i16 lanes (idot7p): pairs
+                # of both halves at most 4 * code_max * ACT_MAX in magnitude
+                "pair16": int(bool(dot7) and b.sub_scales is None and b.kernel.block == 32
+                              and 4 * b.code_max * act_max <= 32767),
+                # a 32-block's codes as nibbles at the start of its bytes (split order:
+                # byte j holds codes j and j + 16) with a constant zero: idotn reads them
+                # straight from the 16 bytes on SIMD128's split i16 activations
+                "nib16": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b)),
+                # nib16's layout under sub-block scales of 16 (zero 0): idotns on SIMD128
+                "nibss": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b, subs=True)),
+                # a sub-scaled 32-block's two halves under one widening dot (idotss):
+                # SIMD128's split i16 activations, values of at most 64 in magnitude
+                "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])
+                             and b.kernel.block == 32
+                             and 4 * max(-b.value_range[0], b.value_range[1]) * act_max <= 32767),
+                # where the relaxed dot-add is one instruction (DOT_ADD, the vnni flavor):
+                # a 32-block's two halves of i16-scheme values through idots2's two chains
+                "dots2": int(bool(self.target.constants["DOT_ADD"]) and not dot7 and b.sub_scales is None
+                             and b.kernel.block == 32),
+                "has_zero": has_zero,
+                "block_zero": block_zero,
+                "zero": zero.value if isinstance(zero, Int) else 0,
+                # the zeros block_zero leaves in the dots: a constant (Q6_K's 32 under its
+                # sub-block scales; 0 for none), or one stored with each block (q4_onnx's
+                # zero point byte)
+                "const_zero": zero.value if has_zero and not block_zero and isinstance(zero, Int) else 0,
+                "own_zeros": int(has_zero and not isinstance(zero, Int)),
+                "int_scales": int_scales,
+                # the grouped dots of codes without sub-block scales or a zero but a block's,
+                # where the relaxed dot-add is one instruction (DOT_ADD): each row's four
+                # products straight into its i32 lane, no i16 pairs (qgtile)
+                "adds7": int(bool(self.target.constants["DOT_ADD"]) and bool(dot7) and g > 1
+                             and b.sub_scales is None and not (has_zero and not block_zero)),
+                # the kernel blocks one F scales under Q.int_scales (a super-block's), else 1
+                "sb_blocks": b.record.blocks if int_scales else 1,
+                # Q.int_scales: where the offset's I lie in a group's record (rowrecord), a
+                # byte per row and block, the group's rows side by side
+                "offset_ints_at": g * b.record.factors["offset"].i_at
+                                  if (int_scales or b.sub_offsets) and b.offset is not None else 0,
+                # an offset per sub-block of 16 (Q2_K's minimums): its integers (2 bytes per
+                # kernel block and row at offset_ints_at of the record: qmins) weigh each
+                # half's activation sum
+                "sub_offsets": int(b.sub_offsets),
+                # kernel blocks per super-block record (0: no record)
+                "record_blocks": b.record.blocks if b.record is not None else 0}
+
     def _attr(self, e: A.Attr) -> Val:
         if isinstance(e.base, A.Name):
             b = self._lookup(e.base.id)
             if isinstance(b, QuantFormat):
-                codes = b.codes
-                zero = codes[1] if codes is not None else Int(0)
-                dot7 = int(self.target.dot_scheme(codes is not None) == "i7")
-                act_max = self.target.constants["ACT_MAX"]
-                g = b.group
-                has_zero = int(codes is not None and codes[1] != Int(0))
-                # a constant zero that multiplies whole kernel blocks (no sub-block scales between),
-                # removed per block as zero * sum(a) where that saves work: on the i7 scheme a second
-                # relaxed dot per 16 values, else a subtraction (none for a codebook's zero, folded
-                # into its table: MXFP4 on simd128 measured 0.97x with the sums)
-                block_zero = int(isinstance(zero, Int) and zero.value != 0 and b.sub_scales is None
-                                 and (dot7 or not isinstance(b.kernel.unpack, Lookup)))
-                int_scales = int(_int_scales(b) and bool(dot7) and not block_zero)
-                props = {"block": b.kernel.block, "bytes": g * b.kernel.bytes, "has_offset": int(b.offset is not None),
-                         "has_sub_scales": int(b.sub_scales is not None),
-                         "sub_scales_at": g * b.kernel.value_offset(SUB_SCALES) if b.sub_scales else 0,
-                         "dot7": dot7,
-                         # the grouped layout (quantformat): rows per group, 1 for rows one by one;
-                         # lane groups of a block (unpack's j: 16 values of a row, or 4 of each of
-                         # the group's rows); and how many of those hdot7 may add in one i16 lane
-                         "group": g,
-                         "units": g * b.kernel.block // 16,
-                         "u16": _i16_units(b, act_max),
-                         # a 32-block's two halves of code products add in i16 lanes (idot7p): pairs
-                         # of both halves at most 4 * code_max * ACT_MAX in magnitude
-                         "pair16": int(bool(dot7) and b.sub_scales is None and b.kernel.block == 32
-                                       and 4 * b.code_max * act_max <= 32767),
-                         # a 32-block's codes as nibbles at the start of its bytes (split order:
-                         # byte j holds codes j and j + 16) with a constant zero: idotn reads them
-                         # straight from the 16 bytes on SIMD128's split i16 activations
-                         "nib16": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b)),
-                         # nib16's layout under sub-block scales of 16 (zero 0): idotns on SIMD128
-                         "nibss": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b, subs=True)),
-                         # a sub-scaled 32-block's two halves under one widening dot (idotss):
-                         # SIMD128's split i16 activations, values of at most 64 in magnitude
-                         "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])
-                                      and b.kernel.block == 32
-                                      and 4 * max(-b.value_range[0], b.value_range[1]) * act_max <= 32767),
-                         # where the relaxed dot-add is one instruction (DOT_ADD, the vnni flavor):
-                         # a 32-block's two halves of i16-scheme values through idots2's two chains
-                         "dots2": int(bool(self.target.constants["DOT_ADD"]) and not dot7 and b.sub_scales is None
-                                      and b.kernel.block == 32),
-                         "has_zero": has_zero,
-                         "block_zero": block_zero,
-                         "zero": zero.value if isinstance(zero, Int) else 0,
-                         # the zeros block_zero leaves in the dots: a constant (Q6_K's 32 under its
-                         # sub-block scales; 0 for none), or one stored with each block (q4_onnx's
-                         # zero point byte)
-                         "const_zero": zero.value if has_zero and not block_zero and isinstance(zero, Int) else 0,
-                         "own_zeros": int(has_zero and not isinstance(zero, Int)),
-                         "int_scales": int_scales,
-                         # the kernel blocks one F scales under Q.int_scales (a super-block's), else 1
-                         "sb_blocks": b.record.blocks if int_scales else 1,
-                         # Q.int_scales: where the offset's I lie in a group's record (rowrecord), a
-                         # byte per row and block, the group's rows side by side
-                         "offset_ints_at": g * b.record.factors["offset"].i_at
-                                           if (int_scales or b.sub_offsets) and b.offset is not None else 0,
-                         # an offset per sub-block of 16 (Q2_K's minimums): its integers (2 bytes per
-                         # kernel block and row at offset_ints_at of the record: qmins) weigh each
-                         # half's activation sum
-                         "sub_offsets": int(b.sub_offsets),
-                         # kernel blocks per super-block record (0: no record)
-                         "record_blocks": b.record.blocks if b.record is not None else 0}
+                props = self._props(b)
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(), codes(), zeros(); not {e.name!r}")
+                if self._record is not None:
+                    self._record.props.append((b, e.name, props[e.name]))
                 return Val(None, "i32", props[e.name])
             if isinstance(b, Packed):
                 if e.name not in b.planes:
@@ -1104,9 +1123,10 @@ class Lowerer:
 
     def _target_op(self, name: str) -> Op | None:
         """The target's lowering of op `name` (noted in the function's memo record), or None."""
+        op = self.target.ops.get(name)
         if self._record is not None:
-            self._record.ops.add(name)
-        return self.target.ops.get(name)
+            self._record.ops[name] = op
+        return op
 
     def _op(self, name: str, qualifier: str | None, arg_nodes: tuple[A.Expr, ...]) -> Val:
         op = self._target_op(name)

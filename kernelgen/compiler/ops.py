@@ -1127,7 +1127,7 @@ RELAXED_ACT = {"ACT_ZERO": 0, "ACT_MAX": 127, "ACT_BYTES": 1, "ACT_SPLIT": 0, "D
 VNNI = Flavor("vnni", {"idots": _idots_fused, "idots2": _idots2_fused}, {"DOT_ADD": 1},
               {"sevenBit": "unsigned", "saturates": False},
               "the relaxed i32 dot-add is one unsaturated instruction (x86 AVX-VNNI vpdpbusd, as Chromium "
-              "lowers it): the i16 types' dots through it")
+              "lowers it): the dots through it, not through i16 pairs")
 TARGETS: dict[str, Target] = {
     "simd128": Target("simd128", SIMD128, {**SIMD128_ACT, "DOT_ADD": 0},
                       ("simd", "threads"), ("--enable-threads", "--disable-relaxed-simd")),
