@@ -104,8 +104,8 @@ class Reused:
     # what the body took from the target, which its flavors may give otherwise (ops.Flavor): ops by
     # name, constants and quant types' properties with their values
     ops: dict[str, Op | None] = field(default_factory=dict)
-    consts: list[tuple[str, int]] = field(default_factory=list)
-    props: list[tuple[QuantFormat, str, int]] = field(default_factory=list)
+    consts: dict[str, int] = field(default_factory=dict)
+    props: dict[tuple[str, str], tuple[QuantFormat, int]] = field(default_factory=dict)  # (type, name): value
     reads: list[tuple[str, str | None, str, int]] = field(default_factory=list)  # other kernels' tune values
     exports: list[tuple[KernelInfo, QuantFormat | None, str]] = field(default_factory=list)  # exports it calls
     internals: list[tuple[KernelInfo, dict[str, Binding]]] = field(default_factory=list)
@@ -341,6 +341,7 @@ class Lowerer:
         self.tune = tune
         self.memo = memo if memo is not None else {}  # (target, role, name) -> its lowering
         self._record: Reused | None = None  # that of the function being lowered
+        self._quant_props: dict[str, dict[str, int]] = {}  # _props by quant type
         self.funcs: list[Func] = []
         self.exports: list[Export] = []
         self.jobs: list[Export] = []  # the job table, in index order
@@ -394,7 +395,7 @@ class Lowerer:
             return self.c.consts[name]
         if name in self.target.constants:  # untyped: adapts to the operand it meets, like a literal
             if self._record is not None:
-                self._record.consts.append((name, self.target.constants[name]))
+                self._record.consts[name] = self.target.constants[name]
             return Val(None, T.INT_LIT, self.target.constants[name])
         if name in layout.FIXED:  # a named global in the WAT, as hand-written engines name their state
             return Val(I("global.get", f"${name}"), "i32")
@@ -528,8 +529,8 @@ class Lowerer:
         return all(tune_for(self.tune, kernel, quant).get(param) == value for kernel, quant, param, value in done.reads) \
             and all(self.instances.export(k, q) == name for k, q, name in done.exports) \
             and all(self.target.ops.get(name) is op for name, op in done.ops.items()) \
-            and all(self.target.constants.get(name) == value for name, value in done.consts) \
-            and all(self._props(q)[prop] == value for q, prop, value in done.props)
+            and all(self.target.constants.get(name) == value for name, value in done.consts.items()) \
+            and all(self._props(q)[prop] == value for (_, prop), (q, value) in done.props.items())
 
     def _lower_body(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
         frame = Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
@@ -967,7 +968,13 @@ class Lowerer:
         return self._target_op(op)(self, None, [a, b])
 
     def _props(self, b: QuantFormat) -> dict[str, int]:
-        """Quant type b's properties on this target (Q.<name> in kernels.dsl)."""
+        """Quant type b's properties on this target (Q.<name> in kernels.dsl), worked out once."""
+        if b.name not in self._quant_props:
+            self._quant_props[b.name] = self._work_out_props(b)
+        return self._quant_props[b.name]
+
+    def _work_out_props(self, b: QuantFormat) -> dict[str, int]:
+        """_props of b, from this target (its dot scheme and constants) and b's packed layout."""
         codes = b.codes
         zero = codes[1] if codes is not None else Int(0)
         dot7 = int(self.target.dot_scheme(codes is not None) == "i7")
@@ -1045,7 +1052,7 @@ class Lowerer:
                 if e.name not in props:
                     raise self.error(f"quant types have {', '.join(props)} and unpack(), codes(), zeros(); not {e.name!r}")
                 if self._record is not None:
-                    self._record.props.append((b, e.name, props[e.name]))
+                    self._record.props[(b.name, e.name)] = (b, props[e.name])
                 return Val(None, "i32", props[e.name])
             if isinstance(b, Packed):
                 if e.name not in b.planes:
