@@ -61,6 +61,14 @@ class Built:
     manifest: dict
     flavors: dict[str, Built] = field(default_factory=dict)  # the target's flavors (Target.flavors), by name
 
+    def files(self) -> dict[Path, bytes]:
+        """Its files as a build directory holds them: <target>/kernels.{wat,wasm,json}, and each
+        flavor's in <target>/<flavor>/ (the directory its manifest entry names)."""
+        return {Path(self.target, *([f.manifest["flavor"]] if f is not self else [])) / name: data
+                for f in (self, *self.flavors.values()) for name, data in (
+                    ("kernels.wat", f.wat.encode()), ("kernels.wasm", f.wasm),
+                    ("kernels.json", (json.dumps(f.manifest, indent=2, sort_keys=False) + "\n").encode()))}
+
 
 def inputs_hash(source: str, target: str, tune: dict, max_pages: int) -> str:
     """What a build depends on besides the compiler's own code (whose changes the out/ freshness
@@ -488,10 +496,7 @@ def write_outputs(built: list[Built], out_dir: Path, lock_timeout: float = LOCK_
 
     out_dir must be new, empty, or hold only target directories: it is replaced as a whole.
     """
-    files = {Path(b.target, *([f.manifest["flavor"]] if f is not b else [])) / name: data
-             for b in built for f in (b, *b.flavors.values()) for name, data in (
-                 ("kernels.wat", f.wat.encode()), ("kernels.wasm", f.wasm),
-                 ("kernels.json", (json.dumps(f.manifest, indent=2, sort_keys=False) + "\n").encode()))}
+    files = {path: data for b in built for path, data in b.files().items()}
     out_dir = Path(out_dir)
     try:
         parent = out_dir.absolute().parent

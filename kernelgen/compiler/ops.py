@@ -1072,11 +1072,11 @@ class Target:
 
     @property
     def key(self) -> str:
-        """The name with the flavor: what tells apart two lowerings of one program."""
+        """The name with the flavor, as the WAT's header names the build."""
         return self.name if self.flavor is None else f"{self.name}/{self.flavor}"
 
     def flavored(self, name: str) -> Target:
-        """This target with flavor `name`'s ops."""
+        """This target with flavor `name`'s ops and constants."""
         f = next((f for f in self.flavors if f.name == name), None)
         if f is None:
             have = ", ".join(x.name for x in self.flavors) or "none"

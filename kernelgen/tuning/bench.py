@@ -727,11 +727,9 @@ def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,
             if kernel.endswith(POOL):
                 pool.add(threads)
     with tempfile.TemporaryDirectory(prefix="kernelgen-bench-") as tmp:
-        for b in (built, *built.flavors.values()):  # the runtime loads the flavor that suits the engine
-            out = Path(tmp, built.target, *([b.manifest["flavor"]] if b is not built else []))
-            out.mkdir(parents=True)
-            (out / "kernels.wasm").write_bytes(b.wasm)
-            (out / "kernels.json").write_text(json.dumps(b.manifest), encoding="utf-8")
+        for path, data in built.files().items():  # and its flavors: the runtime loads the one that suits
+            Path(tmp, path).parent.mkdir(parents=True, exist_ok=True)
+            Path(tmp, path).write_bytes(data)
         Path(tmp, "seed.wasm").write_bytes(peer_wasm())
         config = {"out": Path(tmp).as_uri() + "/", "target": built.target, "seed": Path(tmp, "seed.wasm").as_uri(),
                   "minMs": min_ms, "streams": [stream_name(ways, pool=True) for ways in STREAM_WAYS],
