@@ -692,17 +692,17 @@ inline kernel qmins[Q: quant](rec: ptr, blk: i32) -> i16x8 {
     return i16x8.load8x8(rec + (blk & (Q.record_blocks - 1)) * Q.group * 2, Q.offset_ints_at);
 }
 
-# Blocks blk .. blk + 3's sub-block offset integers times their halves' activation sums, lane i for
-# block blk + i: m_lo * sum(a_lo) + m_hi * sum(a_hi), exact (at most 2 * 127 * 16 * 127). a: block
-# blk's activations; s4: the four blocks' sums (asums4), so each high half's is the sum less the low
-# half's. The low sums' lanes fold as qdots4's dots.
-inline kernel qmins4[Q: quant](w: packed Q, blk: i32, a: ptr, s4: i32x4) -> i32x4 {
+# The halves' activation sums of blocks blk .. blk + 3 (a: block blk's; s4: the four blocks' sums,
+# asums4, so each high half's is the sum less the low half's) as i16 pairs, block i's in lanes 2i,
+# 2i + 1 (narrow: exact, |sum| <= 16 * 127): a token's, formed once for all the rows of a tile
+# (qtile), not per row (engines do not merge the loads of equal activations, so neither the dots
+# that follow them: simd128 Q2_K qmatvec rows 4 recomputed them four times). The low sums' lanes
+# fold as qdots4's dots.
+inline kernel ahalves4[Q: quant](a: ptr, s4: i32x4) -> i16x8 {
     let lo = lanequads(lanepairs(ahalf[0](a), ahalf[0](a + Q.block * ACT_BYTES)),
                        lanepairs(ahalf[0](a + 2 * Q.block * ACT_BYTES), ahalf[0](a + 3 * Q.block * ACT_BYTES)));
-    # the halves' sums as i16 pairs, block i's in lanes 2i, 2i + 1 (narrow: exact, |sum| <= 16 * 127)
-    let halves = i8x16.shuffle(i8x16.bits(i16x8.narrow(lo, s4 - lo)), i8x16.splat(0),
-                               0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-    return pairsum(i16x8.bits(halves), qmins[Q](Q.record(w, blk), blk));
+    return i16x8.bits(i8x16.shuffle(i8x16.bits(i16x8.narrow(lo, s4 - lo)), i8x16.splat(0),
+                                    0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
 }
 
 # The stored sums of four activation blocks (lane i: block i; s: the first's, act_sums), for types
@@ -732,17 +732,20 @@ inline kernel qscale4[Q: quant](w: packed Q, blk: i32, dots: i32x4, da4: f32x4, 
     return r;
 }
 
-# acc plus the offsets over sub-blocks of 16 (Q.sub_offsets) of blocks blk .. blk + 3 of a row,
-# after their qscale4 (a: block blk's activations): F * m per half, its integers weighing the
-# halves' activation sums (qmins4), then F * d_a (Q.offset4 is F there).
-inline kernel qmins4f[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, s4: i32x4, acc: f32x4) -> f32x4 {
-    return madd(f32x4.convert(qmins4[Q](w, blk, a, s4)) * da4, Q.offset4(w, blk), acc);
+# acc (the blocks' qscale4: a call's operands are formed in order, so it comes first) plus the
+# offsets over sub-blocks of 16 (Q.sub_offsets) of blocks blk .. blk + 3 of a row: m_lo * sum(a_lo)
+# + m_hi * sum(a_hi) per block, exact (at most 2 * 127 * 16 * 127), from the halves' sums
+# (ahalves4) and the row's integers (qmins), then F * d_a (Q.offset4 is F there).
+inline kernel qmins4f[Q: quant](w: packed Q, blk: i32, acc: f32x4, halves: i16x8, da4: f32x4) -> f32x4 {
+    let mins = pairsum(halves, qmins[Q](Q.record(w, blk), blk));
+    return madd(f32x4.convert(mins) * da4, Q.offset4(w, blk), acc);
 }
 
 # acc plus blocks blk .. blk + 3 of a row (s: the first activation block's sum).
 inline kernel qstep4[Q: quant](w: packed Q, blk: i32, a: ptr, da4: f32x4, s: ptr, acc: f32x4) -> f32x4 {
     static if Q.sub_offsets {
-        return qmins4f[Q](w, blk, a, da4, asums4[Q](s), qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc));
+        return qmins4f[Q](w, blk, qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc),
+                          ahalves4[Q](a, asums4[Q](s)), da4);
     } else {
         return qscale4[Q](w, blk, qdots4[Q](w, blk, a), da4, asums4[Q](s), acc);
     }
@@ -816,6 +819,7 @@ inline kernel qrowsum[Q: quant, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, 
 kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, r0: i32, rs: i32, nb: i32, n: i32) {
     var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     var wv[N * Q.block / 16]: i8x16 = i8x16.splat(0);  # half h of row r: wv[h * N + r] (unused on idotn)
+    var halves[M]: i16x8 = i16x8.splat(0);  # token t's halves' sums for all N rows (Q.sub_offsets: ahalves4)
     var wrow[N]: ptr = 0;
     unroll r in 0..N {
         wrow[r] = w.q + (r0 + r * rs) * nb * Q.bytes;
@@ -899,11 +903,14 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
             unroll t in 0..M {
                 let da4 = f32x4.load(ad + ((t0 + t) * nb + blk) * 4);
                 let s4 = asums4[Q](as + ((t0 + t) * nb + blk) * 4);
+                static if Q.sub_offsets {
+                    halves[t] = ahalves4[Q](arow[t] + blk * Q.block * ACT_BYTES, s4);
+                }
                 unroll r in 0..N {
                     let i = t * N + r;
                     acc[i * A + s] = qscale4[Q](w, (r0 + r * rs) * nb + blk, dots[i], da4, s4, acc[i * A + s]);
                     static if Q.sub_offsets {
-                        acc[i * A + s] = qmins4f[Q](w, (r0 + r * rs) * nb + blk, arow[t] + blk * Q.block * ACT_BYTES, da4, s4, acc[i * A + s]);
+                        acc[i * A + s] = qmins4f[Q](w, (r0 + r * rs) * nb + blk, acc[i * A + s], halves[t], da4);
                     }
                 }
             }
