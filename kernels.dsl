@@ -587,7 +587,7 @@ inline kernel qraw[Q: quant, S: i32](wq: ptr, a: ptr) -> i32x4 {
         return idot7p(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), a, 0);
     } else static if Q.nib16 * (Q.has_zero <= S * Q.block_zero) {  # both halves' codes from the nibbles at once
         return idotn(i32x4.splat(0), i8x16.load(wq), a);
-    } else static if Q.nibss * S {  # both halves under their sub-block scales, from the nibbles
+    } else static if Q.nibss * S * (Q.const_zero == 0) {  # both halves under their sub-block scales, from the nibbles
         return idotns(i32x4.splat(0), i8x16.load(wq), wq + Q.sub_scales_at, a);
     } else static if Q.sub16 * S {  # both halves under their sub-block scales in one widening dot
         return idotss(i32x4.splat(0), qlanes[Q, S](wq, 0), qlanes[Q, S](wq, 1), wq + Q.sub_scales_at, a);
@@ -820,6 +820,7 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
     var acc[M * N * A]: f32x4 = f32x4.splat(0.0);
     var wv[N * Q.block / 16]: i8x16 = i8x16.splat(0);  # half h of row r: wv[h * N + r] (unused on idotn)
     var halves[M]: i16x8 = i16x8.splat(0);  # token t's halves' sums for all N rows (Q.sub_offsets: ahalves4)
+    var zq[M]: i16x8 = i16x8.splat(0);  # token t's sums of a constant zero under sub-block scales (Q.nibss: nibzeros)
     var wrow[N]: ptr = 0;
     unroll r in 0..N {
         wrow[r] = w.q + (r0 + r * rs) * nb * Q.bytes;
@@ -850,6 +851,9 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                         }
                     }
                     unroll t in 0..M {
+                        static if Q.nibss * Q.const_zero * (h == 1) {  # the zero's sums, once for the N rows
+                            zq[t] = nibzeros(ab[t], Q.const_zero);
+                        }
                         unroll r in 0..N {
                             let i = t * N + r;
                             static if Q.pair16 * (Q.has_zero <= Q.block_zero) {  # both halves at once (qraw)
@@ -861,7 +865,10 @@ kernel qtile[Q: quant, M: i32, N: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as
                                     raw[i] = idotn(i32x4.splat(0), i8x16.load(wb[r]), ab[t]);
                                 }
                             } else static if Q.nibss {  # both halves under their scales, from the nibbles (qraw)
-                                static if h == 1 {
+                                static if h * Q.const_zero {  # less the zero's sums (Q3_K's 4)
+                                    raw[i] = idotnsz(i32x4.splat(0), i8x16.load(wb[r]), zq[t],
+                                                     wb[r] + Q.sub_scales_at, ab[t]);
+                                } else static if h == 1 {
                                     raw[i] = idotns(i32x4.splat(0), i8x16.load(wb[r]), wb[r] + Q.sub_scales_at, ab[t]);
                                 }
                             } else static if Q.sub16 {  # both halves under their scales at once (qraw)

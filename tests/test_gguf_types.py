@@ -324,24 +324,44 @@ IDOTNS_SRC = ("export kernel f(w: ptr, s: ptr, a: ptr, y: ptr) {\n"
               "    i32x4.store(y, idotns(i32x4.splat(0), i8x16.load(w), s, a));\n}\n")
 
 
-@pytest.mark.parametrize("op", ["idotn", "idotns"])
+IDOTNSZ_SRC = ("export kernel f(w: ptr, s: ptr, a: ptr, y: ptr) {\n"
+               "    i32x4.store(y, idotnsz(i32x4.splat(0), i8x16.load(w), nibzeros(a, 4), s, a));\n}\n")
+
+
+@pytest.mark.parametrize("op", ["idotn", "idotns", "idotnsz"])
 def test_nibble_dots_are_refused_on_relaxed_simd(op):
     from kernelgen.compiler.build import compile_kernels
     from kernelgen.errors import DslError
-    with pytest.raises(DslError, match=rf":2:\d+: {op} takes SIMD128's i16 activations"):
-        compile_kernels({"idotn": IDOTN_SRC, "idotns": IDOTNS_SRC}[op], "relaxed-simd")
+    with pytest.raises(DslError, match=rf":2:\d+: (nibzeros|{op}) takes SIMD128's i16 activations"):
+        compile_kernels({"idotn": IDOTN_SRC, "idotns": IDOTNS_SRC, "idotnsz": IDOTNSZ_SRC}[op], "relaxed-simd")
 
 
-def test_idotns_lanes_sum_to_the_sub_scaled_dot_of_the_nibble_codes():
-    """SIMD128's idotns reads 32 codes from 16 packed bytes as idotn does and weighs each half of 16
-    by its sub-block scale (an i32 holding it in both i16 halves, as Q2_K's packed plane stores it):
-    the lanes sum to s0 * c[:16].a[:16] + s1 * c[16:].a[16:], exactly, with codes 0 and 15 against
-    activations of -127 and 127 and scales of -128 and 127."""
+@pytest.mark.parametrize("zero", ["z", "65", "-1"])
+def test_nibzeros_takes_a_constant_zero_within_its_bound(zero):
+    """nibzeros' zero becomes a vector constant, and its products' lanes must fit i16: a run-time
+    value or one outside [0, 64] is an error at the call."""
     from kernelgen.compiler.build import compile_kernels
-    k = compile_kernels(IDOTNS_SRC, "simd128")
-    rng = rng_for("idotns")
+    from kernelgen.errors import DslError
+    src = ("export kernel f(a: ptr, z: i32, y: ptr) {\n"
+           f"    i16x8.store(y, nibzeros(a, {zero}));\n}}\n")
+    with pytest.raises(DslError, match=r":2:\d+: nibzeros' zero must be (a compile-time integer|in \[0, 64\], got)"):
+        compile_kernels(src, "simd128")
+
+
+@pytest.mark.parametrize("zero", [0, 4, 49])
+def test_sub_scaled_nibble_dots_sum_to_the_dot_of_the_codes_less_the_zero(zero):
+    """SIMD128's idotns reads 32 codes from 16 packed bytes as idotn does and weighs each half of 16
+    by its sub-block scale (an i32 holding it in both i16 halves, as Q2_K's packed plane stores it);
+    idotnsz with nibzeros takes a constant zero off the codes first (Q3_K's 4; 49, the largest
+    Q.nibss admits): the lanes sum to s0 * (c - z)[:16].a[:16] + s1 * (c - z)[16:].a[16:], exactly,
+    with codes 0 and 15 against activations of -127 and 127 and scales of -128 and 127."""
+    from kernelgen.compiler.build import compile_kernels
+    src = IDOTNSZ_SRC.replace("nibzeros(a, 4)", f"nibzeros(a, {zero})") if zero else IDOTNS_SRC
+    k = compile_kernels(src, "simd128")
+    rng = rng_for(f"idotns-{zero}")
     cases = [(np.full(32, 15), np.full(32, 127), (127, 127)), (np.full(32, 15), np.full(32, -127), (-128, 127)),
-             (np.tile([0, 15], 16), np.tile([-127, 127], 16), (1, -1)), (np.arange(32) % 16, np.arange(32) * 8 - 127, (3, 0))]
+             (np.full(32, 0), np.full(32, -127), (-128, 127)), (np.tile([0, 15], 16), np.tile([-127, 127], 16), (1, -1)),
+             (np.arange(32) % 16, np.arange(32) * 8 - 127, (3, 0))]
     cases += [(rng.integers(0, 16, 32), rng.integers(-127, 128, 32), tuple(rng.integers(-128, 128, 2))) for _ in range(20)]
     y = k.module.alloc(16)
     for codes, act, (s0, s1) in cases:
@@ -349,15 +369,16 @@ def test_idotns_lanes_sum_to_the_sub_scaled_dot_of_the_nibble_codes():
         split = np.concatenate([np.concatenate([h[0::2], h[1::2]]) for h in (act[:16], act[16:])]).astype(np.int16)
         scales = np.array([s0, s0, s1, s1], dtype=np.int16)
         k.call("f", k.module.put(packed), k.module.put(scales), k.module.put(split), y)
-        prod = codes.astype(np.int64) * act
+        prod = (codes.astype(np.int64) - zero) * act
         assert k.module.get(y, np.int32, 4).sum() == s0 * prod[:16].sum() + s1 * prod[16:].sum(), (codes, act, s0, s1)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k", "q2_k"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k", "q2_k", "q3_k"])
 def test_nibble_types_take_idotn_on_simd128_with_results_unchanged(name):
     """Q4_0, Q4_1 and Q4_K (Q.nib16) take idotn in SIMD128's tiles, Q2_K (its 2-bit codes packed as
-    nibbles there: Q.nibss) idotns, and every qmatvec variant gives the rows-1 results bit for bit,
-    which the one-block steps (qleft) compute, on K tails and outlier blocks."""
+    nibbles there: Q.nibss) idotns, Q3_K (its codes less 4, nibbles too) idotnsz, and every qmatvec
+    variant gives the rows-1 results bit for bit, which the one-block steps (qleft) compute, on K
+    tails and outlier blocks."""
     from kernelgen.compiler.build import compile_source, from_built
     src = DSL_PATH.read_text(encoding="utf-8")
     outs = {}
@@ -366,6 +387,7 @@ def test_nibble_types_take_idotn_on_simd128_with_results_unchanged(name):
                                   code_budget=None, quants=(name,))
         assert "0x00f0" in built.wat  # idotn's mask of the high nibbles of even bytes
         assert ("idotns(" in built.wat) == (name == "q2_k")
+        assert ("idotnsz(" in built.wat) == (name == "q3_k")
         k = from_built(built)
         q = k.quants[name]
         rng = rng_for(f"idotn-{name}")

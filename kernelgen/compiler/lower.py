@@ -276,14 +276,16 @@ def _i16_units(q: QuantFormat, act_max: int) -> int:
     return min(1 << (n.bit_length() - 1), span)
 
 
-def _nib16(q: QuantFormat, subs: bool = False) -> bool:
+def _nib16(q: QuantFormat, subs: bool = False, act_max: int = 127) -> bool:
     """Q.nib16: a block of 32 whose codes (QuantFormat.codes) are nib() of the bytes at the start of
     its packed values, less a constant zero, with no sub-block scales between: Q4_0, Q4_1, Q4_K.
-    `subs`: Q.nibss, the same codes with no zero under sub-block scales of 16 (SIMD128's Q2_K)."""
+    `subs`: Q.nibss, the same codes under sub-block scales of 16 (SIMD128's Q2_K, and Q3_K's with
+    their zero of 4), whose lanes of four products of codes and of the zero (idotns, idotnsz) stay
+    within i16: 4 * (15 + zero) * act_max at most."""
     codes = q.codes
     return (codes is not None and q.group == 1 and (q.sub_scales is not None) == subs and q.kernel.block == 32
             and isinstance(codes[0], Call) and codes[0].func == "nib" and isinstance(codes[1], Int)
-            and (not subs or (codes[1].value == 0 and q.sub == 16))
+            and (not subs or (q.sub == 16 and 4 * (15 + codes[1].value) * act_max <= 32767))
             and q.kernel.value_offset(codes[0].field) == 0)
 
 
@@ -1006,8 +1008,9 @@ class Lowerer:
                 # byte j holds codes j and j + 16) with a constant zero: idotn reads them
                 # straight from the 16 bytes on SIMD128's split i16 activations
                 "nib16": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b)),
-                # nib16's layout under sub-block scales of 16 (zero 0): idotns on SIMD128
-                "nibss": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b, subs=True)),
+                # nib16's layout under sub-block scales of 16: idotns on SIMD128 (idotnsz
+                # with a zero, less its products with the activations: nibzeros)
+                "nibss": int(bool(self.target.constants["ACT_SPLIT"]) and _nib16(b, True, act_max)),
                 # a sub-scaled 32-block's two halves under one widening dot (idotss):
                 # SIMD128's split i16 activations, values of at most 64 in magnitude
                 "sub16": int(b.sub_scales is not None and bool(self.target.constants["ACT_SPLIT"])

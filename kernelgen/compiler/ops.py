@@ -793,20 +793,24 @@ def _idotss_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return _scaled_halves(c, acc, *halves, s)
 
 
-def _scaled_halves(c: Ctx, acc: Val, h0: Instr, h1: Instr, s: Val) -> Val:
+def _scaled_halves(c: Ctx, acc: Val, h0: Instr, h1: Instr, s: Val, z: Instr | None = None) -> Val:
     """acc + s0 h0 + s1 h1 for two halves' i16 dots (256 times each half's products, lanes of
     four at most 64 * 127 each) and their sub-block scales at s and s + 4 (SUB_SCALES): each half
-    shifted exact, both narrowed into one i16x8 (exact), and one widening dot with the scales (s0
-    in the low four lanes, s1 in the high) applies both (idotss, idotns)."""
+    shifted exact, both narrowed into one i16x8 (exact), less `z` (idotnsz's zero, in the same
+    lanes), and one widening dot with the scales (s0 in the low four lanes, s1 in the high)
+    applies both (idotss, idotns, idotnsz)."""
     shift = I("i32.const", str(SIMD128_ACT["DOT_SHIFT"]))
     s1, s2 = c.reuse(Val(I("v128.load64_zero", c.materialize(s, "i32")), "i32x4"))
     scales = I("i8x16.shuffle", *_lane_bytes((0, 0, 1, 1), 4), s1, s2)
     halves = I("i16x8.narrow_i32x4_s", I("i32x4.shr_s", h0, shift), I("i32x4.shr_s", h1, shift))
+    if z is not None:
+        halves = I("i16x8.sub", halves, z)
     return _plus_acc(c, acc, I("i32x4.dot_i16x8_s", halves, scales))
 
 
 _IDOTN = (("acc", "i32x4", "accumulator"), ("w", "i8x16", "packed nibbles"), ("ptr", "i32", "activation address"))
 _IDOTNS = (*_IDOTN[:2], ("s", "i32", "scale address"), _IDOTN[2])
+_IDOTNSZ = (*_IDOTN[:2], ("z", "i16x8", "zero's sums (nibzeros)"), *_IDOTNS[2:])
 
 
 def _nibble_dots(c: Ctx, w: Val, a: Val, offset: int) -> list[Instr]:
@@ -850,6 +854,37 @@ def _idotns_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return _scaled_halves(c, acc, I("i32x4.add", d[0], d[1]), I("i32x4.add", d[2], d[3]), s)
 
 
+def _idotnsz_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """idotnsz(acc, w, z, sp, a): idotns of codes less a constant zero, s0 (c - zero)[:16].a[:16] +
+    s1 (c - zero)[16:].a[16:], with z = nibzeros(a, zero): each half's narrowed lanes of c.a less
+    z's, exact (both within 4 * 64 * 127 and so is their difference: Q.nibss bounds the codes and
+    the zero), then the scales' widening dot. Per row one subtraction where unpacking c - zero
+    into bytes for idotss took five operations more per 32 values: z is a token's, formed once
+    for a tile's rows (SIMD128's Q3_K). Lanes as idotns's: only for sums added in integers (S)."""
+    acc, w, z, s, a, offset = _dot_args(c, args, "idotnsz", _IDOTNSZ)
+    d = _nibble_dots(c, w, a, offset)
+    return _scaled_halves(c, acc, I("i32x4.add", d[0], d[1]), I("i32x4.add", d[2], d[3]), s, c.materialize(z))
+
+
+def _nibzeros_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """nibzeros(ptr, zero): zero times the sums of the 32 stored activations at ptr (SIMD128's
+    split i16) in idotns's narrowed lanes: lane j of the low four is zero * (a[4j] + .. + a[4j +
+    3]), of the high four the same of a[16:]. Four i16 dots with the zero as a constant, exact (a
+    lane at most 4 * 127 * zero; the zero within [0, 64]: Q.nibss), and a narrowing: what idotnsz
+    takes off a row's dots, one token's for every row of a tile."""
+    if len(args) not in (2, 3):
+        raise c.error(f"nibzeros(ptr, zero, offset) takes 2 or 3 arguments, got {len(args)}")
+    a, zero = args[:2]
+    _need(c, a, "i32", "nibzeros' activation address")
+    value, offset = _const_int(c, zero, "nibzeros' zero"), _offset(c, args, 2, "nibzeros")
+    if not 0 <= value <= 64:
+        raise c.error(f"nibzeros' zero must be in [0, 64], got {value}")
+    p = c.materialize(a, "i32")
+    z = I("v128.const", "i16x8", *[str(value)] * 8)
+    d = [I("i32x4.dot_i16x8_s", c.load_once("v128.load", offset * 2 + 16 * k, p), z) for k in range(4)]
+    return Val(I("i16x8.narrow_i32x4_s", I("i32x4.add", d[0], d[1]), I("i32x4.add", d[2], d[3])), "i16x8")
+
+
 def _idotn_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     raise c.error("idotn takes SIMD128's i16 activations; on relaxed SIMD nibble codes go through idot7p")
 
@@ -860,6 +895,14 @@ def _idotss_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
 
 def _idotns_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
     raise c.error("idotns takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
+
+
+def _idotnsz_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    raise c.error("idotnsz takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
+
+
+def _nibzeros_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    raise c.error("nibzeros takes SIMD128's i16 activations; on relaxed SIMD a zero goes through idot7zs")
 
 
 def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -1017,6 +1060,8 @@ SIMD128: dict[str, Op] = {
     "idotss": _idotss_simd128,
     "idotn": _idotn_simd128,
     "idotns": _idotns_simd128,
+    "idotnsz": _idotnsz_simd128,
+    "nibzeros": _nibzeros_simd128,
     "hdot7": _hdot7(_pairs_simd128),
     "hdot7z": _hdot7z(_pairs_simd128),
     "pairsum": _pairsum,
@@ -1034,6 +1079,8 @@ RELAXED: dict[str, Op] = {
     "idot7zs": _idot7zs_relaxed,
     "idotss": _idotss_relaxed,
     "idotns": _idotns_relaxed,
+    "idotnsz": _idotnsz_relaxed,
+    "nibzeros": _nibzeros_relaxed,
     "idotn": _idotn_relaxed,
     "hdot7": _hdot7(_pairs_relaxed),
     "hdot7z": _hdot7z(_pairs_relaxed),
