@@ -1091,7 +1091,9 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 #   acc = madd(f32(m_lo * sum(a_lo) + m_hi * sum(a_hi)) * d_a, F_o, acc)
 # (the low half's sum from one relaxed dot with ones, the high half's the block's sum less it, both
 # paired with the rows' m by one widening dot: pairsum); relaxed Q2_K qmatvec 1.12x the same work
-# inside the loop at 256x4096 (wasmtime).
+# inside the loop at 256x4096 (wasmtime). Each group's record address and F_o are formed once per
+# record (super-block), not per block: cranelift's loop went from 95 instructions a block to 65, most
+# of them the address arithmetic (qmatvec rows 2 and 4 1.04-1.05x at the best of 7 runs, wasmtime).
 #   token t's activations: aq + t * nb * Q.block * ACT_BYTES, its scales ad + t * nb * 4, its
 #   blocks' sums as + t * nb * 4
 kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, as: ptr, y: ptr, t0: i32, ts: i32, g0: i32, gs: i32, nb: i32, n: i32) {
@@ -1209,18 +1211,25 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
         }
     }
     static if Q.sub_offsets {  # each row's offsets over sub-blocks of 16, apart from the dots' loop
-        for b in 0..nb {
-            unroll t in 0..M {
-                let blk = (t0 + t * ts) * nb + b;
-                let l = ahalf[0](arow[t] + b * Q.block * ACT_BYTES);
-                let l2 = l + i32x4.shuffle(l, l, 2, 3, 0, 1);
-                let lo = l2 + i32x4.shuffle(l2, l2, 1, 0, 3, 2);  # the low half's sum in every lane
-                let hs = i16x8.bits((lo & i32x4.splat(65535)) | ((i32x4.splat(i32.load(as + blk * 4)) - lo) << 16));
-                let da = f32x4.splat(f32.load(ad + blk * 4));
-                unroll g in 0..G {
-                    let wb = (g0 + g * gs) * nb + b;
-                    let i = (t * G + g) * A;
-                    acc[i] = madd(f32x4.convert(pairsum(qmins[Q](Q.rowrecord(w, wb), wb), hs)) * da, Q.rowoffset(w, wb), acc[i]);
+        for sb in 0..nb step Q.record_blocks {  # a record's blocks (nb is whole records): its address and F once
+            var rec[G]: ptr = 0;
+            var fo[G]: f32x4 = f32x4.splat(0.0);
+            unroll g in 0..G {
+                rec[g] = Q.rowrecord(w, (g0 + g * gs) * nb + sb);
+                fo[g] = Q.rowoffset(w, (g0 + g * gs) * nb + sb);
+            }
+            for b in sb..sb + Q.record_blocks {
+                unroll t in 0..M {
+                    let blk = (t0 + t * ts) * nb + b;
+                    let l = ahalf[0](arow[t] + b * Q.block * ACT_BYTES);
+                    let l2 = l + i32x4.shuffle(l, l, 2, 3, 0, 1);
+                    let lo = l2 + i32x4.shuffle(l2, l2, 1, 0, 3, 2);  # the low half's sum in every lane
+                    let hs = i16x8.bits((lo & i32x4.splat(65535)) | ((i32x4.splat(i32.load(as + blk * 4)) - lo) << 16));
+                    let da = f32x4.splat(f32.load(ad + blk * 4));
+                    unroll g in 0..G {
+                        let i = (t * G + g) * A;
+                        acc[i] = madd(f32x4.convert(pairsum(qmins[Q](rec[g], b), hs)) * da, fo[g], acc[i]);
+                    }
                 }
             }
         }
