@@ -885,24 +885,12 @@ def _nibzeros_simd128(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(I("i16x8.narrow_i32x4_s", I("i32x4.add", d[0], d[1]), I("i32x4.add", d[2], d[3])), "i16x8")
 
 
-def _idotn_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    raise c.error("idotn takes SIMD128's i16 activations; on relaxed SIMD nibble codes go through idot7p")
-
-
-def _idotss_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    raise c.error("idotss takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
-
-
-def _idotns_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    raise c.error("idotns takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
-
-
-def _idotnsz_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    raise c.error("idotnsz takes SIMD128's i16 activations; on relaxed SIMD sub-block scales go through idot7zs")
-
-
-def _nibzeros_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
-    raise c.error("nibzeros takes SIMD128's i16 activations; on relaxed SIMD a zero goes through idot7zs")
+def _simd128_only(op: str, instead: str) -> Op:
+    """An op of SIMD128's split i16 activations, refused on relaxed SIMD (its byte activations) with
+    what does the work there."""
+    def lower(c: Ctx, q: str | None, args: list[Val]) -> Val:
+        raise c.error(f"{op} takes SIMD128's i16 activations; on relaxed SIMD {instead}")
+    return lower
 
 
 def _idot7zs_relaxed(c: Ctx, q: str | None, args: list[Val]) -> Val:
@@ -1077,11 +1065,11 @@ RELAXED: dict[str, Op] = {
     "idot7p": _idot7p_relaxed,
     "idot7z": _idot7z_relaxed,
     "idot7zs": _idot7zs_relaxed,
-    "idotss": _idotss_relaxed,
-    "idotns": _idotns_relaxed,
-    "idotnsz": _idotnsz_relaxed,
-    "nibzeros": _nibzeros_relaxed,
-    "idotn": _idotn_relaxed,
+    "idotss": _simd128_only("idotss", "sub-block scales go through idot7zs"),
+    "idotns": _simd128_only("idotns", "sub-block scales go through idot7zs"),
+    "idotnsz": _simd128_only("idotnsz", "sub-block scales go through idot7zs"),
+    "nibzeros": _simd128_only("nibzeros", "a zero goes through idot7zs"),
+    "idotn": _simd128_only("idotn", "nibble codes go through idot7p"),
     "hdot7": _hdot7(_pairs_relaxed),
     "hdot7z": _hdot7z(_pairs_relaxed),
     "madd": _madd_relaxed,
