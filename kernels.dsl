@@ -1082,7 +1082,10 @@ inline kernel qgexact[Q: quant](dot: i32x4, s: ptr) -> i32x4 {
 #   s = madd(f32(I * dot), d_a, s) over its blocks in order, from 0; acc = madd(s, F, acc).
 # The offset F_o * I_o (Q4_K's -dmin * min) comes after the dots' loop, into each row's first
 # accumulator: per super-block in order, m = madd(f32(I_o), sum(a) * d_a, m) over its blocks in
-# order, from 0, and acc = madd(m, F_o, acc), four blocks' I a load. Relaxed qmatvec rows 2 at
+# order, from 0, and acc = madd(m, F_o, acc), four blocks' I a load. Both loops form each group's
+# record address once per super-block (rec), which the reads of I and F take (cranelift's dots'
+# loop 124 instructions a block of 8 rows, 111 so: relaxed Q4_K and Q5_K qmatvec 1.01-1.03x in
+# wasmtime, bits unchanged). Relaxed qmatvec rows 2 at
 # 256x4096 in wasmtime: Q4_K 1.16-1.19x, Q5_K 1.14-1.16x the per-block form above (F * I formed,
 # widened and multiplied per block), where the same offset work inside the dots' loop gave 1.04x
 # and within a branch at each super-block's end 0.90-1.0x (cranelift's registers and code around
@@ -1111,7 +1114,13 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     var u[G]: i8x16 = i8x16.splat(0);  # a lane group's codes of each group
     var zp[M]: i16x8 = i16x8.splat(0);  # a token's pairs of a constant zero (Q.const_zero) with its activations
     var ss[M * G]: f32x4 = f32x4.splat(0.0);  # Q.int_scales: s of the super-block so far
+    var rec[G]: ptr = 0;  # each group's record of the super-block (Q.int_scales, Q.sub_offsets): its address once
     for b in 0..nb step Q.sb_blocks {
+        static if Q.int_scales {
+            unroll g in 0..G {
+                rec[g] = Q.rowrecord(w, (g0 + g * gs) * nb + b);
+            }
+        }
         for k in b..b + Q.sb_blocks {  # a super-block's blocks; one round (k = b) for other types
             unroll j in 0..Q.units {
                 unroll g in 0..G {
@@ -1148,7 +1157,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                 }
                 static if Q.adds7 * Q.int_scales * (j == Q.units - 1) {  # each row's block scale I on its lane
                     unroll i in 0..M * G {
-                        let pairs = i32x4.bits(Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));  # I in both halves
+                        let pairs = i32x4.bits(Q.rowscale_pairs(w, k, rec[i % G]));  # I in both halves
                         dot[i] = dot[i] * (pairs & i32x4.splat(65535));
                     }
                 }
@@ -1161,7 +1170,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                         static if Q.has_sub_scales {  # the sub-block's integer scale of each row, in its lane pair
                             x = pairsum(part[i], i16x8.load8x8(wg[i % G] + k * Q.bytes, Q.sub_scales_at + j / 4 * 8));
                         } else static if Q.int_scales {
-                            x = pairsum(part[i], Q.rowscale_pairs(w, (g0 + i % G * gs) * nb + k));
+                            x = pairsum(part[i], Q.rowscale_pairs(w, k, rec[i % G]));
                         } else {
                             x = pairsum(part[i]);
                         }
@@ -1184,7 +1193,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
         }
         static if Q.int_scales {
             unroll i in 0..M * G {
-                var r: f32x4 = madd(ss[i], Q.rowscale_f(w, (g0 + i % G * gs) * nb + b), acc[i * A]);
+                var r: f32x4 = madd(ss[i], Q.rowscale_f(w, b, rec[i % G]), acc[i * A]);
                 unroll s in 1..A {
                     acc[i * A + s - 1] = acc[i * A + s];
                 }
@@ -1212,7 +1221,6 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     }
     static if Q.sub_offsets {  # each row's offsets over sub-blocks of 16, apart from the dots' loop
         for sb in 0..nb step Q.record_blocks {  # a record's blocks (nb is whole records): its address and F once
-            var rec[G]: ptr = 0;
             var fo[G]: f32x4 = f32x4.splat(0.0);
             unroll g in 0..G {
                 rec[g] = Q.rowrecord(w, (g0 + g * gs) * nb + sb);
@@ -1237,6 +1245,9 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
     static if Q.int_scales * Q.has_offset {  # each row's m of every super-block, apart from the dots' loop
         for b in 0..nb step Q.sb_blocks {
             var m[M * G]: f32x4 = f32x4.splat(0.0);
+            unroll g in 0..G {
+                rec[g] = Q.rowrecord(w, (g0 + g * gs) * nb + b);
+            }
             for q in b..b + Q.sb_blocks step 4 {  # four blocks a round
                 var sa[M]: f32x4 = f32x4.splat(0.0);  # each token's sum(a) * d_a of the four blocks
                 unroll t in 0..M {
@@ -1245,7 +1256,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                 }
                 unroll g in 0..G {
                     # the four blocks' I, each of the group's rows (a byte per row and block)
-                    let ints = i8x16.load(Q.rowrecord(w, (g0 + g * gs) * nb + b) + (q - b) * Q.group, Q.offset_ints_at);
+                    let ints = i8x16.load(rec[g] + (q - b) * Q.group, Q.offset_ints_at);
                     unroll c in 0..4 {
                         let mf = f32x4.convert(bytelanes[c](ints));
                         unroll t in 0..M {
@@ -1255,7 +1266,7 @@ kernel qgtile[Q: quant, M: i32, G: i32, A: i32](w: packed Q, aq: ptr, ad: ptr, a
                 }
             }
             unroll i in 0..M * G {
-                acc[i * A] = madd(m[i], Q.rowoffset_f(w, (g0 + i % G * gs) * nb + b), acc[i * A]);
+                acc[i * A] = madd(m[i], Q.rowoffset_f(w, b, rec[i % G]), acc[i * A]);
             }
         }
     }

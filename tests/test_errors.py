@@ -336,6 +336,13 @@ CASES = [
          Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    i16x8.store(p, T.rowscale_pairs(w, 0));\n}\n", 11, 20,
          "q.rowscale_pairs(w, blk) reads a super-block record's factors apart: q has none in this layout"
          " (grouped rows, F * I with I an unsigned byte): use rowscale and rowoffset", lowering=True),
+    Case("a block's scale read with a record address it does not take",
+         Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    f32.store(p, T.scale1(w, 0, 0));\n}\n", 11, 18,
+         "q.scale1(w, blk) takes 2 arguments, got 3", lowering=True),
+    Case("a record's I read with too many arguments",
+         Q() + "export kernel g[T: quant](w: packed T, p: ptr) {\n    i16x8.store(p, T.rowscale_pairs(w, 0, 0, 0));\n}\n",
+         11, 20, "q.rowscale_pairs(w, blk[, rec]) takes 2 or 3 arguments (rec: Q.rowrecord(w, blk), the record's address),"
+         " got 4", lowering=True),
     # ---- constants out of range: caught before the assembler sees them
     Case("an i8x16 constant out of range", K("i8x16.store(x, i8x16.splat(1000));"), 2, 20,
          "1000 does not fit in a i8 lane", lowering=True),

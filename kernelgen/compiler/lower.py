@@ -40,6 +40,9 @@ _SCALE_OPS = {"scale4": ("scale", 4, "f32", False), "scale1": ("scale", 1, "f32"
               # rows one by one, the address of the row's record of block blk (Q.sub_offsets' integers)
               "record": ("scale", 1, "record", False)}
 _SCALE_TYPES = {"f32": "f32x4", "f": "f32x4", "pairs": "i16x8", "record": "i32"}
+# the ops that may take the record's address (Q.rowrecord of blk) as a third argument, formed once
+# per super-block by the kernel rather than from blk at every call
+_AT_RECORD = {"rowscale_f", "rowoffset_f", "rowscale_pairs"}
 
 
 @dataclass(frozen=True)
@@ -1084,7 +1087,7 @@ class Lowerer:
                 raise self.error(f"{f.base.id}.{f.name} is not an operation (typed ops: {', '.join(sorted(_QUALIFIABLE))})")
             return self._op(f.name, t, e.args)
         if isinstance(f, A.Attr) and isinstance(f.base, A.Name) and isinstance(q := self._lookup(f.base.id), QuantFormat):
-            if f.name in _SCALE_OPS and len(e.args) == 2:
+            if f.name in _SCALE_OPS:
                 return self._scales(q, f.name, e.args)
             if f.name not in ("unpack", "codes", "zeros") or len(e.args) != 2:
                 raise self.error(f"{q.name}.{f.name}(...) is not a quant operation; use {f.base.id}.unpack(ptr, j),"
@@ -1113,6 +1116,10 @@ class Lowerer:
     def _scales(self, q: QuantFormat, name: str, args: tuple[A.Expr, ...]) -> Val:
         """Q.scale4(w, blk) and kin: the f32 scale or offset of block blk of packed matrix w (4: of
         blocks blk .. blk + 3, blk a multiple of 4), whatever plane layout Q's pack gives it."""
+        if not 2 <= len(args) <= 2 + (name in _AT_RECORD):
+            raise self.error(f"{q.name}.{name}(w, blk[, rec]) takes 2 or 3 arguments (rec: Q.rowrecord(w, blk), the record's"
+                             f" address), got {len(args)}" if name in _AT_RECORD else
+                             f"{q.name}.{name}(w, blk) takes 2 arguments, got {len(args)}")
         w = self._lookup(args[0].id) if isinstance(args[0], A.Name) else None
         if not isinstance(w, Packed) or w.quant.name != q.name:
             raise self.error(f"{q.name}.{name}(w, blk): w must be a packed {q.name} matrix")
@@ -1127,8 +1134,9 @@ class Lowerer:
         if what == "offset" and q.offset is None:
             raise self.error(f"{q.name} has no offset (Q.has_offset is 0): {q.name}.{name} reads nothing")
         blk = self.materialize(self._coerce(self._expr(args[1]), "i32"), "i32")
+        at = self.materialize(self._coerce(self._expr(args[2]), "i32"), "i32") if len(args) == 3 else None
         planes = {p: I("local.get", f"${n}") for p, n in w.planes.items()}
-        code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")), form)
+        code = lower_scales(q, planes, blk, what, lanes, lambda x: self.reuse(Val(x, "i32")), form, at)
         return Val(code, _SCALE_TYPES[form] if lanes == 4 or form == "record" else "f32")
 
     def _target_op(self, name: str) -> Op | None:

@@ -565,7 +565,7 @@ def unpack_lanes(qf: QuantFormat, base: Instr, j: int, error: Callable[[str], Ex
 
 
 def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: str, lanes: int,
-                 reuse: Callable[[Instr], tuple[Instr, Instr]], form: str = "f32") -> Instr:
+                 reuse: Callable[[Instr], tuple[Instr, Instr]], form: str = "f32", at: Instr | None = None) -> Instr:
     """The f32 `what` ("scale" or "offset") of kernel block blk (lanes 1) or of blocks blk .. blk + 3
     (lanes 4, blk a multiple of 4) as an f32 or f32x4, or in the grouped layout (qf.group > 1, lanes
     4) of the group's rows for its block blk (blk counting blocks group by group: its rows' f32s
@@ -577,16 +577,21 @@ def lower_scales(qf: QuantFormat, planes: dict[str, Instr], blk: Instr, what: st
     a record's factors apart: "f", F of the rows; "pairs", I of the rows as i16 lanes 2r and 2r + 1
     (pairsum's multipliers of row r's pair sums); "record", the address of the group's record (in
     either layout: of the row's record). An offset over sub-blocks (Factored.per > 1: Q2_K) gives F
-    alone: its integers weigh activation sums in the kernels."""
+    alone: its integers weigh activation sums in the kernels. `at`, if given, is the record's address
+    ("record" of the same blk, formed once per super-block by the caller): "f" and "pairs" read from it
+    (blk then picks the block within the record)."""
     rec, g = qf.record, qf.group
     if rec is None:
         op = "v128.load" if lanes == 4 else "f32.load"
         return I(op, I("i32.add", planes[what], I("i32.shl", blk, I("i32.const", str(2 + (g > 1) * 2)))))
     x = rec.factors[what]
     shift = rec.blocks.bit_length() - 1  # kernel blocks per record: a power of two (256 / 32)
-    blk = reuse(blk) if x.i is not None else (blk, blk)
-    at = I("i32.add", planes["scale"], I("i32.mul", I("i32.shr_u", blk[0], I("i32.const", str(shift))),
-                                           I("i32.const", str(g * rec.bytes))))
+    if at is not None:
+        blk = (blk, blk)
+    else:
+        blk = reuse(blk) if x.i is not None else (blk, blk)
+        at = I("i32.add", planes["scale"], I("i32.mul", I("i32.shr_u", blk[0], I("i32.const", str(shift))),
+                                               I("i32.const", str(g * rec.bytes))))
     if form == "record":
         return at
     if g > 1:  # the rows' F side by side; their I of block blk side by side (QuantFormat._grouped)
