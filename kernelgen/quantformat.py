@@ -566,6 +566,9 @@ class QuantFormat:
     sub: int | None = None  # a super-block's sub-block size: scale and offset are formulas of s
     group: int = 1  # rows per group of the packed planes: 1, or GROUP_ROWS (the grouped layout)
     crumbs: bool = True  # 2-bit integers of a re-encoded type packed as crumbs (else nibbles: Target.layout)
+    # byte-encoded integers under sub-block scales stored as themselves, not less their least value:
+    # where a target's dots take the values (SIMD128: Target.layout)
+    signed_bytes: bool = False
 
     # ---- the blocks kernels see (cached: each folds the formulas, and lowering reads them at every Q.<attr>)
     @functools.cached_property
@@ -718,6 +721,8 @@ class QuantFormat:
         # take crumbs: relaxed Q2_K mat-vec 1.3x nibbles' rate from DRAM at the same rate in L2, in
         # 0.66x the bytes per weight; Xeon. SIMD128 packs them as nibbles (`crumbs` False, from
         # Target.layout), which its idotns unpacks in four operations per 32: 1.2-1.36x crumbs' rate.)
+        if width > 4 and self.signed_bytes and self.sub_scales and -128 <= lo and hi <= 127:
+            return "byte", 0
         return ("crumb" if width <= 2 and self.crumbs else "nib" if width <= 4 else "byte"), lo
 
     @functools.cached_property
@@ -729,10 +734,11 @@ class QuantFormat:
         relaxed dot with full int8 activations in the other (Target.dot_scheme)."""
         kb = self.kernel
         u = kb.unpack
-        if self.reencoded and not self.codebook:  # encoded per kernel block as the integers minus the zero (lo)
-            kind, lo = self.encoding
-            hi = self.value_range[1]
-            return (ENCODINGS[kind].unpack, Int(-lo)) if 0 <= -lo <= 127 and hi - lo <= 127 else None
+        if self.reencoded and not self.codebook:  # encoded per kernel block as the integers minus the zero
+            kind, zero = self.encoding
+            lo, hi = self.value_range
+            fits = 0 <= -zero <= 127 and 0 <= lo - zero and hi - zero <= 127  # not signed_bytes' values
+            return (ENCODINGS[kind].unpack, Int(-zero)) if fits else None
         if isinstance(u, Lookup):
             codes, zero = Lookup(tuple(v - min(u.values) for v in u.values), u.code), Int(-min(u.values))
         elif isinstance(u, Op) and u.op == "-" and not any(x.kind == "i" for x in nodes(u.right)):
@@ -869,6 +875,8 @@ class QuantFormat:
                 raise ValueError(f"group {q.group}: this kernelgen packs rows one by one or in groups of {GROUP_ROWS}")
             if q.reencoded and q.encoding[0] == "crumb" and d["encoding"]["kind"] == "nib":
                 q = dataclasses.replace(q, crumbs=False)
+            if q.reencoded and q.encoding[0] == "byte" and q.encoding[1] != 0 and d["encoding"]["zero"] == 0:
+                q = dataclasses.replace(q, signed_bytes=True)
             planes = d["planes"]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"manifest quant {name!r}: not a quant description ({type(e).__name__}: {e})") from None

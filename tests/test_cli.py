@@ -342,12 +342,15 @@ def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     # Target.layout): relaxed SIMD packs its i7 types in groups of 4 rows (a scalar byte field then
     # takes a granule: q4_onnx's plane q 20 bytes a row's block, not 17; the integer sub-block scales of
     # Q6_K, Q3_K and Q2_K are int8 pairs, not i32s: 36 bytes, not 40, and 20, not 24), each plane with its granules;
-    # SIMD128 packs Q2_K's 2-bit codes as nibbles (its idotns), relaxed SIMD as crumbs
+    # SIMD128 packs Q2_K's 2-bit codes as nibbles (its idotns), relaxed SIMD as crumbs, and Q6_K's
+    # values as int8 (its i16 dot takes values), relaxed SIMD as codes, values + 32 (the 7-bit operand)
     how = ("dot", "group", "planes")
     def shared(n: str, q: dict) -> dict:
-        return {**q, **dict.fromkeys(how + (("encoding", "codes") if n == "q2_k" else ()))}
+        return {**q, **dict.fromkeys(how + (("encoding", "codes") if n in ("q2_k", "q6_k") else ()))}
     assert {n: shared(n, q) for n, q in a["quants"].items()} == {n: shared(n, q) for n, q in b["quants"].items()}
     assert [m["quants"]["q2_k"]["encoding"]["kind"] for m in (a, b)] == ["nib", "crumb"]
+    assert [m["quants"]["q6_k"]["encoding"] for m in (a, b)] == [{"kind": "byte", "zero": 0}, {"kind": "byte", "zero": -32}]
+    assert a["quants"]["q6_k"]["codes"] is None and b["quants"]["q6_k"]["codes"] is not None
     assert {q["dot"] for q in a["quants"].values()} == {"i16"} and {q["group"] for q in a["quants"].values()} == {1}
     assert {n for n, q in b["quants"].items() if q["dot"] == "i16"} == {"q8_0", "iq4_nl", "iq4_xs"}
     grouped = {n for n, q in b["quants"].items() if q["group"] == 4}

@@ -192,6 +192,30 @@ def test_q5_1_packs_its_values_as_bytes(quants):
     assert (values[0] == 31).all() and (values[1] == 0).all()
 
 
+@pytest.mark.parametrize("target, zero", [("simd128", 0), ("relaxed-simd", 32)])
+def test_q6_k_packs_values_for_simd128_and_codes_for_relaxed_simd(module_cache, target, zero):
+    """Q6_K's integers (-32..31, under int8 sub-block scales) go in plane q as the dots read them:
+    SIMD128's i16 dot takes the values, so it stores them as int8 and adds nothing back per half
+    (QuantFormat.signed_bytes); relaxed SIMD's 7-bit operand takes the codes, values + 32 (its
+    zero comes off with the activations' sums). Both are gguf's own values, -32 and 31 included,
+    and the manifest says which (encoding zero), so hosts pack alike."""
+    q = module_cache.get(target).quants["q6_k"]
+    b = random_blocks(q, rng_for("q6_k-signed"), 4, 2, (0.5, 2.0))
+    b["scales"][b["scales"] == 0] = 1  # gguf's values come back as dequant / (d * scale)
+    b["ql"][0, 0], b["qh"][0, 0] = 0x00, 0x00  # all -32
+    b["ql"][0, 1], b["qh"][0, 1] = 0xFF, 0xFF  # all 31
+    values = np.rint(gguf_dequant("q6_k", b).astype(np.float64).reshape(4, 2, 16, 16)
+                     / (b["d"].astype(np.float64)[..., None, None] * b["scales"].astype(np.float64)[..., None]))
+    stored = q.pack(b)["q"].view(np.int8).astype(np.int64)
+    if q.group > 1:  # four rows' values side by side, 4 at a time (the grouped layout)
+        stored = stored.reshape(1, 2, 8, 36 * 4)[..., :128].reshape(2, 8, 8, 4, 4).transpose(3, 0, 1, 2, 4)
+    else:  # each 32 values, then the two halves' scales as i32s
+        stored = stored.reshape(4, 2, 8, 40)[..., :32]
+    np.testing.assert_array_equal(stored.reshape(4, 2, 256), values.reshape(4, 2, 256) + zero)
+    assert module_cache.get(target).manifest["quants"]["q6_k"]["encoding"] == {"kind": "byte", "zero": -zero}
+    assert (values[0, 0] == -32).all() and (values[0, 1] == 31).all()
+
+
 @pytest.mark.parametrize("quant, per32, factors", [("q4_k", 19, {"scale", "offset"}), ("q5_k", 35, {"scale", "offset"}),
                                                   ("q6_k", 41, {"scale"})])
 def test_super_block_records_hold_the_per_block_scales(quants, quant, per32, factors):
@@ -265,14 +289,13 @@ def test_sub_blocks_of_16_with_wide_values_keep_a_scale_per_half(target):
         assert "i16x8.narrow_i32x4_s" not in built.wat.split("(func $qtile_k8s__")[1].split("\n  (func ")[0]
 
 
-def test_grouped_sub_block_scales_are_int8_pairs(quants):
+def test_grouped_sub_block_scales_are_int8_pairs(module_cache):
     """Relaxed SIMD's grouped Q6_K holds each sub-block scale as an int8 twice after the codes (plane
     q 36 bytes per row and 32 values, 37 with the record; 41 with rows' i32s): a half's eight bytes
     are the group's four rows' scales in their lane pairs, what qgtile's i16x8.load8x8 reads, -128
     and 127 included (the language keeps a sub-block scale in int8)."""
     import dataclasses
-    from kernelgen.compiler.ops import TARGETS
-    q6 = TARGETS["relaxed-simd"].layout(quants["q6_k"])
+    q6 = module_cache.get("relaxed-simd").quants["q6_k"]
     assert q6.group == 4 and q6.packed_bytes(4, 256) == 4 * 8 * 37
     assert dataclasses.replace(q6, group=1).packed_bytes(4, 256) == 4 * 8 * 41
     b = random_blocks(q6, rng_for("q6k-pairs"), 4, 1)

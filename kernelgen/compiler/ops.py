@@ -1138,6 +1138,8 @@ class Target:
             return dataclasses.replace(q, group=GROUP_ROWS)
         if self.constants["ACT_SPLIT"] and q.reencoded and q.encoding[0] == "crumb":
             return dataclasses.replace(q, crumbs=False)  # SIMD128 reads nibbles faster (idotns)
+        if self.constants["ACT_SPLIT"] and q.reencoded and q.encoding[0] == "byte" and q.sub_scales:
+            return dataclasses.replace(q, signed_bytes=True)  # its dots take the values: no zero to add back
         return q
 
 
