@@ -168,6 +168,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         if stale := b.manifest["tune"].get("stale"):
             print("  not tuned (the tuning store times other versions of their source; `kernelgen tune --kernel NAME` "
                   "times this one): " + ", ".join(f"{key} ({n} timings)" for key, n in stale.items()))
+        if untimed := b.manifest["tune"].get("untimed"):
+            keys = list(untimed)
+            print(f"  not tuned on this host, whose smallest variants were built instead (the store times them on other "
+                  f"hosts only; `kernelgen tune` times them here, `--tune-host-from MANIFEST` builds another host's "
+                  f"picks): {', '.join(keys[:6])}" + (f" and {len(keys) - 6} more" if len(keys) > 6 else ""))
         if partial := b.manifest["tune"].get("partial"):
             print("  picked without some timings (variants left out, or engines that timed some variants but not the"
                   " others; `kernelgen tune --kernel NAME --engine ENGINE` times the rest): "

@@ -54,12 +54,16 @@ def test_committed_out_is_fresh(fresh: Path, target: str, name: str) -> None:
 @pytest.mark.parametrize("target", TARGET_NAMES)
 def test_committed_out_uses_the_timings_of_every_kernel_the_store_times(target: str) -> None:
     """No tuned kernel of the committed build fell back to its defaults because the store times only
-    older versions of it (an edit since its tuning: a rename in ftile_nt once did so unnoticed), and
-    none was picked without some of its timings (tune.partial: a re-time in one engine only)."""
+    older versions of it (an edit since its tuning: a rename in ftile_nt once did so unnoticed), or
+    because only another host times it (tune.untimed: GEMM tiles once did so after out/ changed hosts),
+    and none was picked without some of its timings (tune.partial: a re-time in one engine only)."""
     manifest = json.loads((ROOT / "out" / target / "kernels.json").read_text(encoding="utf-8"))
     stale = manifest["tune"].get("stale", {})
     assert not stale, (f"out/{target} was built without the timings of {', '.join(stale)}: the store times other "
                        f"versions of their source; run `kernelgen tune --kernel NAME` for each, then build")
+    untimed = manifest["tune"].get("untimed", {})
+    assert not untimed, (f"out/{target} was built without timings of {', '.join(untimed)} on its host, which the "
+                         f"store times on other hosts only: run `kernelgen tune --kernel NAME` on out/'s host, then build")
     partial = manifest["tune"].get("partial", {})
     assert not partial, (f"out/{target}'s picks of {', '.join(partial)} were made without some of the store's timings "
                          f"({partial}): run `kernelgen tune --kernel NAME --engine ENGINE` for the engines named, then build")

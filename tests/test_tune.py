@@ -703,7 +703,40 @@ def test_build_falls_back_to_defaults_for_another_host_or_target(checked) -> Non
         assert "dot_f32__unroll2" in b.manifest["exports"]
     (plain,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",))
     (other,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_B)
+    assert other.manifest["tune"].pop("untimed") == {"dot_f32": 3}  # HOST_A's, named (below)
     assert plain.wasm == other.wasm and plain.manifest == other.manifest
+
+
+def test_build_names_the_kernels_only_another_host_times(checked, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel the build's host never timed while another host did takes its smallest variant, as
+    any untimed kernel does, but the build says which (tune.untimed, and a line on the command line):
+    the committed out/ once held GEMM tiles its host had never timed. Another host's timings of an
+    older version of the source, or of another target, do not count."""
+    q4 = [rec(checked, {"rows": r, "accs": 1}, t, "256x4096", kernel="qmatvec", quant="q4_0", host=HOST_B)
+          for r, t in ((1, 2e-3), (2, 1e-3))]
+    old = rec(checked, {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant="q5_0", host=HOST_B,
+              dsl_hash="0" * 64)
+    elsewhere = rec(checked, {"rows": 2, "accs": 1}, 1e-3, "256x4096", kernel="qmatvec", quant="q8_0", host=HOST_B,
+                    target="relaxed-simd")
+    records = _dot_records(checked, HOST_A, best=4) + q4 + [old, elsewhere]
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records, tune_host=HOST_A,
+                          code_budget=None)
+    t = b.manifest["tune"]
+    assert t["untimed"] == {"qmatvec_q4_0": 2} and "stale" not in t
+    assert t["values"]["dot_f32"] == {"unroll": 4} and "qmatvec_q4_0" not in t["values"]
+    (b,) = compile_source(SOURCE, str(DSL_PATH), targets=("simd128",), records=records + [
+        rec(checked, {"rows": 1, "accs": 1}, 2e-3, "256x4096", kernel="qmatvec", quant="q4_0")], tune_host=HOST_A,
+        code_budget=None)
+    assert "untimed" not in b.manifest["tune"]  # one timing of its own: the build's host has timed it
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kernels.dsl").write_text(SOURCE, encoding="utf-8")
+    _store_file(tmp_path / S.STORE, [dataclasses.replace(r, host=S.host()) if r.host == HOST_A else r
+                                     for r in records])
+    code, out, err = run_cli("build", "--target", "simd128", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    assert "not tuned on this host" in out and "qmatvec_q4_0" in out and "--tune-host-from MANIFEST" in out
 
 
 def test_build_names_the_kernels_whose_timings_are_all_of_another_version(checked, tmp_path: Path,

@@ -40,7 +40,7 @@ from .check import Checked, check, resolve_tune, select_quants, tune_key
 from ..tuning.budget import CODE_BUDGET, Upgrade, spend
 from ..tuning.size import by_quant, code_sizes
 from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, host, load_store, middle_tune,
-                            other_versions, shared_tune, smallest, speedup, usable)
+                            other_hosts, other_versions, shared_tune, smallest, speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
 from . import types as T
@@ -127,6 +127,9 @@ def compile_target(checked: Checked, target: str, tune: dict[str, dict[str, int]
                  # tune keys built without a pick, the store's timings of them (this many) being
                  # for other versions of their source (store.other_versions)
                  **({"stale": tune_info["stale"]} if tune_info.get("stale") else {}),
+                 # tune keys built without a pick, the store's current timings of them (this many)
+                 # being from other hosts only (store.other_hosts)
+                 **({"untimed": tune_info["untimed"]} if tune_info.get("untimed") else {}),
                  # tune keys picked without some of the store's current timings (store.Comparison):
                  # variants left out and, per engine, timings unused
                  **({"partial": tune_info["partial"]} if tune_info.get("partial") else {})},
@@ -226,13 +229,16 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
     # the hundred-odd lookups below reads only its own (reading the whole store each time took
     # 0.3-0.5 s of a 2.5 s target).
     mine: dict[tuple[str, str | None], list[Record]] = {}
+    theirs: dict[tuple[str, str | None], list[Record]] = {}  # other hosts' (for `untimed`)
     for r in records or []:
-        if r.target == target and r.host == want:
-            mine.setdefault((r.kernel, ALL_QUANTS), []).append(r)
-            mine.setdefault((r.kernel, r.quant), []).append(r)
+        if r.target == target:
+            by = mine if r.host == want else theirs
+            by.setdefault((r.kernel, ALL_QUANTS), []).append(r)
+            by.setdefault((r.kernel, r.quant), []).append(r)
     sources: dict[str, str] = {}
     upgrades: list[Upgrade] = []
     stale: dict[str, int] = {}  # tune keys left unpicked whose store timings are all of other versions
+    untimed: dict[str, int] = {}  # tune keys left unpicked that only other hosts time
     partial: dict[str, dict] = {}  # tune keys picked blind to some current timings (_partial)
     for name, k in checked.kernels.items():
         if not k.ast.exported or not k.ast.tunes:
@@ -247,6 +253,8 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
         for q in quants:
             if q not in picks and (n := other_versions(mine.get((name, q), []), checked, name, target, want, q)):
                 stale[tune_key(name, q) if q else name] = n
+            elif q not in picks and (n := other_hosts(theirs.get((name, q), []), checked, name, target, want, q)):
+                untimed[tune_key(name, q) if q else name] = n
             elif q in picks and (gap := _partial(compare(mine[name, q], checked, name, target, want, q))):
                 partial[tune_key(name, q) if q else name] = gap
         if not picks:
@@ -283,9 +291,11 @@ def choose_tune(checked: Checked, target: str, overrides: dict[str, dict[str, in
                 partial[name] = gap
         elif n := other_versions(mine.get((name, ALL_QUANTS), []), checked, name, target, want):
             stale[name] = n
+        elif n := other_hosts(theirs.get((name, ALL_QUANTS), []), checked, name, target, want):
+            untimed[name] = n
     used_store = "store" in sources.values() or bool(pool)
     return values, {"source": sources, "host": want if used_store else None, "pool": pool, "upgrades": upgrades,
-                    "stale": stale, "partial": partial}
+                    "stale": stale, "untimed": untimed, "partial": partial}
 
 
 def _partial(c: Comparison) -> dict:

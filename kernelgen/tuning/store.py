@@ -453,16 +453,28 @@ def other_versions(records: list[Record], checked: Checked, kernel: str, target:
                if not current and r.status == "ok")
 
 
+def other_hosts(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
+                quant: str | None = ALL_QUANTS) -> int:
+    """How many successful timings of the current version of `kernel` (of one `quant` type, or of
+    any) on `target` were taken on hosts other than `want_host`. A build for `want_host` that has no
+    timing of its own builds the smallest variant, although another machine timed the others; the
+    build says so (tune.untimed), as the committed out/ once held a GEMM tile its host had never
+    timed while the store held the other host's timings of it."""
+    return sum(1 for r, current in _on_host(records, checked, kernel, target, want_host, quant, here=False)
+               if current and r.status == "ok")
+
+
 def _on_host(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
-             quant: str | None) -> list[tuple[Record, bool]]:
-    """The records of `kernel` (of one `quant` type, or of any) on `target` and `want_host`, each with
-    whether it times the current version of its source (kernel_hash). Hosts compare as dicts (read
-    from JSON, they are equal when their sorted JSON is): a build calls this about a hundred times
-    per target over the store's records, and writing each host as JSON took half of its tune choice."""
+             quant: str | None, here: bool = True) -> list[tuple[Record, bool]]:
+    """The records of `kernel` (of one `quant` type, or of any) on `target` and `want_host` (`here`
+    false: on every other host), each with whether it times the current version of its source
+    (kernel_hash). Hosts compare as dicts (read from JSON, they are equal when their sorted JSON is):
+    a build calls this about a hundred times per target over the store's records, and writing each
+    host as JSON took half of its tune choice."""
     hash_of = functools.cache(functools.partial(kernel_hash, checked, kernel))
     return [(r, r.dsl_hash == hash_of(r.quant)) for r in records
             if r.kernel == kernel and r.target == target and quant in (ALL_QUANTS, r.quant)
-            and r.host == want_host]
+            and (r.host == want_host) == here]
 
 
 def best_tune(records: list[Record], checked: Checked, kernel: str, target: str, want_host: dict,
