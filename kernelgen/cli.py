@@ -14,7 +14,7 @@ from pathlib import Path
 from . import __version__, library
 from .compiler.build import TARGET_NAMES, build
 from .compiler.layout import HEAP_BASE, LIMIT_PAGES, MAX_PAGES, PAGE_SIZE
-from .compiler.check import check, resolve_tune
+from .compiler.check import Checked, check, resolve_tune
 from .compiler.lower import lower
 from .errors import DslError, KernelgenError
 from .compiler.parse import parse
@@ -123,9 +123,14 @@ def _tune_host(args: argparse.Namespace) -> dict | None:
         return None
     try:
         manifest = json.loads(args.tune_host_from.read_text(encoding="utf-8"))
-        return manifest["tune"]["host"]
+        found = manifest["tune"]["host"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise KernelgenError(f"--tune-host-from {args.tune_host_from}: not a kernelgen manifest ({e})") from None
+    if found is not None and not (isinstance(found, dict) and isinstance(found.get("cpu"), str)
+                                  and isinstance(found.get("cores"), int)):
+        raise KernelgenError(f"--tune-host-from {args.tune_host_from}: not a kernelgen manifest (tune.host is"
+                             f" {json.dumps(found)[:80]}, not a host's cpu and cores)")
+    return found  # None: that build used no tunings
 
 
 def _gguf_quants(args: argparse.Namespace) -> list[str]:
@@ -190,11 +195,18 @@ def _gap_text(gap: dict) -> str:
     return "; ".join(words + [f"{n} {engine} timing(s) unused" for engine, n in gap.get("unused", {}).items()])
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    checked = check(parse(_read(args.dsl), str(args.dsl)))
-    values = resolve_tune(checked, _tune(args.tune))
+def _lowered(dsl: Path, tune: dict[str, dict[str, int]] | None = None) -> Checked:
+    """The checked source of `dsl`, every kernel body lowered for each target (type-checked: a
+    mistake in a body is reported with its location here, not taken for a changed kernel)."""
+    checked = check(parse(_read(dsl), str(dsl)))
+    values = resolve_tune(checked, tune)
     for t in TARGET_NAMES:
-        lower(checked, t, values)  # type-checks every kernel body for the target
+        lower(checked, t, values)
+    return checked
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    checked = _lowered(args.dsl, _tune(args.tune))
     print(f"{args.dsl}: ok ({len(checked.kernels)} kernels, {len(checked.quants)} quant types)")
     return 0
 
@@ -260,7 +272,7 @@ def cmd_carry(args: argparse.Namespace) -> int:
     from .tuning.store import append_record
 
     old = check(parse(_read(args.old), str(args.old)))
-    new = check(parse(_read(args.dsl), str(args.dsl)))
+    new = _lowered(args.dsl)  # a body that does not compile is a mistake to report, not a changed kernel
     store = args.store or STORE
     if not store.is_file():
         raise KernelgenError(f"--store {store}: no such file")

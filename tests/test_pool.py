@@ -2,6 +2,7 @@
 thread, traps surfacing in the caller, a 10,000-job stress test, clean shutdown."""
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import astuple
 from pathlib import Path
@@ -196,6 +197,38 @@ def test_close_stops_every_thread_and_a_new_pool_can_start(kernels) -> None:
     with k.pool(2):
         assert len(pool_threads()) == 1
     assert not pool_threads()
+
+
+def test_a_one_thread_pool_is_the_modules_pool_too(kernels) -> None:
+    """A pool of one thread has no helpers, but it is the module's pool all the same: another is
+    refused while it runs, and dropping it leaves a later pool's helpers alone (it once zeroed
+    their POOL_READY, a second pool started beside them on the same memory, and a job hung)."""
+    k = kernels
+    counts = k.module.alloc(4 * 64)
+    view = k.module.view(counts, np.int32, 64)
+    view[:] = 0
+    alone = k.pool(1)
+    with pytest.raises(ValueError, match="already has a pool"):
+        k.pool(3)
+    alone.close()
+
+    def jobs() -> None:
+        with k.pool(3) as three:
+            nonlocal alone
+            del alone
+            gc.collect()  # the closed pool's finalizer ran at close(): collecting it stops nothing
+            assert three._word["POOL_READY"][0] == 2
+            with pytest.raises(ValueError, match="already has a pool"):
+                k.pool(2)
+            for _ in range(100):
+                three.run("count_items_job", 64, 3, [counts])
+
+    run_bounded(jobs, timeout=120)
+    assert np.array_equal(view, np.full(64, 100, np.int32))
+    assert not pool_threads()
+    with k.pool(1):  # and after it, a pool of any size
+        pass
+    k.reset()
 
 
 def test_bad_requests(kernels) -> None:

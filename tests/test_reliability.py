@@ -32,6 +32,7 @@ from kernelgen.compiler import build as B
 from kernelgen.compiler.build import compile_source, write_outputs
 from kernelgen.compiler.parse import MAX_NESTING
 from kernelgen.errors import DslError, KernelgenError
+from kernelgen.host.formats import load_gguf
 from kernelgen.tuning import store as S
 from kernelgen.compiler.check import check
 from kernelgen.compiler.parse import parse
@@ -843,7 +844,42 @@ MISUSE = [  # (what, call(k, packed, act, pool, relaxed), exception, message)
     ("load of no target", lambda k, w, a, p, r: kernelgen.load(OUT, None), TypeError, "load target: expected a target name"),
     ("load from a file", lambda k, w, a, p, r: kernelgen.load("/dev/null", "simd128"), KernelgenError,
      "cannot read the build for target 'simd128'"),
+    ("a path for a target", lambda k, w, a, p, r: kernelgen.load(OUT, "relaxed-simd/vnni"), ValueError,
+     "load target: expected a target name such as 'relaxed-simd' or 'simd128', got 'relaxed-simd/vnni'"),
+    ("a target the build does not have", lambda k, w, a, p, r: kernelgen.load(OUT, "wasm64"), ValueError,
+     f"load target 'wasm64': {OUT} holds builds for relaxed-simd, simd128"),
+    ("an Act's sums edited in place", lambda k, w, a, p, r: _edit_in_place(k), ValueError, "read-only"),
+    ("put_act of the other target's Act", lambda k, w, a, p, r: r.put_act(k.quantize_act(np.ones(64, np.float32))),
+     TypeError, "put_act: activation values must be int8 on relaxed-simd, got int16"),
+    ("put_act of no Act", lambda k, w, a, p, r: k.put_act(None), TypeError,
+     "put_act: activations must come from quantize_act or act_from_values, got NoneType"),
+    ("load_gguf into no Kernels", lambda k, w, a, p, r: load_gguf("simd128", "model.gguf"), TypeError,
+     "load_gguf kernels: expected a Kernels from kernelgen.load(), got str"),
+    ("load_gguf of no path", lambda k, w, a, p, r: load_gguf(k, 3), TypeError,
+     "load_gguf path: expected a path (str or Path), got int"),
+    ("mask weights beyond float32", lambda k, w, a, p, r: k.mean_pool_f32(np.ones((1, 2, 4), np.float32),
+                                                                          np.array([[1e300, 1.0]])),
+     ValueError, "mask weights must be within float32's range"),
+    ("mask weights below float32", lambda k, w, a, p, r: k.mean_pool_f32(np.ones((1, 2, 4), np.float32),
+                                                                         np.array([[1e-300, 0.0]])),
+     ValueError, "mask weights must be within float32's range"),
 ]
+
+
+def _edit_in_place(k) -> None:
+    """An Act the module made skips the checks of a hand-made one, so it cannot be edited: a zeroed
+    sum computed a Q4_0 dot of 512 against all-zero weights."""
+    act = k.quantize_act(np.ones(64, np.float32))
+    act.s[:] = 0
+
+
+def test_act_from_values_leaves_the_callers_arrays_as_they_were(loaded) -> None:
+    k = loaded[0]
+    q, d = np.ones(64, np.int8), np.ones(2, np.float32)
+    act = k.act_from_values(q, d)
+    assert q.flags.writeable and d.flags.writeable and not act.d.flags.writeable
+    d[0] = 5  # the caller's array is not the Act's
+    assert act.d[0] == 1
 
 
 @pytest.mark.parametrize("what, call, exc, message", MISUSE, ids=[m[0] for m in MISUSE])
@@ -859,6 +895,24 @@ def test_packed_handles_cannot_be_edited(loaded) -> None:
     import dataclasses
     with pytest.raises(dataclasses.FrozenInstanceError):
         packed.rows = 6  # type: ignore[misc]  (would read past the planes)
+
+
+def test_a_manifest_of_another_shape_or_target_is_refused(tmp_path: Path) -> None:
+    """load reads a manifest's flavors and target before the Kernels checks the rest: they are
+    checked first (a JSON list once raised AttributeError), and a build is the target asked for."""
+    out = copy_out(tmp_path / "out")
+    path = out / "relaxed-simd" / "kernels.json"
+    good = path.read_text()
+    for junk, says in (([], "not a kernelgen manifest (not a JSON object)"),
+                       ({**json.loads(good), "flavors": ["vnni"]}, "flavors must map names")):
+        path.write_text(json.dumps(junk))
+        with pytest.raises(KernelgenError, match=re.escape(says)):
+            kernelgen.load(out, "relaxed-simd")
+    path.write_text(good)
+    for f in ("kernels.json", "kernels.wasm"):
+        shutil.copy(out / "relaxed-simd" / f, out / "simd128" / f)
+    with pytest.raises(KernelgenError, match=re.escape("a build for target 'relaxed-simd', not 'simd128'")):
+        kernelgen.load(out, "simd128", flavor="base")
 
 
 @pytest.mark.parametrize("edit, message", [

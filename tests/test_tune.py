@@ -555,15 +555,25 @@ def test_carry_command_appends_and_names_what_to_time_again(tmp_path, checked) -
     (["missing.dsl"], "missing.dsl: cannot read"),
     (["BAD"], "bad.dsl:1:8: unexpected"),
     (["OLD", "--store", "nowhere.jsonl"], "nowhere.jsonl: no such file"),
+    (["OLD", "--dsl", "broken.dsl"], "broken.dsl:{line}:"),  # a new body that does not compile: not "code changed"
 ])
-def test_carry_command_refuses_bad_input_with_exit_2(tmp_path, monkeypatch, args, says) -> None:
+def test_carry_command_refuses_bad_input_with_exit_2(tmp_path, monkeypatch, checked, args, says) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.dsl").write_text("kernel {", encoding="utf-8")
     (tmp_path / "old.dsl").write_text(SOURCE, encoding="utf-8")
-    (tmp_path / "store.jsonl").write_text("", encoding="utf-8")
+    call = "    let body = n - n % (4 * U);\n"
+    assert SOURCE.count(call) == 1
+    (tmp_path / "broken.dsl").write_text(SOURCE.replace(call, "    let body = n - n % (4 * zork);\n"), encoding="utf-8")
+    line = SOURCE[:SOURCE.index(call)].count("\n") + 1
+    store = tmp_path / "store.jsonl"
+    store.write_text("", encoding="utf-8")
+    append_record(store, rec(checked, {"unroll": 2}, 1e-3))
+    before = store.read_bytes()
     argv = [{"BAD": "bad.dsl", "OLD": "old.dsl"}.get(a, a) for a in args]
-    code, _, err = run_cli("carry", *argv, "--dsl", str(DSL_PATH), *([] if "--store" in argv else ["--store", "store.jsonl"]))
-    assert code == 2 and says in err, err
+    code, _, err = run_cli("carry", *argv, *([] if "--dsl" in argv else ["--dsl", str(DSL_PATH)]),
+                           *([] if "--store" in argv else ["--store", "store.jsonl"]))
+    assert code == 2 and says.format(line=line) in err, err
+    assert store.read_bytes() == before  # nothing appended
 
 
 def _store_to_prune(checked, path: Path) -> list[Record]:
@@ -883,10 +893,11 @@ def test_cli_build_store_options(checked, tmp_path: Path, monkeypatch: pytest.Mo
     assert "dot_f32__unroll2" in m["exports"]
 
     not_manifest = tmp_path / "junk.json"
-    not_manifest.write_text("[]", encoding="utf-8")
-    code, _, err = run_cli(*base, "--tune-host-from", str(not_manifest), "--out", str(tmp_path / "o3"))
-    assert code == 2 and "not a kernelgen manifest" in err
-    assert not (tmp_path / "o3").exists()
+    for junk in ([], {"tune": {"host": 5}}, {"tune": {"host": ["cpu"]}}, {"tune": {"host": {"cpu": 3}}}):
+        not_manifest.write_text(json.dumps(junk), encoding="utf-8")
+        code, _, err = run_cli(*base, "--tune-host-from", str(not_manifest), "--out", str(tmp_path / "o3"))
+        assert code == 2 and "not a kernelgen manifest" in err, (junk, err)
+        assert not (tmp_path / "o3").exists()
 
 
 # ---- the tuner end to end ------------------------------------------------------------------------

@@ -93,7 +93,10 @@ class Act:
         """Mark an Act quantize_act or act_from_values made, whose sums and range hold: the
         kernels' checks of a hand-made Act (Kernels._act_args, 5% of a 256x4096 qmatvec) skip it.
         An attribute, not a field: dataclasses.replace() of one gives an Act that is checked, and
-        astuple() gives the arrays alone."""
+        astuple() gives the arrays alone. Its arrays (its own copies) become read-only, so that the
+        checks it skips still hold: a value or sum changed in place computed wrong dots silently."""
+        for v in (self.q, self.d, self.s):
+            v.setflags(write=False)
         object.__setattr__(self, "_made_by_kernels", True)
         return self
 
@@ -328,7 +331,7 @@ class Kernels:
             raise ValueError(f"activation values must lie in [-{act_max}, {act_max}] (quantize_act's range),"
                              f" got {q.min()} .. {q.max()}")
         sums = q.astype(np.int64).reshape(*q.shape[:-1], -1, 32).sum(-1).astype(self._act_sums)
-        return Act(self._act_order(q.astype(self._act_dtype), (8, 2)), d, sums)._made_here()
+        return Act(self._act_order(q.astype(self._act_dtype), (8, 2)), d.copy(), sums)._made_here()
 
     def _act_order(self, q: np.ndarray, groups: tuple[int, int]) -> np.ndarray:
         """q with each 16 values read as `groups` rows and transposed: (8, 2) splits them into even
@@ -371,9 +374,10 @@ class Kernels:
         return self.put_act(act)
 
     def put_act(self, act: Act) -> list[int]:
-        """Put act in memory as the kernels take it (unchecked: the methods check first): the
-        address of its values, and of its scales followed by its sums (the manifest's activation
-        "sums")."""
+        """Put act in memory as the kernels take it: the address of its values, and of its scales
+        followed by its sums (the manifest's activation "sums"). Checked for its target's storage
+        only: the methods check the rest first."""
+        self._check_act_values(act, "put_act")
         scales_sums = np.concatenate([np.ascontiguousarray(act.d, np.float32).reshape(-1).view(np.uint8),
                                       np.ascontiguousarray(act.s, self._act_sums).reshape(-1).view(np.uint8)])
         return [self.module.put(act.q), self.module.put(scales_sums)]
@@ -608,8 +612,14 @@ class Kernels:
         seqs, t, n = x.shape
         if n == 0 or n % 4:
             raise ValueError(f"mean_pool_f32: vectors must hold a positive multiple of 4 values, got shape {x.shape}")
+        with np.errstate(over="ignore"):  # a weight past float32's range is refused below, not warned of
+            weights = np.ascontiguousarray(mask, np.float32)
+        if mask.dtype.kind == "f" and (((weights == 0) & (mask != 0)) | (np.isinf(weights) & np.isfinite(mask))).any():
+            raise ValueError("mean_pool_f32: mask weights must be within float32's range (a nonzero weight below"
+                             f" {np.finfo(np.float32).smallest_subnormal:.3g} or beyond"
+                             f" {np.finfo(np.float32).max:.3g} in magnitude would become 0 or inf)")
         with self.module.scope():
-            px, pm = self.module.put(x), self.module.put(np.ascontiguousarray(mask, np.float32))
+            px, pm = self.module.put(x), self.module.put(weights)
             py = self.module.alloc(4 * seqs * n)
             self.call(self.export_name("mean_pool_f32"), px, pm, py, seqs, t, n)
             return self.module.get(py, np.float32, seqs * n).reshape(seqs, n)
@@ -734,8 +744,16 @@ def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", determ
     deterministic = _flag("load deterministic", deterministic)
     if not (out_dir is None or isinstance(out_dir, (str, Path))):
         raise TypeError(f"load out_dir: expected a path (str or Path) or None, got {type(out_dir).__name__}")
-    d = Path(library.out() if out_dir is None else out_dir) / target
+    base = Path(library.out() if out_dir is None else out_dir)
+    if target in ("", ".", "..") or Path(target).name != target:  # a path would load another build as this one
+        raise ValueError(f"load target: expected a target name such as 'relaxed-simd' or 'simd128', got {target!r}")
+    d = base / target
+    built = sorted(p.name for p in base.iterdir() if (p / "kernels.json").is_file()) if base.is_dir() else []
+    if built and target not in built:
+        raise UnknownName(f"load target {target!r}: {base} holds builds for {', '.join(built)}")
     wasm, manifest = _read_build(d, target)
+    if manifest["target"] != target:
+        raise KernelgenError(f"{d / 'kernels.json'}: a build for target {manifest['target']!r}, not {target!r}; rebuild")
     flavors = manifest.get("flavors") or {}
     if flavor == "auto":
         probe = host.relaxed_dot_probe(deterministic)
@@ -760,7 +778,7 @@ def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", determ
 
 
 def _read_build(d: Path, target: str) -> tuple[bytes, dict]:
-    """kernels.wasm and kernels.json of the build in `d`."""
+    """kernels.wasm and kernels.json of the build in `d`, checked (check_manifest) before load reads its flavors."""
     try:
         manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
         wasm = (d / "kernels.wasm").read_bytes()
@@ -770,4 +788,5 @@ def _read_build(d: Path, target: str) -> tuple[bytes, dict]:
         raise KernelgenError(f"{d}: cannot read the build for target {target!r} ({e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
+    check_manifest(manifest, wasm, str(d / "kernels.json"))
     return wasm, manifest

@@ -76,6 +76,12 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
     q4_k), F32/F16 ones as numpy arrays in numpy's axis order, BF16 ones as float32 (exactly). A
     tensor of another type raises ValueError naming it, its type and the supported types, before
     anything is packed; if packing fails part way, what was packed is freed (nothing is half-loaded)."""
+    from .api import Kernels  # (api imports this module's callers, not this module)
+
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"load_gguf kernels: expected a Kernels from kernelgen.load(), got {type(kernels).__name__}")
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"load_gguf path: expected a path (str or Path), got {type(path).__name__}")
     tensors = _checked_tensors(path, kernels.quants)
     out: dict[str, Packed | np.ndarray] = {}
     try:

@@ -202,6 +202,9 @@ class Module:
         self._threads = threading.local()  # .scopes: this thread's open scopes, each a list of (address, serial)
         # Counts reset()s: what was allocated before one (e.g. a Packed) carries the old value.
         self.generation = 0
+        # The running Pool's claim on this module (pool.Pool): one pool at a time, of any size (a
+        # one-thread pool has no helpers, so POOL_READY alone cannot tell it is there).
+        self.pool_claim: object | None = None
 
     def _check_imports(self) -> None:
         """Fail early, with a readable message, on a module that wants more than our memory."""

@@ -102,8 +102,11 @@ class Pool:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.size = threads
-        if self._word["POOL_READY"][0] != 0:
-            raise ValueError("this module's memory already has a pool (close it first)")
+        claim = object()
+        with self.module.lock:
+            if self.module.pool_claim is not None or self._word["POOL_READY"][0] != 0:
+                raise ValueError("this module's memory already has a pool (close it first)")
+            self.module.pool_claim = claim
         self._word["POOL_STOP"][0] = 0
         self._word["POOL_WANT"][0] = threads - 1
         for i in range(threads - 1):
@@ -114,10 +117,10 @@ class Pool:
         deadline = time.monotonic() + start_timeout
         while self._word["POOL_READY"][0] < threads - 1:
             if time.monotonic() > deadline:
-                _stop(self.module, self._threads, self._word["POOL_READY"])
+                _stop(self.module, self._threads, self._word["POOL_READY"], claim)
                 raise RuntimeError(f"pool: only {self._word['POOL_READY'][0]} of {threads - 1} helpers started")
             time.sleep(0.0005)
-        self._finalizer = weakref.finalize(self, _stop, self.module, self._threads, self._word["POOL_READY"])
+        self._finalizer = weakref.finalize(self, _stop, self.module, self._threads, self._word["POOL_READY"], claim)
         atexit.register(self._finalizer)
 
     def set_threads(self, threads: int) -> None:
@@ -229,8 +232,12 @@ def _helper(module: Any, i: int, errors: list[BaseException], lock: threading.Lo
             rejoin = 1
 
 
-def _stop(module: Any, threads: list[threading.Thread], ready: np.ndarray, timeout: float = 10.0) -> None:
-    """Set POOL_STOP, wake every helper, join them, and zero POOL_READY for a later pool."""
+def _stop(module: Any, threads: list[threading.Thread], ready: np.ndarray, claim: object,
+          timeout: float = 10.0) -> None:
+    """Set POOL_STOP, wake every helper, join them, zero POOL_READY and give up the pool's claim on
+    the module for a later pool. A pool without helpers (one thread) touches no pool word: another
+    pool's helpers are not its to stop (dropping a one-thread pool once zeroed a running pool's
+    POOL_READY, a second pool started beside it, and the next job hung)."""
     if threads:
         module.call("pool_stop")
         for t in threads:
@@ -239,4 +246,7 @@ def _stop(module: Any, threads: list[threading.Thread], ready: np.ndarray, timeo
         if alive:
             raise RuntimeError(f"pool: helper threads did not stop: {', '.join(alive)}")
         threads.clear()
-    ready[0] = 0
+        ready[0] = 0
+    with module.lock:
+        if module.pool_claim is claim:
+            module.pool_claim = None
