@@ -521,6 +521,42 @@ export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
     quantize_blocks(x, n, q, d, b0, b1);
 }
 
+# Lanes J (8 values) of the stored activation block at q, as i16 (ACT_BYTES 2: SIMD128's; 1:
+# relaxed SIMD's bytes, sign-extended), less ACT_ZERO.
+inline kernel act_lanes[J: i32](q: ptr) -> i16x8 {
+    static if ACT_BYTES == 2 {
+        return i16x8.load(q, J * 16) - i16x8.splat(ACT_ZERO);
+    } else {
+        return i16x8.load8x8(q, J * 8) - i16x8.splat(ACT_ZERO);
+    }
+}
+
+# The first of the n / 32 blocks of stored activations at q (quantize_act's form) whose values
+# leave [-ACT_MAX, ACT_MAX] or do not sum to the block's stored sum, or -1. The kernels trust
+# both (relaxed SIMD reads |a| in 7 bits; a weight type's zero or minimum comes off with the sums):
+# the hosts check activations they did not make with it (a JavaScript loop over k = 4096 values
+# took 8 us, 13% of a relaxed Q8_0 qmatvec at 256x4096 in Node).
+#   q: the values, n of ACT_BYTES each
+#   d: f32[n / 32] then i32[n / 32]: the blocks' scales, then their sums (act_sums)
+#   n: value count, a multiple of 32
+export kernel act_check(q: ptr, d: ptr, n: i32) -> i32 {
+    let s = act_sums(d, n / 32);
+    var first: i32 = -1;
+    for b in 0..n / 32 {
+        var sum: i32x4 = i32x4.splat(0);
+        var over: i16x8 = i16x8.splat(0);  # lane-wise max of |a| - ACT_MAX and 0 (|-32768| wraps: over too)
+        unroll j in 0..4 {
+            let v = act_lanes[j](q + b * 32 * ACT_BYTES);
+            sum = sum + pairsum(v);
+            over = max(over, abs(v) - i16x8.splat(ACT_MAX));
+        }
+        if (first < 0) & ((hsum(pairsum(over)) > 0) | (hsum(sum) != i32.load(s + b * 4))) {
+            first = b;
+        }
+    }
+    return first;
+}
+
 # ---- quantized dot products and mat-vec, generic over quant types -------------------------------
 #
 # Weights are packed once (Kernels.pack) into planes: w.q (values), w.scale (f32 per block) and,

@@ -23,6 +23,15 @@ export const API = ['quantizeAct', 'pack', 'qdot', 'qmatvec', 'qmatmul', 'dotF32
 
 const f32Array = (what, x) => typedArray(what, x, Float32Array);
 
+// What run() takes for a scalar parameter of each wasm type: the call would otherwise coerce a
+// string, NaN or an object to 0 (and wrap 2^32 + 4 to 4) without a word.
+const SCALARS = { i32: 'a 32-bit integer', i64: 'a BigInt within 64 bits', f32: 'a number', f64: 'a number' };
+function scalarFits(type, v) {
+  if (type === 'i32') return Number.isInteger(v) && v >= -(2 ** 31) && v < 2 ** 32;
+  if (type === 'i64') return typeof v === 'bigint' && v >= -(2n ** 63n) && v < 2n ** 64n;
+  return typeof v === 'number';
+}
+
 /** An optional yes/no option: undefined or a boolean (a string such as "no" would count as true). */
 function flag(what, v) {
   if (v !== undefined && typeof v !== 'boolean') throw new TypeError(`${what}: expected true or false, got ${typeof v} ${String(v)}`);
@@ -44,8 +53,19 @@ function f32Input(what, x) {
 }
 
 function positiveInt(what, n) {
+  if (typeof n !== 'number') throw new TypeError(`${what}: expected an integer (a number), got ${typeof n} ${String(n)}`);
   if (!Number.isInteger(n) || n < 1 || n > I32_MAX) throw new RangeError(`${what}: expected an integer in 1..${I32_MAX}, got ${n}`);
   return n;
+}
+
+/** A manifest no one can edit: the driver's checks read it (activation.max, memory.heap_base), and
+ * Node hands the driver's own object out as Kernels.manifest. */
+export function deepFreeze(v) {
+  if (v !== null && typeof v === 'object' && !Object.isFrozen(v)) {
+    Object.freeze(v);
+    Object.values(v).forEach(deepFreeze);
+  }
+  return v;
 }
 
 // Names this driver's Packed handles: a handle from another driver (another target, another load)
@@ -82,7 +102,7 @@ export function chooseFlavor(manifest, requested, relaxed) {
       : { flavor: null, dir: null, why: 'no flavor of this build suits the probe of the relaxed dot' };
   }
   if (requested === 'base') return { flavor: null, dir: null, why: 'requested' };
-  if (!(requested in flavors)) {
+  if (!Object.hasOwn(flavors, requested)) {
     const have = Object.keys(flavors).join(', ') || 'it has none';
     throw new RangeError(`flavor must be 'auto', 'base' or one of this build's flavors (${have}), got ${requested}`);
   }
@@ -101,11 +121,14 @@ export class Driver {
     const chosen = chooseTarget(target, relaxed);
     const dir = new URL(`${chosen.target}/`, baseUrl);
     let { manifest, wasm, notes } = await loadBuild(dir);
+    if (manifest.target !== chosen.target) {
+      throw new Error(`${new URL('kernels.json', dir)}: a build for target ${manifest.target}, not ${chosen.target}; rebuild with \`kernelgen build\``);
+    }
     let flavored = chooseFlavor(manifest, flavor, relaxed);
     if (flavored.flavor !== null) {
       try {
         const build = await loadBuild(new URL(`${flavored.dir}/`, dir));
-        if (build.manifest.flavor !== flavored.flavor) {
+        if (build.manifest.flavor !== flavored.flavor || build.manifest.target !== chosen.target) {
           const where = new URL(`${flavored.dir}/kernels.json`, dir);
           throw new Error(`${where}: not the ${flavored.flavor} flavor's manifest`);
         }
@@ -165,7 +188,6 @@ export class Driver {
   // given (a copy cloned through postMessage has them; an edited one names memory not its own).
   #packed = new Map();
   #held = new Map();
-  #madeHere = new WeakSet(); // activations quantizeAct returned: #actArgs skips their value checks
   #nextPacked = 0; // ids of Packed handles and held arrays
   #id = driverId();
   #generation = 0; // counts reset()s: a Packed from before one names freed memory
@@ -173,7 +195,7 @@ export class Driver {
   #views = new Map(); // typed-array class -> a view of the whole memory (#view)
 
   constructor(manifest, memory, exports, pool, info, stopFlag) {
-    this.manifest = manifest;
+    this.manifest = deepFreeze(manifest);
     this.info = info;
     this.stopFlag = stopFlag;
     this.#memory = memory;
@@ -401,6 +423,7 @@ export class Driver {
   /** A kernel's n f32 results at addr (an allocation of the current scope, VECTOR_BYTES longer):
    * copied out, or with {hold: true} kept where they are as a held array. */
   #result(addr, n, opts) {
+    flag('hold', opts?.hold);
     if (!opts?.hold) return this.#get(addr, Float32Array, n);
     const scope = this.#scopes.at(-1);
     scope.splice(scope.lastIndexOf(addr), 1);
@@ -415,6 +438,10 @@ export class Driver {
    * in a fixed order). */
   #run(kernel, quant, args, opts) {
     opts = options(kernel, opts);
+    flag(`${kernel} threads`, opts.threads);
+    if (opts.chunk !== undefined && !(Number.isInteger(opts.chunk) && opts.chunk >= 1)) {
+      throw new (typeof opts.chunk === 'number' ? RangeError : TypeError)(`${kernel}: chunk (items per claim, with threads) must be an integer >= 1, got ${opts.chunk}`);
+    }
     const name = this.exportName(kernel, quant);
     if (!opts?.threads) return this.#exports[name](...args);
     this.#pool.call(name, args, opts.chunk);
@@ -435,12 +462,16 @@ export class Driver {
       throw new TypeError(`run: ${name} takes ${spec.params.length} arguments (${spec.params.map((p) => p.name).join(', ')})`);
     }
     const heap = this.manifest.memory.heap_base;
+    const end = this.#memory.buffer.byteLength;
     args.forEach((a, i) => {
       const p = spec.params[i];
       if (ArrayBuffer.isView(a)) typedArray(`run ${name} ${p.name}`, a, classOf(a) ?? Float32Array);
-      else if (p.dsl_type === 'ptr' && !(Number.isInteger(a) && a >= heap && a < 2 ** 32)) {
-        // below heap_base are the pool's words, which a stray write would corrupt (a hang, later)
-        throw new RangeError(`run: ${name} ${p.name}: an address at or above heap_base (${heap}) or a typed array, got ${a}`);
+      else if (p.dsl_type === 'ptr' && !(Number.isInteger(a) && a >= heap && a < end)) {
+        // below heap_base are the pool's words, which a stray write would corrupt (a hang, later);
+        // past the memory an i32 address wraps onto them
+        throw new RangeError(`run: ${name} ${p.name}: an address in the heap (${heap} .. ${end - 1}) or a typed array, got ${a}`);
+      } else if (p.dsl_type !== 'ptr' && !scalarFits(p.type, a)) {
+        throw new TypeError(`run: ${name} ${p.name}: expected ${SCALARS[p.type] ?? p.type}, got ${typeof a} ${String(a)}`);
       }
     });
     return this.#scoped(() => {
@@ -484,9 +515,7 @@ export class Driver {
       const nb = x.length / ACT_BLOCK;
       const [pq, pd] = this.#actBuffers(x.length);
       this.#exports[this.exportName('quantize_act')](px, x.length, pq, pd);
-      const act = { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, nb), s: this.#get(pd + nb * 4, this.#sumsArray, nb) };
-      this.#madeHere.add(act);
-      return act;
+      return { q: this.#get(pq, this.#actArray, x.length), d: this.#get(pd, Float32Array, nb), s: this.#get(pd + nb * 4, this.#sumsArray, nb) };
     });
   }
 
@@ -559,25 +588,25 @@ export class Driver {
       throw new RangeError(`${what}: activations have ${q.length} values, ${act.d.length} scales and ${s.length} sums, `
         + `${tokens} token(s) of the weights' rows need ${tokens * k}`);
     }
-    // The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's sum (a
-    // weight type's zero or minimum comes off with it): a hand-made activation object is checked
-    // (one cloned through postMessage too), one quantizeAct made here is not (the cost per call).
-    const max = this.manifest.activation.max;
-    for (let b = 0; b < nb && !this.#madeHere.has(act); b++) {
-      let sum = 0;
-      for (let i = b * ACT_BLOCK; i < (b + 1) * ACT_BLOCK; i++) {
-        if (q[i] < -max || q[i] > max) throw new RangeError(`${what}: activation values must lie in [-${max}, ${max}] (quantizeAct's range), got ${q[i]}`);
-        sum += q[i];
-      }
-      if (sum !== s[b]) {
-        throw new RangeError(`${what}: activation sums do not match the values (block ${b}: ${s[b]}, the values sum to ${sum}); `
-          + 'make activations with quantizeAct');
-      }
-    }
     const pd = this.#alloc(act.d.byteLength + act.s.byteLength);
     this.#copyIn(act.d, pd);
     this.#copyIn(act.s, pd + act.d.byteLength);
-    return [this.#put(act.q), pd];
+    const pq = this.#put(act.q);
+    // The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's sum (a
+    // weight type's zero or minimum comes off with it): every activation object is checked, one
+    // quantizeAct made too (its arrays can be edited), in wasm (act_check: a JavaScript loop over
+    // the values took 13% of a 256x4096 qmatvec); the first bad block is then named from here.
+    const bad = this.#exports[this.exportName('act_check')](pq, pd, q.length);
+    if (bad >= 0) {
+      const max = this.manifest.activation.max;
+      const block = q.subarray(bad * ACT_BLOCK, (bad + 1) * ACT_BLOCK);
+      const out = block.find((v) => v < -max || v > max);
+      if (out !== undefined) throw new RangeError(`${what}: activation values must lie in [-${max}, ${max}] (quantizeAct's range), got ${out}`);
+      const sum = block.reduce((a, v) => a + v, 0);
+      throw new RangeError(`${what}: activation sums do not match the values (block ${bad}: ${s[bad]}, the values sum to ${sum}); `
+        + 'make activations with quantizeAct');
+    }
+    return [pq, pd];
   }
 
   // ---- kernels -------------------------------------------------------------------------------
@@ -705,6 +734,7 @@ export class Driver {
   /** Rows of n values, n a positive multiple of LANES: x holds whole rows -> the row count. */
   #rows(what, x, n) {
     f32Input(what, x);
+    if (typeof n !== 'number') throw new TypeError(`${what}: the row length n must be a number, got ${typeof n} ${String(n)}`);
     if (!Number.isInteger(n) || n < 1 || n % LANES || x.length % n) {
       throw new RangeError(`${what}: rows of a positive multiple of ${LANES} values, whole rows; got ${x.length} values, n=${n}`);
     }
@@ -721,7 +751,7 @@ export class Driver {
 
   /** gelu(x + bias) in BERT's erf form, per row of bias.length values (bias null: n = x.length). */
   gelu(x, bias, opts) {
-    const n = bias?.length ?? x.length;
+    const n = bias?.length ?? x?.length;
     const rows = this.#rows('gelu x', x, n);
     return this.#scoped(() => {
       const pb = this.#putRow('gelu bias', bias, n);
@@ -926,7 +956,8 @@ export class Driver {
       let iterations = 0;
       while (iterations < most && (iterations === 0 || now - start < ms)) {
         if (flag && Atomics.load(flag, 0)) return { iterations, ms: now - start, stopped: true };
-        this[method](...args);
+        const result = this[method](...args);
+        if (isHeld(result) || (result?.planes && result.owner === this.#id)) this.free(result); // one call's memory, not the loop's
         iterations++;
         now = performance.now();
       }

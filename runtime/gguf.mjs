@@ -107,7 +107,9 @@ async function openFile(url) {
   const label = fileURLToPath(url);
   const handle = await open(url, 'r');
   try {
-    const { size } = await handle.stat();
+    const stat = await handle.stat();
+    if (!stat.isFile()) throw new GgufError(`${label}: not a file (a GGUF file is read from a regular file)`);
+    const { size } = stat;
     const read = async (at, n) => {
       const out = new Uint8Array(n);
       for (let got = 0; got < n;) {

@@ -13,7 +13,7 @@
 // thread, which may not block, they run in a driver worker the page talks to with postMessage (so
 // a model that makes many calls runs faster from a worker of its own: no message per call).
 
-import { API, Driver } from './driver.mjs';
+import { API, Driver, deepFreeze } from './driver.mjs';
 import { mayBlock, startWorker } from './platform.mjs';
 import { JobError } from './pool.mjs';
 
@@ -35,6 +35,7 @@ function revive({ name, message, driverError, helperErrors }) {
 /** The build directory as a URL ending in '/'. */
 async function outUrl(baseUrl, dir) {
   if (dir !== undefined) {
+    if (typeof dir !== 'string') throw new TypeError(`loadKernels: dir must be a filesystem path (a string), got ${dir === null ? 'null' : typeof dir}`);
     const [{ pathToFileURL }, { resolve }] = await Promise.all([import('node:url'), import('node:path')]);
     return pathToFileURL(`${resolve(dir)}/`);
   }
@@ -130,7 +131,7 @@ export class Kernels {
     this.#close = close;
     /** What was loaded and why: target, targetReason, relaxedDot (the probe), threads, notes... */
     this.info = info;
-    this.manifest = manifest;
+    this.manifest = deepFreeze(manifest); // the driver's own in Node, a copy on a page: read-only either way
     /** Int32Array[1] on a SharedArrayBuffer (null without one): nonzero ends a bench loop. */
     this.stopFlag = stopFlag;
   }

@@ -81,6 +81,9 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     if (end > b) throw fail(`memory.fixed.${n} (bytes ${a}..${end}) overlaps ${m} at ${b}`);
   });
   if (mem.heap_base > mem.max_pages * PAGE_BYTES) throw fail(`memory.heap_base=${mem.heap_base} is beyond max_pages=${mem.max_pages}`);
+  if (!(isInt(mem.align) && mem.align >= 16 && (mem.align & (mem.align - 1)) === 0)) {
+    throw fail(`memory.align must be a power of two of at least 16 (the allocator's alignment), got ${mem.align}`);
+  }
   if (manifest.jobs === null || typeof manifest.jobs !== 'object') throw fail('jobs must be an object');
   for (const [name, job] of Object.entries(manifest.jobs)) {
     if (!isInt(job?.index) || !Array.isArray(job.args) || job.args.length > mem.job_arg_words) {
@@ -96,6 +99,9 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
   for (const [name, e] of Object.entries(manifest.exports)) {
     if (!(isObject(e) && typeof e.kernel === 'string' && (e.quant === null || typeof e.quant === 'string') && Array.isArray(e.params))) {
       throw fail(`exports.${name} needs a kernel name, a quant type name or null, and its params`);
+    }
+    if (e.parallel != null && !(isObject(e.parallel) && typeof e.parallel.job === 'string' && Object.hasOwn(manifest.jobs, e.parallel.job))) {
+      throw fail(`exports.${name}.parallel must name one of the jobs`);
     }
   }
   const act = manifest.activation;

@@ -30,19 +30,24 @@ export function hardwareThreads() {
 }
 
 /**
- * Start runtime/worker.mjs. Returns {post(message, transfer), onMessage(fn), onError(fn), terminate()}
- * over a Node worker thread or a (module) Web Worker. Node workers inherit execArgv, so they get
- * the same --experimental-wasm-relaxed-simd / --no-liftoff as this process.
+ * Start runtime/worker.mjs. Returns {post(message, transfer), onMessage(fn), onError(fn), onExit(fn),
+ * terminate()} over a Node worker thread or a (module) Web Worker (which has no exit event: onExit
+ * never calls fn). Node workers inherit execArgv, so they get the same
+ * --experimental-wasm-relaxed-simd / --no-liftoff as this process.
  */
 export function startWorker(name) {
   const url = new URL('./worker.mjs', import.meta.url);
   if (isNode) {
     const w = new nodeWorkers.Worker(url, { name });
-    w.unref(); // a pool left running never keeps the process alive
+    // A pool left running never keeps the process alive: unref again after each listener, which
+    // refs the worker (a script that never terminated a pool of 2 threads never exited).
+    const listen = (event, fn) => { w.on(event, fn); w.unref(); };
+    w.unref();
     return {
       post: (msg, transfer) => w.postMessage(msg, transfer),
-      onMessage: (fn) => w.on('message', fn),
-      onError: (fn) => w.on('error', fn),
+      onMessage: (fn) => listen('message', fn),
+      onError: (fn) => listen('error', fn),
+      onExit: (fn) => listen('exit', fn),
       terminate: () => w.terminate(),
     };
   }
@@ -51,6 +56,7 @@ export function startWorker(name) {
     post: (msg, transfer) => w.postMessage(msg, transfer),
     onMessage: (fn) => w.addEventListener('message', (e) => fn(e.data)),
     onError: (fn) => w.addEventListener('error', (e) => fn(e.error ?? new Error(e.message || `worker ${name} failed to start`))),
+    onExit: () => {},
     terminate: () => w.terminate(),
   };
 }

@@ -153,6 +153,7 @@ export async function runHelper({ id, module, memory, fixed, board }) {
 export class Pool {
   /** `threads` threads in all: the calling thread (the driver) and threads - 1 helper workers. */
   static async start({ module, memory, manifest, exports, threads }) {
+    if (typeof threads !== 'number') throw new TypeError(`threads: expected a thread count (a number), got ${typeof threads}`);
     if (!Number.isInteger(threads) || threads < 1 || threads > MAX_THREADS) {
       throw new RangeError(`threads must be 1..${MAX_THREADS}, got ${threads}`);
     }
@@ -167,6 +168,8 @@ export class Pool {
   #exports;
   #board = null;
   #helpers = []; // {worker, exited: Promise}
+  #closing = false;
+  #lost = null; // why a helper is gone while the pool runs: its jobs would wait for it forever
 
   constructor(module, memory, manifest, exports, threads) {
     this.#module = module;
@@ -189,11 +192,17 @@ export class Pool {
     let failure = null;
     for (let id = 0; id < this.size - 1; id++) {
       const worker = startWorker(`kernelgen-pool-${id}`);
-      const exited = new Promise((resolve) => worker.onMessage((m) => {
-        if (m.type === 'failed') failure ??= new Error(`pool helper ${id}: ${m.message}`);
-        resolve(); // 'exited' or 'failed': either way it is not in pool_helper
-      }));
-      worker.onError((e) => { failure ??= e; });
+      const exited = new Promise((resolve) => {
+        worker.onMessage((m) => {
+          if (m.type === 'failed') failure ??= new Error(`pool helper ${id}: ${m.message}`);
+          resolve(); // 'exited' or 'failed': either way it is not in pool_helper
+        });
+        worker.onExit((code) => { // a helper gone (killed, out of memory) while the pool runs
+          if (!this.#closing) this.#lost ??= `pool helper ${id} stopped (exit code ${code})`;
+          resolve();
+        });
+      });
+      worker.onError((e) => { failure ??= e; this.#lost ??= `pool helper ${id} failed (${e?.message ?? e})`; });
       worker.post({ role: 'helper', id, module: this.#module, memory: this.#memory,
         fixed: this.manifest.memory.fixed, board: this.#board.buffer });
       this.#helpers.push({ worker, exited });
@@ -211,6 +220,7 @@ export class Pool {
 
   /** Use `threads` threads (1 .. the pool's size) from the next job on. */
   setThreads(threads) {
+    if (typeof threads !== 'number') throw new TypeError(`setThreads: expected a thread count (a number), got ${typeof threads}`);
     if (!Number.isInteger(threads) || threads < 1 || threads > this.size) {
       throw new RangeError(`setThreads(${threads}): this pool has ${this.size} threads`);
     }
@@ -236,6 +246,7 @@ export class Pool {
     if (typeof job !== 'string' || !Object.hasOwn(jobs, job)) throw new TypeError(`no job ${JSON.stringify(job)}; jobs: ${Object.keys(jobs).join(', ')}`);
     const spec = jobs[job];
     if (this.#exports === null) throw new Error('pool is closed');
+    if (this.#lost) throw new Error(`${this.#lost}: its jobs would wait for it forever; terminate these kernels and load them again`);
     if (!Array.isArray(args) || args.length !== spec.args.length) {
       throw new TypeError(`${job} takes ${spec.args.length} arguments (${spec.args.map((a) => a.name).join(', ')}), got ${args?.length}`);
     }
@@ -244,13 +255,15 @@ export class Pool {
     }
     chunk = Math.min(chunk, Math.max(1, Math.floor((I32_MAX - count) / (this.size + 1))));
     const heapBase = this.manifest.memory.heap_base;
+    const end = this.#memory.buffer.byteLength;
     spec.args.forEach((a, slot) => {
       const v = args[slot];
       const ok = a.type === 'f32' ? typeof v === 'number' : Number.isInteger(v) && v >= -(2 ** 31) && v < 2 ** 32;
       if (!ok) throw new TypeError(`${job} ${a.name}: expected ${a.type === 'f32' ? 'a number' : 'a 32-bit integer'}, got ${v}`);
       // Below heap_base are the pool's own words: a job writing there would hang the next one.
-      if (a.dsl_type === 'ptr' && v < heapBase) {
-        throw new RangeError(`${job} ${a.name}: address ${v} is below the heap (heap_base ${heapBase}: the pool's words)`);
+      if (a.dsl_type === 'ptr' && (v < heapBase || v >= end)) {
+        throw new RangeError(`${job} ${a.name}: address ${v} is outside the heap (${heapBase} .. ${end - 1}: below it are the`
+          + " pool's words, past it an i32 address wraps onto them)");
       }
     });
     const { JOB_ARGS } = this.manifest.memory.fixed;
@@ -281,6 +294,7 @@ export class Pool {
     if (this.#exports === null) return;
     const helpers = this.#helpers;
     this.#helpers = [];
+    this.#closing = true;
     let stuck = false;
     if (helpers.length) {
       this.#exports.pool_stop();

@@ -621,7 +621,7 @@ def test_js_runtime_refuses_bad_builds_and_arguments(tmp_path: Path) -> None:
     for chunk in ("4294967296", "2147483648", "0", "-5", "1.5"):
         assert res[f"chunk {chunk}"].startswith("RangeError"), res[f"chunk {chunk}"]
     assert all(res[f"chunk {c} same"] for c in (2**31 - 1, 2**30, 7))
-    assert res["job writing the pool words"].startswith("RangeError") and "below the heap" in res["job writing the pool words"]
+    assert res["job writing the pool words"].startswith("RangeError") and "outside the heap" in res["job writing the pool words"]
     assert res["pos0 2^32"].startswith("RangeError") and res["pos0 1.5"].startswith("RangeError")
     assert res["qdot"] == 32 * 3 * 1.0  # d = 1.0, codes 3, activations 1 -> quantized to ACT_MAX with scale 1 / ACT_MAX
     assert "packed by other kernels" in res["foreign packed"] and "before reset()" in res["packed before reset"]
@@ -864,6 +864,38 @@ MISUSE = [  # (what, call(k, packed, act, pool, relaxed), exception, message)
                                                                          np.array([[1e-300, 0.0]])),
      ValueError, "mask weights must be within float32's range"),
 ]
+
+
+@pytest.mark.parametrize("target", ["simd128", "relaxed-simd"])
+def test_act_check_finds_the_first_block_numpy_finds(target: str) -> None:
+    """act_check (the wasm check both hosts run on activations they did not make) names the first
+    block whose values leave +-ACT_MAX or whose stored sum is off, as numpy does: the int8 and int16
+    extremes, a sum off by one, a bad last block, several bad blocks, none."""
+    k = kernelgen.load(OUT, target)
+    rng = np.random.default_rng(3)
+    act = k.quantize_act(rng.standard_normal(4096).astype(np.float32))
+    low = np.iinfo(act.q.dtype).min  # -128 or -32768: |low| wraps in its lanes
+    cases = {"as made": (act.q, act.s)}
+    for name, (i, v) in {"low at 100": (100, low), "128 at 4095": (4095, 128 if low < -128 else None),
+                         "127 at 0": (0, 127), "-127 at 31": (31, -127)}.items():
+        if v is not None:
+            q = act.q.copy()
+            q[i] = v
+            cases[name] = (q, q.astype(np.int64).reshape(-1, 32).sum(1).astype(np.int32))  # sums that match
+    s = act.s.copy()
+    s[[7, 90]] += [1, -1]
+    cases["sums 7 and 90 off by one"] = (act.q, s)
+    s = act.s.copy()
+    s[-1] += 1
+    cases["last sum off"] = (act.q, s)
+    for name, (q, s) in cases.items():
+        vals = q.astype(np.int64).reshape(-1, 32)
+        bad = (np.abs(vals) > 127).any(1) | (vals.sum(1) != s)
+        want = int(np.argmax(bad)) if bad.any() else -1
+        with k.module.scope():
+            got = k.call(k.export_name("act_check"), k.module.put(q), k.module.put(np.concatenate(
+                [act.d.view(np.uint8), s.view(np.uint8)])), q.size)
+        assert got == want, (name, got, want)
 
 
 def _edit_in_place(k) -> None:

@@ -357,21 +357,24 @@ class Kernels:
             if not isinstance(v, np.ndarray) or v.dtype != dtype or v.shape != want_d:
                 got = f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray) else type(v).__name__
                 raise ValueError(f"{what}: activation {name} must be {dtype}{list(want_d)}, got {got}")
-        if act.made_here:
-            return self.put_act(act)
+        addrs = self.put_act(act)
+        if act.made_here:  # its (read-only) arrays hold what quantize_act made
+            return addrs
         # The kernels trust the values' range (relaxed SIMD reads |a| in 7 bits) and each block's
-        # sum (the zero or minimum of a weight type comes off with it): a hand-made Act is checked.
-        q = act.q.astype(np.int32)
-        act_max = self.manifest["activation"]["max"]
-        if q.min() < -act_max or q.max() > act_max:
-            raise ValueError(f"{what}: activation values must lie in [-{act_max}, {act_max}] (quantize_act's range),"
-                             f" got {q.min()} .. {q.max()}")
-        sums = q.reshape(*want_d, 32).sum(-1)
-        if not np.array_equal(sums, act.s):
-            at = tuple(int(i) for i in np.argwhere(sums != act.s)[0])
-            raise ValueError(f"{what}: activation sums do not match the values (block {at}: {act.s[at]}, the values sum"
-                             f" to {sums[at]}); make activations with quantize_act or act_from_values")
-        return self.put_act(act)
+        # sum (the zero or minimum of a weight type comes off with it): a hand-made Act is checked,
+        # in wasm (act_check, as the JS runtime checks every one), its first bad block named here.
+        bad = self.call(self.export_name("act_check"), *addrs, act.q.size)
+        if bad >= 0:
+            q = act.q.reshape(-1, 32)[bad].astype(np.int32)
+            at = np.unravel_index(bad, want_d)
+            act_max = self.manifest["activation"]["max"]
+            if q.min() < -act_max or q.max() > act_max:
+                raise ValueError(f"{what}: activation values must lie in [-{act_max}, {act_max}] (quantize_act's"
+                                 f" range), got {q.min()} .. {q.max()} in block {tuple(map(int, at))}")
+            raise ValueError(f"{what}: activation sums do not match the values (block {tuple(map(int, at))}:"
+                             f" {act.s[at]}, the values sum to {q.sum()}); make activations with quantize_act or"
+                             " act_from_values")
+        return addrs
 
     def put_act(self, act: Act) -> list[int]:
         """Put act in memory as the kernels take it: the address of its values, and of its scales

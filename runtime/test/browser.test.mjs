@@ -143,8 +143,8 @@ describe('Chromium', { skip: missing, timeout: SUITE_TIMEOUT_MS }, () => {
       try {
         const size = await caught(k.quantizeAct(new Float32Array(33)));
         const job = Object.keys(k.manifest.jobs).find((name) => k.manifest.jobs[name].kernel === 'matvec_f32_job');
-        const beyond = 0x7fff0000; // past the memory: every row traps
-        const trap = await caught(k.runJob(job, 64, 1, [beyond, beyond, beyond, 64]));
+        const held = await k.hold(new Float32Array(64)); // rows of 2^29 values from it: every row's loads trap
+        const trap = await caught(k.runJob(job, 64, 1, [held.addr, held.addr, held.addr, 2 ** 29]));
         const after = await k.silu(new Float32Array([1, 2, 3]), { threads: true });
         return { size: size instanceof RangeError, trap: trap instanceof JobError, driver: Boolean(trap.driverError),
           helpers: trap.helperErrors.length, after: Array.from(after) };

@@ -175,6 +175,7 @@ for (const [target, unusable] of TARGETS) {
       const act = await k.quantizeAct(normals(rand, 64));
       const want = await k.qmatvec(w, act);
       const held = await k.hold(new Float32Array(8));
+      const matvecJob = Object.keys(k.manifest.jobs).find((name) => k.manifest.jobs[name].kernel === 'matvec_f32_job');
       const lying = new Float32Array(1);
       Object.defineProperty(lying, 'length', { value: 64 });
       const misuse = [
@@ -183,7 +184,14 @@ for (const [target, unusable] of TARGETS) {
         [() => k.qmatvec({ ...w, rows: 8 }, act), TypeError, /fields were changed/],
         [() => k.read({ ...held, length: 4096 }), TypeError, /fields were changed/],
         [() => k.run('pool_stop', null, []), RangeError, /the thread pool's own/],
-        [() => k.run('exp_f32', null, [0, 0, 128]), RangeError, /at or above heap_base/],
+        [() => k.run('exp_f32', null, [0, 0, 128]), RangeError, /an address in the heap/],
+        [() => k.run('exp_f32', null, [new Float32Array(8), new Float32Array(8), 'eight']), TypeError, /expected a 32-bit integer/],
+        [() => k.runJob(matvecJob, 256, 16, [held.addr, held.addr, 2 ** 32 - 64, 8]), RangeError, /outside the heap/],
+        [async () => { const a = await k.quantizeAct(normals(rand, 64)); a.s[0] += 1; return k.qmatvec(w, a); },
+          RangeError, /sums do not match the values/], // edited in place: quantizeAct's own is checked too
+        [() => k.silu(new Float32Array(8), { threads: 'no' }), TypeError, /threads: expected true or false/],
+        [() => k.silu(new Float32Array(8), { chunk: -3 }), RangeError, /chunk/],
+        [() => { k.manifest.activation.max = 1e6; }, TypeError, /read only/],
         [() => k.bench('dotF32', [lying, lying], { minMs: Infinity }), RangeError, /minMs must be a number/],
         [() => k.dotF32(lying, lying), TypeError, /length or byteLength is overridden/],
         [() => k.qmatvec(w, { ...act, s: act.s.map((v) => v + 1000) }), RangeError, /sums do not match the values/],
@@ -215,8 +223,9 @@ for (const [target, unusable] of TARGETS) {
 
     test('a trap in a job raises JobError in the caller, and the pool recovers', async () => {
       const job = Object.keys(k.manifest.jobs).find((name) => k.manifest.jobs[name].kernel === 'matvec_f32_job');
-      const beyond = 0x7fff0000; // far past the memory: every row's load traps
-      await assert.rejects(k.runJob(job, 64, 1, [beyond, beyond, beyond, 64]), (e) => {
+      // rows of 2^29 values from a held array: every row's loads run past the memory and trap
+      const held = await k.hold(new Float32Array(64));
+      await assert.rejects(k.runJob(job, 64, 1, [held.addr, held.addr, held.addr, 2 ** 29]), (e) => {
         assert.ok(e instanceof JobError, e.message);
         assert.ok(e.driverError && e.helperErrors.length === THREADS - 1, `${e.message}: helpers ${e.helperErrors}`);
         return true;
