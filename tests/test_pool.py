@@ -34,7 +34,7 @@ export kernel trap_items(bad: ptr, n: i32) {
         while spin < 20000 {
             spin = spin + 1;
         }
-        i32.store(bad, spin);
+        i32.store(bad + 2147483000, spin);  # past any memory of at most 2 GiB: a trap
     }
 }
 """
@@ -165,8 +165,8 @@ def test_stress_10000_jobs_each_item_runs_exactly_once(kernels) -> None:
 
 def test_a_trap_in_a_job_raises_in_the_caller_and_the_pool_recovers(kernels) -> None:
     k = kernels
-    out_of_bounds = k.module.memory.data_len() + 4096
     counts = k.module.alloc(4 * 64)
+    out_of_bounds = counts  # (trap_items stores 2 GB past it)
     seen_helper_trap = False
 
     def scenario() -> None:

@@ -119,6 +119,7 @@ def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() 
             print(refused(k.call, name, *packed.args, aq, ad, 0, 67, 256))       # y at address 0
             print(refused(k.call, name, *packed.args, aq, ad, 1024, 67, 256))    # y on the job arguments
             print(refused(k.call, name, 64, *packed.args[1:], aq, ad, 4096, 67, 256))
+            print(refused(k.call, name, *packed.args, aq, ad, 2**32 - 64, 67, 256))     # y wrapping onto them
             with k.pool(2) as pool:
                 print(refused(pool.call, name, [*packed.args, aq, ad, 128, 67, 256], 8))   # y on the pool words
             print(refused(k.call, "par_for", 0, 10, 2**31 - 1))                         # the pool's own
@@ -128,6 +129,7 @@ def test_kernels_call_refuses_addresses_below_heap_base_and_the_pool_survives() 
         print("done")
     """)
     assert out.count("is below the heap") == 4 and out.count("the thread pool's own") == 2
+    assert out.count("is past the memory's end") == 1
     assert out.strip().endswith("done")
 
 

@@ -218,14 +218,15 @@ class Kernels:
 
     def call(self, name: str, *args: int | float) -> Any:
         """Run an exported function with raw arguments (addresses and scalars). An address (a
-        parameter of DSL type ptr) must lie in the heap, at or above heap_base: below it are the pool's
-        words, which a stray write would corrupt. The pool's own exports are run by `pool()` only."""
+        parameter of DSL type ptr) must lie in the heap, from heap_base to the memory's end: below it
+        are the pool's words, which a stray write would corrupt, and past the end an i32 address
+        wraps onto them. The pool's own exports are run by `pool()` only."""
         spec = self.manifest["exports"].get(name)
         if spec is not None and spec["kernel"] in POOL_EXPORTS:
             raise ValueError(f"{name} is the thread pool's own (it waits for helpers or runs a loop): use Kernels.pool()")
         if spec is not None and len(args) == len(spec["params"]):
             for a, p in zip(args, spec["params"]):
-                if p["dsl_type"] == "ptr" and not (type(a) is int and self.module.heap_base <= a < 2**32):
+                if p["dsl_type"] == "ptr" and not (type(a) is int and self.module.in_heap(a)):
                     self.module.check_address(f"{name} {p['name']}", a)  # raises, or takes a numpy integer
         return self.module.call(name, *args)
 

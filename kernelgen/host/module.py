@@ -341,14 +341,25 @@ class Module:
             self._holes.clear()
             self.generation += 1
 
+    def in_heap(self, addr: int) -> bool:
+        """Whether int `addr` lies in the heap as far as the memory's last known size tells (the fast
+        path of a call's addresses: check_address decides the rest)."""
+        return self.heap_base <= addr < self._size
+
     def check_address(self, what: str, addr: Any) -> int:
-        """`addr` as an address at or above heap_base: below it are the module's own words (the
-        pool's), which a stray write would corrupt (an address past the memory's end only traps).
+        """`addr` as an address in the heap, from heap_base to the memory's end: below it are the
+        module's own words (the pool's), which a stray write would corrupt, and an address past the
+        end wraps onto them in a kernel's i32 arithmetic (y + 4 r from 2^32 - 64 on: a job hung).
         ValueError otherwise."""
         a = as_int(what, addr, 0, 2**32 - 1)
         if a < self.heap_base:
             raise ValueError(f"{what}: address {a} is below the heap (heap_base {self.heap_base}: the pool's words); "
                              "pass addresses from alloc/put")
+        if a >= self._size:  # the memory only grows: ask its size again only past the last answer
+            self._size = self.memory.data_len()
+        if a >= (end := self._size):
+            raise ValueError(f"{what}: address {a} is past the memory's end ({end} bytes: an i32 address past it wraps"
+                             " onto the pool's words); pass addresses from alloc/put")
         return a
 
     def put(self, array: np.ndarray, align: int = 64, pad: int = 0, what: str = "a buffer") -> int:
