@@ -58,6 +58,7 @@ const SCALARS = new Map([
   [11, ['i64', 8, (v, o) => v.getBigInt64(o, true), BigInt64Array]],
   [12, ['f64', 8, (v, o) => v.getFloat64(o, true), Float64Array]],
 ]);
+const U32 = 4;
 const STRING = 8;
 const ARRAY = 9;
 const MIN_BYTES = { [STRING]: 8, [ARRAY]: 12 }; // an empty string's length; an empty array's type and count
@@ -296,14 +297,15 @@ async function readHeader(src) {
     const key = await h.string(`metadata key ${i}`, true);
     if (metadata.has(key)) throw h.fail(`metadata key ${JSON.stringify(key)} appears twice`);
     const type = await h.u32(`metadata ${key}'s type`);
+    if (key === 'general.alignment' && type !== U32) { // (as llama.cpp's reader: a number of another type is refused)
+      throw h.fail(`general.alignment has value type ${SCALARS.get(type)?.[0] ?? type}, not u32`);
+    }
     metadata.set(key, await h.value(type, `metadata ${key}`, 0));
   }
   let alignment = DEFAULT_ALIGNMENT;
   if (metadata.has('general.alignment')) {
     alignment = metadata.get('general.alignment');
-    if (typeof alignment !== 'number' || !Number.isInteger(alignment) || alignment <= 0 || (alignment & (alignment - 1)) !== 0) {
-      throw h.fail(`general.alignment is ${alignment}${typeof alignment === 'number' ? '' : ` (a ${typeof alignment})`}, not a u32 power of two`);
-    }
+    if (alignment === 0 || (alignment & (alignment - 1)) !== 0) throw h.fail(`general.alignment is ${alignment}, not a power of two`);
   }
   const infos = [];
   const names = new Set();

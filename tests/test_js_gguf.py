@@ -11,6 +11,8 @@ for bit, and checks that damaged files and misuse are refused with nothing left 
 from __future__ import annotations
 
 import json
+import struct
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +122,55 @@ def test_node_reads_gguf_files_as_the_gguf_package_does(tmp_path: Path) -> None:
     need((ROOT / "node_modules" / "playwright-core").is_dir(), "node_modules/playwright-core is missing (npm ci)")
     write_files(tmp_path)
     run_node_tests("runtime/test/gguf.test.mjs", {"KERNELGEN_GGUF": str(tmp_path)}, timeout=300)
+
+
+def _raw_gguf(path: Path, tensors: list[tuple[str, int, list[int], int]], alignment: tuple[int, bytes] | None = None,
+              data: int = 256) -> None:
+    """A GGUF v3 file written byte by byte (GGUFWriter refuses what these files hold): tensors as
+    (name, GGML type id, dims in GGML's order, offset in the data section), `data` zero bytes of data,
+    and general.alignment as (value type id, packed value) when given."""
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+    kv = [text("general.alignment") + struct.pack("<I", alignment[0]) + alignment[1]] if alignment else []
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)) + b"".join(kv)
+    for name, kind, dims, offset in tensors:
+        head += text(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", kind, offset)
+    path.write_bytes(head + bytes(-len(head) % 32 + data))
+
+
+def test_both_hosts_refuse_the_files_llama_cpp_refuses(tmp_path: Path) -> None:
+    """Files the gguf package's reader takes but llama.cpp refuses are refused by both hosts alike,
+    each naming the tensor or the key (the Python host once read a 5-D tensor as 2-D and loaded
+    tensors whose bytes overlap, where the JS runtime refused them; the JS runtime took an
+    alignment stored as i32 or f32)."""
+    need(NODE, "node is not installed")
+    q8, f32 = G.Q8_0.value, G.F32.value
+    files = {"five_dims.gguf": ([("a", q8, [32, 1, 1, 1, 2], 0)], None, "dimensions"),
+             "a_zero_dim.gguf": ([("a", f32, [4, 0], 0)], None, "dimensions [4, 0]"),
+             "overlap.gguf": ([("a", q8, [64], 0), ("b", q8, [32], 32)], None, "overlap"),
+             "unaligned.gguf": ([("a", q8, [32], 0), ("b", q8, [32], 36)], None, "alignment"),
+             "alignment_i32.gguf": ([("a", q8, [32], 0)], (5, struct.pack("<i", 64)), "alignment"),
+             "alignment_f32.gguf": ([("a", q8, [32], 0)], (6, struct.pack("<f", 64.0)), "alignment")}
+    k = kernelgen.load(ROOT / "out", "simd128")
+    for name, (tensors, alignment, says) in files.items():
+        _raw_gguf(tmp_path / name, tensors, alignment)
+        try:
+            formats.load_gguf(k, tmp_path / name)
+        except ValueError as e:
+            assert says.lower() in str(e).lower(), (name, str(e))
+        else:
+            raise AssertionError(f"{name}: the Python host loaded it")
+    script = tmp_path / "refuse.mjs"
+    script.write_text(
+        f"import {{ loadKernels, loadGguf }} from {json.dumps((ROOT / 'runtime' / 'kernelgen.mjs').as_uri())};\n"
+        f"const k = await loadKernels({{ dir: {json.dumps(str(ROOT / 'out'))}, target: 'simd128', threads: 1 }});\n"
+        "const seen = {};\n"
+        f"for (const name of {json.dumps(list(files))}) {{\n"
+        f"  try {{ await loadGguf(k, {json.dumps(str(tmp_path))} + '/' + name); seen[name] = 'loaded'; }}\n"
+        "  catch (e) { seen[name] = `${e.name}: ${e.message}`; }\n"
+        "}\nawait k.terminate();\nconsole.log(JSON.stringify(seen));\n", encoding="utf-8")
+    r = subprocess.run([NODE, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, (_, _, says) in files.items():
+        assert seen[name].startswith("GgufError") and says.lower() in seen[name].lower(), (name, seen[name])

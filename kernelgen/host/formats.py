@@ -32,6 +32,7 @@ from .module import I32_MAX, as_int
 if TYPE_CHECKING:
     from .api import Kernels, Packed
 
+MAX_DIMS = 4  # GGML_MAX_DIMS
 GGUF_FLOATS = ("F32", "F16", "BF16")  # returned as numpy arrays (BF16 widened to float32: numpy has no bfloat16)
 
 
@@ -60,6 +61,18 @@ def _checked_tensors(path: str | Path, declared: list[str] | dict) -> list:
         if t.tensor_type.name not in supported:
             raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which this build does not "
                              f"support (supported: {', '.join(supported)})")
+    # What llama.cpp refuses and the reader takes (a 5-D tensor read as 2-D, one tensor's bytes
+    # inside another's): refused here as by the JS runtime's reader (runtime/gguf.mjs), file for file.
+    for t in reader.tensors:
+        dims = [int(d) for d in t.shape]
+        if not 1 <= len(dims) <= MAX_DIMS or min(dims) < 1:
+            raise ValueError(f"{path}: tensor {t.name!r} has dimensions {dims} (1 to {MAX_DIMS}, each at least 1)")
+        if t.data_offset % reader.alignment:
+            raise ValueError(f"{path}: tensor {t.name!r}'s data offset is not a multiple of the alignment {reader.alignment}")
+    spans = sorted(reader.tensors, key=lambda t: t.data_offset)
+    for a, b in zip(spans, spans[1:]):
+        if a.data_offset + a.n_bytes > b.data_offset:
+            raise ValueError(f"{path}: tensors {a.name!r} and {b.name!r} overlap")
     return reader.tensors
 
 
@@ -75,7 +88,9 @@ def load_gguf(kernels: Kernels, path: str | Path) -> dict[str, Packed | np.ndarr
     type is supported when the build declares a quant type of its name in lower case: Q4_K ->
     q4_k), F32/F16 ones as numpy arrays in numpy's axis order, BF16 ones as float32 (exactly). A
     tensor of another type raises ValueError naming it, its type and the supported types, before
-    anything is packed; if packing fails part way, what was packed is freed (nothing is half-loaded)."""
+    anything is packed, as does one llama.cpp refuses (more than 4 dimensions or a dimension of 0,
+    bytes that overlap another's, an offset off the alignment); if packing fails part way, what was
+    packed is freed (nothing is half-loaded)."""
     from .api import Kernels  # (api imports this module's callers, not this module)
 
     if not isinstance(kernels, Kernels):
