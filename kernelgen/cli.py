@@ -66,6 +66,21 @@ def _out_dir(value: str) -> Path:
     return Path(value)
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _plot_path(value: str) -> Path:
+    """--plot FILE: checked before the run it draws (a tune or bench of many minutes), not after:
+    a suffix matplotlib writes as named (without one it wrote FILE.png, and said FILE), in a
+    directory that exists."""
+    path = Path(value)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{value!r}: name a {', '.join(PLOT_FORMATS)} file")
+    if path.is_dir() or not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: not a file in an existing directory")
+    return path
+
+
 def _budget(value: str) -> float:
     try:
         seconds = float(value)
@@ -440,7 +455,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--store", type=Path, help=f"where results go (default {STORE})")
     t.add_argument("--remeasure", action="store_true",
                    help="time again what the store already holds for this host (default: skip it)")
-    t.add_argument("--plot", type=Path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
+    t.add_argument("--plot", type=_plot_path, metavar="PNG", help="plot this run's timings (needs matplotlib)")
     t.add_argument("--engine", choices=ENGINE_CHOICES, default="both",
                    help="time variants in wasmtime, in V8 through Node, in headless Chromium's V8 (what browsers"
                         " run; /usr/bin/chromium), both (wasmtime and Node: the default) or all three; the build's"
@@ -467,7 +482,7 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--engine", choices=ENGINE_CHOICES, default="wasmtime",
                     help="run in wasmtime, or the mat-vec and GEMM rows through the JS runtime in Node (V8) or in"
                          " headless Chromium (/usr/bin/chromium); both: wasmtime and Node; all: the three")
-    be.add_argument("--plot", type=Path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
+    be.add_argument("--plot", type=_plot_path, metavar="PNG", help="draw the mat-vec rows as a roofline chart (needs matplotlib)")
     be.add_argument("--dram", metavar="[LAYERSx]ROWSxCOLS",
                     help="only the decode goals that assume weights from DRAM, at this shape (wasmtime): for a machine"
                          " whose last-level cache holds 8192x8192's weights, e.g. 16384x32768 (570 MB of Q8_0); with"

@@ -425,3 +425,16 @@ def test_load_with_no_directory_loads_the_library_build(monkeypatch: pytest.Monk
     k = kernelgen.load(target="simd128")
     shipped = json.loads((library.out() / "simd128" / "kernels.json").read_text(encoding="utf-8"))
     assert k.manifest == shipped
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+@pytest.mark.parametrize("plot, message", [
+    ("chart.txt", "name a .png, .svg, .pdf file"),  # matplotlib's ValueError after the whole run, exit 70
+    ("chart", "name a .png, .svg, .pdf file"),  # written as chart.png, reported as chart
+    ("missing/chart.png", "not a file in an existing directory"),
+])
+def test_a_plot_file_is_checked_before_the_run(tmp_path: Path, command: str, plot: str, message: str) -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:  # argparse's exit, before any timing
+        main([command, "--plot", str(tmp_path / plot)])
+    assert info.value.code == 2 and message in err.getvalue(), err.getvalue()

@@ -156,6 +156,24 @@ def test_tokenizer_pads_batches_to_the_longest() -> None:
     assert (b.ids[0, 4:] == 0).all() and (b.mask[0, 4:] == 0).all()  # [PAD], masked
     with pytest.raises(ValueError):
         inputs.tokenize([])
+    for mask in ([[1, 1, 0, 1]], [[0, 0, 0, 0]]):  # a hole: the model would embed a prefix that keeps the masked token
+        with pytest.raises(ValueError, match="ones then zeros"):
+            inputs.Batch(np.array([[101, 7, 8, 102]]), np.array(mask))
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        inputs.embed_all(lambda b: b.ids, ["Wow."], batch_size=0)
+
+
+def test_embed_refuses_ids_the_model_has_no_row_for() -> None:
+    need_parts()
+    import minilm
+
+    model = minilm.load_model("simd128")
+    try:
+        for ids in ([[101, -1, 102]], [[101, 10**6, 102]]):  # -1 read the table's last row
+            with pytest.raises(ValueError, match="token ids must lie in 0.."):
+                model.embed(inputs.Batch(np.array(ids), np.ones((1, 3), np.int64)))
+    finally:
+        model.k.reset()
 
 
 def test_corpus_is_varied(corpus) -> None:

@@ -126,6 +126,8 @@ def test_matmul_nbits_refuses_each_wrong_tensor_by_name(quants4, nbits):
             formats.matmul_nbits_blocks(q, *args, **kw)
     with pytest.raises(TypeError, match=re.escape("MatMulNBits: zero_points has dtype float32, expected uint8")):
         formats.matmul_nbits_blocks(q, B, scales, scales, **attrs)
+    with pytest.raises(TypeError, match=re.escape("MatMulNBits: expected the q4_onnx quant type, k.quants['q4_onnx']")):
+        formats.matmul_nbits_blocks("q4_onnx", B, scales, zp, **attrs)  # the name, where pack() takes one
 
 
 def test_dequantize_linear_refuses_each_wrong_tensor_by_name(quants4, nbits):

@@ -67,6 +67,19 @@ class Batch:
     ids: np.ndarray   # int64 [batch, T]
     mask: np.ndarray  # int64 [batch, T], 1 for real tokens
 
+    def __post_init__(self) -> None:
+        """Each mask row is ones then zeros, at least one one: the model takes a row's first
+        `length` ids as its tokens (a mask with a hole embedded a prefix that kept the masked token)."""
+        ids, mask = self.ids, self.mask
+        if not (isinstance(ids, np.ndarray) and isinstance(mask, np.ndarray) and ids.ndim == 2
+                and ids.shape == mask.shape and ids.dtype.kind in "iu" and mask.dtype.kind in "iub"):
+            raise ValueError("Batch: ids and mask must be integer arrays of one [batch, T] shape, got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)}{list(getattr(ids, 'shape', []))} and "
+                             f"{getattr(mask, 'dtype', type(mask).__name__)}{list(getattr(mask, 'shape', []))}")
+        lengths = mask.sum(1)
+        if not np.array_equal(mask, np.arange(mask.shape[1]) < lengths[:, None]) or (lengths < 1).any():
+            raise ValueError("Batch: each mask row must be ones then zeros, with at least one one")
+
     @property
     def lengths(self) -> np.ndarray:
         return self.mask.sum(1)
@@ -101,6 +114,8 @@ def corpus() -> tuple[list[str], list[str]]:
 def embed_all(embed: Callable[[Batch], np.ndarray], sentences: list[str], batch_size: int = 32) -> np.ndarray:
     """embed(batch) -> [batch, dim] over all sentences, in batches of similar length (sorted by
     token count, so little padding), returned in the sentences' order."""
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"embed_all: batch_size must be a positive int, got {batch_size!r}")
     lengths = tokenize(sentences).lengths
     order = np.argsort(lengths, kind="stable")
     out: np.ndarray | None = None

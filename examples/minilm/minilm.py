@@ -248,6 +248,9 @@ class MiniLM:
         lengths = batch.lengths.tolist()
         # Only real tokens are computed: rows of all sentences one after another.
         ids = np.concatenate([row[:n] for row, n in zip(batch.ids, lengths)])
+        if ids.min() < 0 or ids.max() >= len(self.word) or max(lengths) > len(self.pos):
+            raise ValueError(f"embed: token ids must lie in 0..{len(self.word) - 1} and sentences hold at most"
+                             f" {len(self.pos)} tokens, got ids {ids.min()}..{ids.max()} and {max(lengths)} tokens")
         positions = np.concatenate([np.arange(n) for n in lengths])
         rows = None if len(ids) < MIN_POOL_TOKENS else pool
         x = k.layernorm_f32(self.word[ids], *self.ln0, self.eps, residual=self.pos[positions], bias=self.type0,

@@ -138,6 +138,9 @@ def _check(op: str, name: str, a: np.ndarray, shapes: list[tuple[int, ...]], att
 
 def _blocks(op: str, q4_onnx: QuantFormat, k: int, n: int, block_size: int) -> int:
     """Check the sizes the kernels can take; returns q4_onnx blocks per quantization block."""
+    if not isinstance(q4_onnx, QuantFormat):
+        raise TypeError(f"{op}: expected the q4_onnx quant type, k.quants['q4_onnx'] (a QuantFormat), got "
+                        f"{type(q4_onnx).__name__}")
     k, n, block_size = (as_int(f"{op} {what}", v, -I32_MAX, I32_MAX)
                         for what, v in (("K", k), ("N", n), ("block_size", block_size)))
     if q4_onnx.block != 32 or [f.name for f in q4_onnx.fields] != ["d", "z", "qs"]:
