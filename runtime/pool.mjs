@@ -228,12 +228,9 @@ export class Pool {
   }
 
   /** Run parallel export `exportName` with its own arguments, `chunk` items per claim (default:
-   * the job's tuned chunk, else about four claims per thread). */
+   * the job's tuned chunk, else about four claims per thread; run refuses a bad one). */
   call(exportName, args, chunk) {
     const c = jobCall(this.manifest, exportName, args);
-    if (chunk !== undefined && !(Number.isInteger(chunk) && chunk >= 1)) {
-      throw new RangeError(`${exportName}: chunk (${c.items} per claim) must be an integer >= 1, got ${chunk}`);
-    }
     this.run(c.job, c.count, chunk ?? defaultChunk(this.manifest, c, this.size), c.words);
   }
 
