@@ -514,7 +514,7 @@ kernel quantize_blocks(x: ptr, n: i32, q: ptr, d: ptr, b0: i32, b1: i32) {
 # each block's sum of q (act_sums).
 #   x: f32[n]
 #   n: element count, a multiple of 32
-#   q: i16[n] on simd128, i8[n] on relaxed SIMD, written
+#   q: i8[n * ACT_BYTES], written: the values, i16 on simd128, i8 on relaxed SIMD
 #   d: f32[n / 32] then i32[n / 32], written: the block scales, then the blocks' sums
 export kernel quantize_act(x: ptr, n: i32, q: ptr, d: ptr) {
     parallel blocks b0..b1 in 0..n / 32;
@@ -536,8 +536,8 @@ inline kernel act_lanes[J: i32](q: ptr) -> i16x8 {
 # both (relaxed SIMD reads |a| in 7 bits; a weight type's zero or minimum comes off with the sums):
 # the hosts check activations they did not make with it (a JavaScript loop over k = 4096 values
 # took 8 us, 13% of a relaxed Q8_0 qmatvec at 256x4096 in Node).
-#   q: the values, n of ACT_BYTES each
-#   d: f32[n / 32] then i32[n / 32]: the blocks' scales, then their sums (act_sums)
+#   q: i8[n * ACT_BYTES], the values (ACT_BYTES each)
+#   d: f32[n / 32] then i32[n / 32], the blocks' scales, then their sums (act_sums)
 #   n: value count, a multiple of 32
 export kernel act_check(q: ptr, d: ptr, n: i32) -> i32 {
     let s = act_sums(d, n / 32);
@@ -1353,13 +1353,13 @@ kernel qgtiles[Q: quant, MR: i32, NR: i32, A: i32](w: packed Q, aq: ptr, ad: ptr
 }
 
 # y = W a for a packed quantized matrix and quantized activations (qmatmul of one token).
-#   w: packed matrix, n rows of k / Q.block blocks (in groups of Q.group rows where the target
+#   w: packed[n, k], a packed matrix: n rows of k / Q.block blocks (in groups of Q.group rows where the target
 #      packs the type so)
-#   aq: activations from quantize_act, k of ACT_BYTES each
-#   ad: activation scales and sums from quantize_act, k / 32 f32 then k / 32 i32
+#   aq: i8[k * ACT_BYTES], activations from quantize_act
+#   ad: f32[k / 32] then i32[k / 32], activation scales and sums from quantize_act
 #   y: f32[n], written
 #   n: row count
-#   k: row length, a multiple of Q.block
+#   k: row length, a multiple of Q.stored_block (Q.block, or a super-block's 256 values)
 export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k: i32) {
     tune rows: i32 in {1, 2, 4} = 2;  # rows (row groups in the grouped layout) per tile
     tune accs: i32 in {1, 2} = 1;
@@ -1375,14 +1375,14 @@ export kernel qmatvec[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, n: i32, k
 # Y = A W^T for m tokens (prefill, a batch): y[t, r] = qmatvec(W, a_t)[r], bit for bit, in tiles
 # of `tokens` x `rows` dots (row groups in the grouped layout). The dots' accumulators take
 # qmatvec's `accs` (the summation order).
-#   w: packed matrix, n rows of k / Q.block blocks (in groups of Q.group rows where the target
+#   w: packed[n, k], a packed matrix: n rows of k / Q.block blocks (in groups of Q.group rows where the target
 #      packs the type so)
-#   aq: activations from quantize_act of an [m, k] array, m * k of ACT_BYTES each
-#   ad: activation scales and sums, m * k / 32 f32 then m * k / 32 i32
+#   aq: i8[m * k * ACT_BYTES], activations from quantize_act of an [m, k] array
+#   ad: f32[m * k / 32] then i32[m * k / 32], activation scales and sums
 #   y: f32[m, n], written
 #   m: token count
 #   n: row count
-#   k: row length, a multiple of Q.block
+#   k: row length, a multiple of Q.stored_block (Q.block, or a super-block's 256 values)
 export kernel qmatmul[Q: quant](w: packed Q, aq: ptr, ad: ptr, y: ptr, m: i32, n: i32, k: i32) {
     tune tokens: i32 in {1, 2, 4} = 1;  # 1 x 2: as fast as 2 x 1, and qmatvec's own tile (no more code)
     tune rows: i32 in {1, 2, 4} = 2;
@@ -1868,11 +1868,11 @@ kernel attention_items(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, j0: i32, j1:
 # y = softmax(q . k_j over the sentence's keys j) weighted sum of v_j. Rounding: each score as
 # matmul_f32_nt (|error| <= (d / 4 + 2) 2^-24 sum |q_c k_c|), the softmax as softmax_f32, each
 # output as matmul_f32_nn over the sentence's length L ((L + 1) 2^-24 sum |p_j v_j|).
-#   qkv: f32[rows, 3 * heads * d], row = q | k | v, queries scaled by 1 / sqrt(d)
+#   qkv: f32[?, 3 * heads * d], starts[seqs] rows (?: hosts cannot tell), row = q | k | v, queries scaled by 1 / sqrt(d)
 #   starts: i32[seqs + 1], sentence s owns rows starts[s] .. starts[s + 1] - 1 (at least one),
 #           starts[0] = 0, starts[seqs] = rows
 #   scratch: f32[seqs * heads, stride], overwritten
-#   y: f32[rows, heads * d], written
+#   y: f32[?, heads * d], written: starts[seqs] rows
 #   seqs: sentence count
 #   heads: heads per token
 #   d: head size, a multiple of 16
@@ -2064,7 +2064,7 @@ export kernel log_f64(x: ptr, y: ptr, n: i32) {
 #   sin: f32[npos, dim / 2], written
 #   pos0: first position
 #   npos: position count
-#   dim: head dimension, even
+#   dim: head dimension, a multiple of 2
 #   theta: the RoPE base, e.g. 10000 or 1e6
 export kernel rope_table(cos: ptr, sin: ptr, pos0: i32, npos: i32, dim: i32, theta: f64) {
     let half = dim / 2;

@@ -4,7 +4,7 @@
 // per-call buffers are freed when the call returns, packed weights at free(packed) or reset().
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
-import { I32_MAX, MAX_THREADS, loadBuild } from './manifest.mjs';
+import { I32_MAX, MAX_THREADS, checkArguments, loadBuild } from './manifest.mjs';
 import { byteLengthOf, checkBlocks, classOf, lengthOf, packInto, paddedRows, planeLayout, typedArray } from './pack.mjs';
 import { hardwareThreads, isNode } from './platform.mjs';
 import { POOL_EXPORTS, Pool } from './pool.mjs';
@@ -474,6 +474,7 @@ export class Driver {
         throw new TypeError(`run: ${name} ${p.name}: expected ${SCALARS[p.type] ?? p.type}, got ${typeof a} ${String(a)}`);
       }
     });
+    checkArguments(`run: ${name}`, spec, args, end, args.map((a) => (ArrayBuffer.isView(a) ? a.byteLength : undefined)));
     return this.#scoped(() => {
       const addrs = args.map((a) => (ArrayBuffer.isView(a) ? this.#put(a, VECTOR_BYTES) : a));
       const result = this.#run(kernel, quant, addrs, opts);

@@ -103,6 +103,14 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     if (e.parallel != null && !(isObject(e.parallel) && typeof e.parallel.job === 'string' && Object.hasOwn(manifest.jobs, e.parallel.job))) {
       throw fail(`exports.${name}.parallel must name one of the jobs`);
     }
+    if (!e.params.every((p) => isObject(p) && typeof p.name === 'string')) throw fail(`exports.${name}.params must be objects with a name`);
+    const ints = new Set(e.params.filter((p) => p.type === 'i32' && p.dsl_type !== 'ptr').map((p) => p.name));
+    for (const p of e.params) {
+      if (!(p.extent == null || isFormula(p.extent, ints)) || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
+        throw fail(`exports.${name}.${p.name}: an extent must be a formula of ${name}'s i32 parameters and a multiple a positive integer`);
+      }
+    }
+    if (e.parallel != null && !isFormula(e.parallel.count, ints)) throw fail(`exports.${name}.parallel.count must be a formula of its i32 parameters`);
   }
   const act = manifest.activation;
   if (!(isObject(act) && typeof act.dtype === 'string' && typeof act.sums === 'string' && typeof act.split === 'boolean' && isInt(act.max))) {
@@ -114,4 +122,66 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     throw fail('flavors must map names to a directory name (dir, a plain name) and the probe outcome they suit (when)');
   }
   return notes;
+}
+
+// ---- formulas of a call's arguments: item counts, extents (as kernelgen/host/manifest.py) --------
+
+const FORMULA_OPS = new Set(['+', '-', '*', '/', '%']);
+const MAX_FORMULA_DEPTH = 32; // deeper than any the compiler writes
+
+function isFormula(tree, names, depth = 0) {
+  if (isInt(tree)) return true;
+  if (typeof tree === 'string') return names.has(tree);
+  return Array.isArray(tree) && tree.length === 3 && FORMULA_OPS.has(tree[0]) && depth < MAX_FORMULA_DEPTH
+    && isFormula(tree[1], names, depth + 1) && isFormula(tree[2], names, depth + 1);
+}
+
+/** A manifest formula ([op, left, right], argument names, numbers) of a call's i32 arguments `env`,
+ * as wasm's i32 ops compute it (an item count), or (`exact`) in whole numbers: an extent in bytes,
+ * whose wrap would hide an overrun. */
+export function evaluate(tree, env, exact = false) {
+  if (typeof tree === 'string') return exact ? Number(env[tree]) : env[tree] | 0;
+  if (typeof tree === 'number') return tree;
+  const [op, left, right] = tree;
+  const a = evaluate(left, env, exact);
+  const b = evaluate(right, env, exact);
+  if ((op === '/' || op === '%') && b === 0) throw new RangeError(`${JSON.stringify(tree)} divides by zero`);
+  if (exact) return { '+': a + b, '-': a - b, '*': a * b, '/': Math.trunc(a / b), '%': a % b }[op];
+  const ops = { '+': () => a + b, '-': () => a - b, '*': () => Math.imul(a, b), '/': () => Math.trunc(a / b), '%': () => a % b };
+  return ops[op]() | 0;
+}
+
+/** The declared shape a parameter's meaning starts with (`f32[rows, k]`): to its first comma
+ * outside brackets. */
+export function shapeOf(param) {
+  const text = String(param.meaning ?? '');
+  let depth = 0;
+  for (let i = 0; i < text.length; i += 1) {
+    depth += (text[i] === '[') - (text[i] === ']');
+    if (text[i] === ',' && depth === 0) return text.slice(0, i);
+  }
+  return text;
+}
+
+/** Throw a RangeError for a call of export `name` (manifest entry `spec`) its contract does not
+ * allow: an i32 argument that is not the "multiple" the kernel needs, or a pointer whose "extent"
+ * (bytes) runs past what it points into: `sizes[i]`, the byte length of a typed array the caller
+ * copies in for argument i, else the memory's `end` from its address. */
+export function checkArguments(name, spec, args, end, sizes = []) {
+  const env = {};
+  spec.params.forEach((p, i) => {
+    if (p.type === 'i32' && p.dsl_type !== 'ptr') env[p.name] = args[i];
+  });
+  spec.params.forEach((p, i) => {
+    if (p.multiple && env[p.name] % p.multiple) throw new RangeError(`${name} ${p.name}: must be a multiple of ${p.multiple}, got ${args[i]}`);
+  });
+  spec.params.forEach((p, i) => {
+    if (p.extent == null) return;
+    const need = evaluate(p.extent, env, true);
+    if (sizes[i] !== undefined) {
+      if (need > sizes[i]) throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): needs ${need} bytes, got a typed array of ${sizes[i]}`);
+    } else if (args[i] + need > end) {
+      throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): ${need} bytes from address ${args[i]} run past the memory's end at ${end}`);
+    }
+  });
 }

@@ -13,7 +13,7 @@
 // buffer the driver reads synchronously: it cannot take messages while par_for blocks), counts
 // itself out with `pool_done` and re-enters its loop; the driver raises JobError once the job is over.
 
-import { I32_MAX, MAX_THREADS } from './manifest.mjs';
+import { I32_MAX, MAX_THREADS, checkArguments, evaluate } from './manifest.mjs';
 import { startWorker } from './platform.mjs';
 
 const START_TIMEOUT_MS = 10_000; // as kernelgen/host/pool.py
@@ -48,7 +48,7 @@ export function jobCall(manifest, exportName, args) {
   }
   const env = Object.fromEntries(names.map((n, i) => [n, args[i]]));
   const words = manifest.jobs[par.job].args.map((a) => env[a.name]);
-  return { job: par.job, count: itemCount(par.count, env), words, items: par.items };
+  return { job: par.job, count: evaluate(par.count, env), words, items: par.items };
 }
 
 /** Items per claim for a jobCall `call` when the caller gives none, on a pool of `threads`: the
@@ -59,18 +59,6 @@ export function defaultChunk(manifest, call, threads) {
   const tuned = manifest.jobs[call.job].tuned?.chunk;
   if (tuned) return Math.max(1, Math.min(tuned, Math.ceil(call.count / (threads * 2))));
   return Math.max(1, Math.ceil(call.count / (threads * 4)));
-}
-
-/** Evaluate a manifest item count ([op, left, right], names, numbers) as wasm's i32 ops do. */
-function itemCount(tree, env) {
-  if (typeof tree === 'string') return env[tree] | 0;
-  if (typeof tree === 'number') return tree;
-  const [op, left, right] = tree;
-  const a = itemCount(left, env);
-  const b = itemCount(right, env);
-  if ((op === '/' || op === '%') && b === 0) throw new RangeError(`the item count divides by zero (${JSON.stringify(tree)})`);
-  const ops = { '+': () => a + b, '-': () => a - b, '*': () => Math.imul(a, b), '/': () => Math.trunc(a / b), '%': () => a % b };
-  return ops[op]() | 0;
 }
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -231,6 +219,7 @@ export class Pool {
    * the job's tuned chunk, else about four claims per thread; run refuses a bad one). */
   call(exportName, args, chunk) {
     const c = jobCall(this.manifest, exportName, args);
+    checkArguments(exportName, this.manifest.exports[exportName], args, this.#memory.buffer.byteLength);
     this.run(c.job, c.count, chunk ?? defaultChunk(this.manifest, c, this.size), c.words);
   }
 

@@ -360,12 +360,19 @@ def test_manifests_agree_across_targets(built: tuple[Path, str]) -> None:
     assert [n for n, q in b["quants"].items() if sizes(q) != sizes(a["quants"][n])] == ["q6_k", "q3_k", "q2_k", "q4_onnx"]
     assert all("granules" in p for n in grouped for p in b["quants"][n]["planes"].values())
     assert b["quants"]["q6_k"]["planes"]["q"] == {"dtype": "|u1", "bytes_per_block": 36, "granules": [[0, 32, 4], [32, 36, 2]]}
-    # the same exports but for their item counts (a grouped type's jobs take groups of rows) and plane sizes
+    # the same exports but for their item counts (a grouped type's jobs take groups of rows), plane sizes
+    # and the extents that follow from both and from the activations' bytes (ACT_BYTES)
     def shown(m: dict) -> dict:
         return {name: {**e, "parallel": e.get("parallel") and {**e["parallel"], "count": None},
-                       "params": [{**p, "meaning": re.sub(r" \[(q4_onnx|q6_k|q3_k|q2_k) plane 'q'[^]]*\]", "", p["meaning"])} for p in e["params"]]}
+                       "params": [{**p, "extent": None, "meaning": re.sub(r" \[(q4_onnx|q6_k|q3_k|q2_k) plane 'q'[^]]*\]", "",
+                                                                          p["meaning"])} for p in e["params"]]}
                 for name, e in m["exports"].items()}
     assert shown(a) == shown(b)
+    extents = [{p["name"]: p.get("extent") for p in m["exports"][f"qmatvec_{q}__rows2_accs1"]["params"]}
+               for m, q in ((a, "q8_0"), (b, "q8_0"), (b, "q4_0"))]
+    assert [x["aq"] for x in extents] == [["*", "k", 2], "k", "k"]  # k activations of ACT_BYTES
+    assert extents[0]["w_q"] == extents[1]["w_q"] == ["*", ["*", "n", ["/", "k", 32]], 32]
+    assert extents[2]["w_q"] == ["*", ["*", ["*", ["/", ["+", "n", 3], 4], 4], ["/", "k", 32]], 16]  # whole groups of 4 rows
     for name, e in b["exports"].items():
         if "parallel" in e and e["quant"] is not None:
             want = ["/", ["+", "n", 3], 4] if e["quant"] in grouped else "n"

@@ -191,13 +191,15 @@ def _export_entry(e: Export) -> dict:
     entry = {"kernel": e.kernel.name, "quant": e.quant.name if e.quant else None, "tune": e.tune,
              "params": _params(e), "result": T.resolve(k.ret) if k.ret else None, "line": k.span.line}
     if e.job is not None:
-        entry["parallel"] = {"items": k.parallel.items, "count": e.count, "job": e.job}
+        entry["parallel"] = {"items": k.parallel.items, "count": e.contract.count, "job": e.job}
     return entry
 
 
 def _params(e: Export) -> list[dict]:
     """The wasm parameters of an export, or the argument words of a job: name, wasm type, meaning
-    (from the kernel's doc comment); a packed matrix is one pointer per plane of its quant type."""
+    (from the kernel's doc comment); a packed matrix is one pointer per plane of its quant type. An
+    export's pointers give their "extent" (bytes, a formula of its i32 arguments; null where the
+    doc gives none or a `?`), its i32 parameters a required "multiple" where the doc says one."""
     out = []
     for p in e.params:
         meaning = e.kernel.param_docs.get(p.name, "")
@@ -209,6 +211,12 @@ def _params(e: Export) -> list[dict]:
         else:
             out.append({"name": p.name, "type": T.wasm_type(T.resolve(p.type) or "i32"), "dsl_type": p.type,
                         "meaning": meaning})
+    if e.contract is not None:  # an export's (a job's words are checked as its export's arguments)
+        for entry in out:
+            if entry["dsl_type"] == "ptr":
+                entry["extent"] = e.contract.extents.get(entry["name"])
+            elif entry["name"] in e.contract.multiples:
+                entry["multiple"] = e.contract.multiples[entry["name"]]
     return out
 
 

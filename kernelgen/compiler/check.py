@@ -16,11 +16,29 @@ from ..errors import DslError, KernelgenError
 from ..names import TUNE_NAME, variant_name
 from .ops import TARGETS, Val, fold
 from ..quantformat import QuantFormat
+from .parse import parse_expr
 from .quant import check_quant, table_values
 
 _RESERVED = set(T.SCALARS) | set(T.VECTORS) | set(T.ALIASES) | set().union(*(t.ops for t in TARGETS.values()))
 _TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values())) | set(layout.FIXED)
-_DOC_PARAM = re.compile(r"#\s+(\w+):\s+(.*)")
+_DOC_PARAM = re.compile(r"#(\s+)(\w+):\s+(.*)")
+# A pointer parameter's extent at the start of its doc: parts `TYPE[dims]` joined by " then ".
+EXTENT_TYPES = {"f32": 4, "f64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1}
+_EXTENT_PART = re.compile(r"(\w+)\[([^\[\]]*)\]")
+_EXTENT_START = re.compile(rf"(?:{'|'.join(EXTENT_TYPES)}|packed)\[")
+_MULTIPLE = re.compile(r"\ba multiple of ((?:(?! \()[^,;])+)")  # to a ',', ';' or ' (' (a remark)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """The memory a pointer parameter of an export spans, from the start of its doc line
+    (`#   x: f32[rows, k], row-major`): parts in order (`f32[n / 32] then i32[n / 32]`), each an
+    element type and its dimensions, a dimension None where the doc writes `?` (known only from
+    the data: nothing for a host to check). A packed matrix's is `packed[rows, k]`: its planes'
+    bytes follow from its quant type. Dimensions are item-count arithmetic (_check_count), so both
+    hosts evaluate them from a call's arguments and refuse memory too short for them."""
+
+    parts: tuple[tuple[str, tuple[A.Expr | None, ...]], ...]
 
 
 @dataclass
@@ -28,6 +46,8 @@ class KernelInfo:
     ast: A.KernelDecl
     doc: list[str] = field(default_factory=list)  # the comment block above the kernel
     param_docs: dict[str, str] = field(default_factory=dict)  # from "#   name: meaning" lines in it
+    extents: dict[str, Extent] = field(default_factory=dict)  # an export's pointer parameters' (Extent)
+    multiples: dict[str, A.Expr] = field(default_factory=dict)  # its i32 parameters' "a multiple of N"
 
     @property
     def name(self) -> str:
@@ -111,7 +131,7 @@ def _check(program: A.Program) -> Checked:
     for k in program.kernels:
         declare(k.name, k, "kernel")
         _check_kernel(k, quants)
-        kernels[k.name] = _with_docs(k, lines)
+        kernels[k.name] = _with_docs(k, lines, program.source)
     if not any(k.exported for k in program.kernels):
         raise DslError(program.span, "no exported kernel: mark at least one 'export kernel'")
     jobs = {k.job: k for k in kernels.values() if k.job}
@@ -251,20 +271,21 @@ def _check_parallel(k: A.KernelDecl, quants: dict[str, QuantFormat], local: Call
         raise DslError(par.span, f"{k.name}: its job needs {words} argument words; JOB_ARGS holds {layout.JOB_ARG_WORDS}")
 
 
-def _check_count(k: A.KernelDecl, e: A.Expr, params: dict[str, A.Param], generics: set[str]) -> None:
-    """The item count is arithmetic (+ - * / %) on numbers, consts, tune values, Q.block and the
-    kernel's i32 parameters: what both hosts can evaluate from a call's arguments (manifest
-    "parallel".count)."""
+def _check_count(k: A.KernelDecl, e: A.Expr, params: dict[str, A.Param], generics: set[str],
+                 what: str = "the item count") -> None:
+    """The item count (or an extent's dimension) is arithmetic (+ - * / %) on numbers, consts, tune
+    values, Q.block and the kernel's i32 parameters: what both hosts can evaluate from a call's
+    arguments (manifest "parallel".count, a parameter's "extent")."""
     if isinstance(e, A.Binary) and e.op in "+-*/%":
-        _check_count(k, e.left, params, generics)
-        _check_count(k, e.right, params, generics)
+        _check_count(k, e.left, params, generics, what)
+        _check_count(k, e.right, params, generics, what)
     elif isinstance(e, A.Name) and e.id in params:
         if params[e.id].packed or T.resolve(params[e.id].type) != "i32" or params[e.id].type == "ptr":
-            raise DslError(e.span, f"{k.name}: the item count may use i32 parameters, not {e.id}: {params[e.id].type}")
+            raise DslError(e.span, f"{k.name}: {what} may use i32 parameters, not {e.id}: {params[e.id].type}")
     elif isinstance(e, A.Attr) and isinstance(e.base, A.Name) and e.base.id in generics:
         pass
     elif not isinstance(e, (A.IntLit, A.Name)):
-        raise DslError(e.span, f"{k.name}: the item count is arithmetic (+ - * / %) on numbers, consts, tune values,"
+        raise DslError(e.span, f"{k.name}: {what} is arithmetic (+ - * / %) on numbers, consts, tune values,"
                                " Q.block and i32 parameters")
 
 
@@ -280,15 +301,83 @@ def _check_inline_returns(k: A.KernelDecl, body: tuple[A.Stmt, ...], top: bool) 
             _check_inline_returns(k, sub, top=arms_last)
 
 
-def _with_docs(k: A.KernelDecl, lines: list[str]) -> KernelInfo:
-    doc: list[str] = []
+def _with_docs(k: A.KernelDecl, lines: list[str], source: str) -> KernelInfo:
+    """The comment block above `k`: its text, and its parameter lines `#   name: meaning` (a line
+    indented deeper than one continues it), which for an export give its pointers' extents and its
+    i32 parameters' "a multiple of N" (_parameter_contract)."""
+    doc: list[int] = []  # line indices
     n = k.span.line - 2
     while n >= 0 and lines[n].lstrip().startswith("#"):
-        doc.insert(0, lines[n].strip())
+        doc.insert(0, n)
         n -= 1
-    params = {m.group(1): m.group(2).strip() for d in doc if (m := _DOC_PARAM.fullmatch(d))}
-    text = [d.lstrip("#").strip() for d in doc if not _DOC_PARAM.fullmatch(d)]
-    return KernelInfo(k, [t for t in text if t], params)
+    params: dict[str, str] = {}
+    at: dict[str, tuple[int, int]] = {}  # parameter -> (line, column) of its meaning
+    text: list[str] = []
+    last: tuple[str, int] | None = None  # the parameter a deeper-indented line continues, its indent
+    for i in doc:
+        d = lines[i].strip()
+        if (m := _DOC_PARAM.fullmatch(d)) is not None:
+            params[m.group(2)] = m.group(3).strip()
+            at[m.group(2)] = (i + 1, len(lines[i]) - len(lines[i].lstrip()) + m.start(3) + 1)
+            last = (m.group(2), len(m.group(1)))
+        elif last is not None and len(d) - len(d[1:].lstrip()) - 1 > last[1]:
+            params[last[0]] += " " + d.lstrip("#").strip()
+        else:
+            last = None
+            if d.lstrip("#").strip():
+                text.append(d.lstrip("#").strip())
+    info = KernelInfo(k, text, params)
+    if k.exported:
+        for p in k.params:
+            if p.name in params:
+                _parameter_contract(k, p, params[p.name], *at[p.name], source, info)
+    return info
+
+
+def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, col: int, source: str,
+                        info: KernelInfo) -> None:
+    """Record an exported kernel's parameter `p`'s Extent (a pointer whose doc starts with one) or
+    its "a multiple of N" (an i32), from its doc `meaning` at `line`:`col` of `source`."""
+    params = {q.name: q for q in k.params}
+    generics = {g.name for g in k.generics}
+
+    def expr(text: str, at: int, what: str) -> A.Expr:
+        e = parse_expr(source, text, line, col + at)
+        try:
+            _check_count(k, e, params, generics, what)
+        except DslError as err:
+            raise err.with_source(source) from None
+        return e
+
+    pointer = p.packed or p.type == "ptr"
+    if pointer and _EXTENT_START.match(meaning):
+        parts, pos = [], 0
+        while (m := _EXTENT_PART.match(meaning, pos)) is not None:
+            kind = m.group(1)
+            if kind not in EXTENT_TYPES and not (kind == "packed" and p.packed and not parts):
+                want = "packed[rows, k]" if p.packed else f"one of {', '.join(EXTENT_TYPES)}"
+                raise DslError(A.Span(k.span.file, line, col + pos), f"{k.name}: {p.name}'s extent: {kind}[...] is"
+                               f" not an element type here (want {want})", source)
+            dims, at = [], m.start(2)
+            for d in m.group(2).split(","):
+                lead = len(d) - len(d.lstrip())
+                dims.append(None if d.strip() == "?" else expr(d.strip(), at + lead, f"{p.name}'s extent"))
+                at += len(d) + 1
+            parts.append((kind, tuple(dims)))
+            pos = m.end()
+            if not meaning.startswith(" then ", pos) or kind == "packed":
+                break
+            pos += len(" then ")
+        rest = meaning[pos:]
+        if rest and not rest.startswith(","):
+            raise DslError(A.Span(k.span.file, line, col + pos), f"{k.name}: {p.name}'s extent: expected ','"
+                           f" or ' then TYPE[...]' after {meaning[:pos]!r}", source)
+        if p.packed != (parts[0][0] == "packed") or (p.packed and len(parts[0][1]) != 2):
+            raise DslError(A.Span(k.span.file, line, col), f"{k.name}: {p.name} is "
+                           f"{'a packed matrix: its extent is packed[rows, k]' if p.packed else 'a pointer'}", source)
+        info.extents[p.name] = Extent(tuple(parts))
+    elif not pointer and T.resolve(p.type) == "i32" and (m := _MULTIPLE.search(meaning)) is not None:
+        info.multiples[p.name] = expr(m.group(1).strip(), m.start(1), f"{p.name}'s multiple")
 
 
 def tune_key(kernel: str, quant: str | None) -> str:

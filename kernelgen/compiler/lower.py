@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from . import ast as A
 from . import layout
 from . import types as T
-from .check import Checked, KernelInfo, tune_for
+from .check import EXTENT_TYPES, Checked, KernelInfo, tune_for
 from ..errors import DslError
 from ..names import variant_name
 from .ops import TARGETS, Op, Target, Val, fold, is_zero_vector, wrap
@@ -81,8 +81,22 @@ class Export:
     quant: QuantFormat | None
     tune: dict[str, int]
     params: tuple[A.Param, ...]  # a job's: the parameters it reads from JOB_ARGS words
-    count: int | str | list | None = None  # a parallel export's item count (see Lowerer._count_tree)
+    contract: Contract | None = None  # an export's (a job's is its export's)
     job: str | None = None  # a parallel export's pool job
+
+
+Tree = int | str | list  # a formula over an export's i32 arguments, as the manifest writes it (_count_tree)
+
+
+@dataclass
+class Contract:
+    """What hosts compute and check from an export's arguments, as manifest formulas: its pool
+    job's item count, each pointer's extent in bytes (check.Extent; a packed matrix's per plane,
+    None where a dimension is `?`), each i32 parameter's required multiple ("a multiple of N")."""
+
+    count: Tree | None = None
+    extents: dict[str, Tree | None] = field(default_factory=dict)
+    multiples: dict[str, int] = field(default_factory=dict)
 
 
 MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
@@ -103,7 +117,7 @@ class Reused:
     asked for, asked for again in the same order so the module is the one lowering would give."""
 
     func: Func | None = None
-    count: int | str | list | None = None
+    contract: Contract | None = None
     # what the body took from the target, which its flavors may give otherwise (ops.Flavor): ops by
     # name, constants and quant types' properties with their values
     ops: dict[str, Op | None] = field(default_factory=dict)
@@ -313,6 +327,19 @@ def _simplified(tree: list) -> int | str | list:
     return tree
 
 
+def _arith(op: str, a: Tree | None, b: Tree | None) -> Tree | None:
+    """[op, a, b] of two formulas (+ - * / on i32 arguments, trees of _count_tree), folded where
+    both are numbers; None (unknown: a `?` dimension) if either is."""
+    if a is None or b is None:
+        return None
+    if isinstance(a, int) and isinstance(b, int):
+        q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1) if op == "/" else 0  # i32.div_s truncates
+        return {"+": a + b, "-": a - b, "*": a * b, "/": q}[op]
+    if op in ("+", "*") and isinstance(a, int) and a == (0 if op == "+" else 1):
+        return b
+    return _simplified([op, a, b])
+
+
 def _int_identity(op: str, a: Val, b: Val) -> Val | None:
     """x * 1, 1 * x, 0 + x and x * 0 on scalar integers (unrolled indices make them: `r * k * 4`
     with r = 0 or 1), so the WAT reads as written by hand and no engine need fold them. None if
@@ -372,13 +399,13 @@ class Lowerer:
                 tune = self.instances.values(k, quant)
                 generics.update({n: Val(None, "i32", v) for n, v in tune.items()})
                 name = self.instances.export(k, quant)
-                count = self._lower_func(k, generics, name, "export")
+                contract = self._lower_func(k, generics, name, "export")
                 job = None
                 if k.job:
                     job = self.instances.job(k, quant)
                     self._lower_func(k, generics, job, "job")
                     self.jobs.append(Export(job, k, quant, tune, k.job_params))
-                self.exports.append(Export(name, k, quant, tune, k.ast.params, count, job))
+                self.exports.append(Export(name, k, quant, tune, k.ast.params, contract, job))
         for k, generics, name in self.instances.take():
             self._lower_func(k, generics, name, "internal")
         return self.funcs
@@ -508,24 +535,24 @@ class Lowerer:
         return I("local.tee", f"${tmp}", code), I("local.get", f"${tmp}")
 
     # ---- functions -------------------------------------------------------------------------------
-    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
+    def _lower_func(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> Contract | None:
         """Lower one instance of `k` as an "export", an "internal" function or, for a parallel kernel,
-        its pool "job" (or reuse its lowering from another build: self.memo). Returns, for a parallel
-        export, its item count as hosts evaluate it."""
+        its pool "job" (or reuse its lowering from another build: self.memo). Returns an export's
+        Contract."""
         key = (self.target.name, role, name)
         if (done := self.memo.get(key)) is not None and self._still_holds(done):
             for callee, args in done.internals:
                 self.instances.internal(callee, args, self.error)
             self.funcs.append(done.func)
-            return done.count
+            return done.contract
         self._record = record = Reused()
         try:
-            record.count = self._lower_body(k, generics, name, role)
+            record.contract = self._lower_body(k, generics, name, role)
         finally:
             self._record = None
         record.func = self.funcs[-1]
         self.memo[key] = record
-        return record.count
+        return record.contract
 
     def _still_holds(self, done: Reused) -> bool:
         """Whether what `done`'s body read beyond its name is the same in this build: its tune
@@ -537,7 +564,7 @@ class Lowerer:
             and all(self.target.constants.get(name) == value for name, value in done.consts.items()) \
             and all(self._props(q)[prop] == value for (_, prop), (q, value) in done.props.items())
 
-    def _lower_body(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> int | str | list | None:
+    def _lower_body(self, k: KernelInfo, generics: dict[str, Binding], name: str, role: str) -> Contract | None:
         frame = Frame(result=T.resolve(k.ast.ret) if k.ast.ret else None)
         self._quant = next((v.name for v in generics.values() if isinstance(v, QuantFormat)), None)
         with self._context(frame, [dict(generics)], k.ast.span), self._scope():
@@ -553,7 +580,7 @@ class Lowerer:
                     t = T.resolve(p.type)
                     params.append((p.name, T.wasm_type(t)))
                     self._bind(p.name, Local(p.name, t, False))
-            par, count = k.ast.parallel, None
+            par, contract = k.ast.parallel, None
             if role == "job":  # the chunk [begin, end) comes from the pool; the rest from JOB_ARGS words
                 params = self._job_args(par, params)
             else:
@@ -562,7 +589,8 @@ class Lowerer:
                     self._span = par.span
                     self._bind(par.begin, Val(None, "i32", 0))
                     self._bind(par.end, self._coerce(self._expr(par.count), "i32"))
-                    count = self._count_tree(par.count)
+                if role == "export":
+                    contract = self._contract(k)
             try:
                 self._block(k.ast.body)
                 returned = False
@@ -583,7 +611,7 @@ class Lowerer:
         local_vars = [(n, t) for n, t in frame.locals[len(params):] if f"${n}" in named]
         self.funcs.append(Func(name, params, result, local_vars + consts, body,
                                export=name if role == "export" else None, doc=doc, span=k.ast.span))
-        return count
+        return contract
 
     def _job_args(self, par: A.ParallelDecl, words: list[tuple[str, str]]) -> list[tuple[str, str]]:
         """A job's parameters are its chunk's bounds; its other arguments are loaded from the
@@ -597,6 +625,35 @@ class Lowerer:
             load = Instr(f"{wt}.load", (f"offset={4 * i}",) if i else (), (I("global.get", "$JOB_ARGS"),))
             self.emit(I("local.set", f"${name}", load))
         return params
+
+    def _contract(self, k: KernelInfo) -> Contract:
+        """The export's Contract, its parameters bound (formulas from check.Extent and the doc's
+        multiples, with constants, tune values and Q's properties folded)."""
+        out = Contract(self._count_tree(k.ast.parallel.count) if k.ast.parallel else None)
+        for p in k.ast.params:
+            if (e := k.extents.get(p.name)) is None:
+                continue
+            if p.packed:  # each plane: its bytes per kernel block, rows padded to whole groups
+                q = self._quant_of(p)
+                rows, cols = (None if d is None else self._count_tree(d) for d in e.parts[0][1])
+                padded = _arith("*", _arith("/", _arith("+", rows, q.group - 1), q.group), q.group)
+                blocks = _arith("*", padded, _arith("/", cols, q.kernel.block))
+                for plane, (_, per_block) in q.planes.items():
+                    out.extents[f"{p.name}_{plane}"] = _arith("*", blocks, per_block)
+                continue
+            total: Tree | None = 0
+            for kind, dims in e.parts:
+                part: Tree | None = EXTENT_TYPES[kind]
+                for d in dims:
+                    part = _arith("*", part, None if d is None else self._count_tree(d))
+                total = _arith("+", total, part)
+            out.extents[p.name] = total
+        for name, e in k.multiples.items():
+            v = self._expr(e)
+            if v.code is not None or not isinstance(v.const, int) or v.const < 1:
+                raise DslError(e.span, f"{k.name}: {name}'s 'a multiple of' needs a positive constant")
+            out.multiples[name] = v.const
+        return out
 
     def _count_tree(self, e: A.Expr) -> int | str | list:
         """The item count as the manifest writes it for hosts: a number, a parameter's name, or
@@ -1048,7 +1105,9 @@ class Lowerer:
                 # half's activation sum
                 "sub_offsets": int(b.sub_offsets),
                 # kernel blocks per super-block record (0: no record)
-                "record_blocks": b.record.blocks if b.record is not None else 0}
+                "record_blocks": b.record.blocks if b.record is not None else 0,
+                # values per stored block (a super-block's 256): a packed row's length is whole ones
+                "stored_block": b.block}
 
     def _attr(self, e: A.Attr) -> Val:
         if isinstance(e.base, A.Name):

@@ -23,8 +23,8 @@ def _parser() -> lark.Lark:
     the user's own cache directory: lark's default, the shared temp directory, would load a pickle
     any local user could have put there. Without a writable one, lark builds the tables each time."""
     grammar = resources.files("kernelgen.compiler").joinpath("grammar.lark").read_text(encoding="utf-8")
-    return lark.Lark(grammar, parser="lalr", start="program", propagate_positions=True, maybe_placeholders=True,
-                     cache=_cache_file())
+    return lark.Lark(grammar, parser="lalr", start=["program", "expr"], propagate_positions=True,
+                     maybe_placeholders=True, cache=_cache_file())
 
 
 def _cache_file() -> str | bool:
@@ -84,8 +84,21 @@ def _check_nesting(tree: lark.Tree, filename: str, source: str) -> None:
 
 def parse(source: str, filename: str = "kernels.dsl") -> A.Program:
     """Parse DSL source; raise DslError (with the source attached) on any syntax error."""
+    return _parse(source, filename, "program")
+
+
+def parse_expr(source: str, text: str, line: int, col: int, filename: str = "kernels.dsl") -> A.Expr:
+    """Parse `text`, an expression that sits at `line`:`col` of `source` (in a comment: a parameter's
+    extent, check.py), with the spans and errors of the same text in code there."""
     try:
-        tree = _parser().parse(source)
+        return _parse("\n" * (line - 1) + " " * (col - 1) + text, filename, "expr")
+    except DslError as e:
+        raise DslError(e.span, e.message, source) from None
+
+
+def _parse(source: str, filename: str, start: str) -> Any:
+    try:
+        tree = _parser().parse(source, start=start)
     except lark.UnexpectedCharacters as e:
         span = A.Span(filename, e.line, e.column)
         raise DslError(span, f"unexpected character {source[e.pos_in_stream]!r}", source) from None

@@ -22,12 +22,12 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from . import module as host
-from .manifest import check_manifest
+from .manifest import check_arguments, check_manifest
 from .module import I32_MAX, PAGE_SIZE, WASM_BYTES, as_int, as_real
 from .. import library
 from ..errors import KernelgenError, UnknownName
@@ -217,18 +217,26 @@ class Kernels:
         return parse_variant(self.export_name(kernel, quant)).tune
 
     def call(self, name: str, *args: int | float) -> Any:
-        """Run an exported function with raw arguments (addresses and scalars). An address (a
-        parameter of DSL type ptr) must lie in the heap, from heap_base to the memory's end: below it
-        are the pool's words, which a stray write would corrupt, and past the end an i32 address
-        wraps onto them. The pool's own exports are run by `pool()` only."""
+        """Run an exported function with raw arguments (addresses and scalars), checked as
+        check_call says. An address (a parameter of DSL type ptr) must lie in the heap, from heap_base
+        to the memory's end: below it are the pool's words, which a stray write would corrupt, and
+        past the end an i32 address wraps onto them. The pool's own exports are run by `pool()` only."""
         spec = self.manifest["exports"].get(name)
         if spec is not None and spec["kernel"] in POOL_EXPORTS:
             raise ValueError(f"{name} is the thread pool's own (it waits for helpers or runs a loop): use Kernels.pool()")
         if spec is not None and len(args) == len(spec["params"]):
-            for a, p in zip(args, spec["params"]):
-                if p["dsl_type"] == "ptr" and not (type(a) is int and self.module.in_heap(a)):
-                    self.module.check_address(f"{name} {p['name']}", a)  # raises, or takes a numpy integer
+            self.check_call(name, args)
         return self.module.call(name, *args)
+
+    def check_call(self, name: str, args: Sequence[int | float]) -> None:
+        """Refuse raw arguments `args` of export `name` (ValueError) that it cannot honour: an address
+        outside the heap, or one whose extent the kernel's doc declares runs past the memory's end, or
+        an i32 argument that is not the multiple it needs (manifest.check_arguments)."""
+        spec = self.manifest["exports"][name]
+        for a, p in zip(args, spec["params"]):
+            if p["dsl_type"] == "ptr" and not (type(a) is int and self.module.in_heap(a)):
+                self.module.check_address(f"{name} {p['name']}", a)  # raises, or takes a numpy integer
+        check_arguments(name, spec, args, self.module.memory.data_len())
 
     def reset(self) -> None:
         """Free all memory the module holds for this host, packed weights included."""

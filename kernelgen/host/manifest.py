@@ -9,10 +9,10 @@ runtime/manifest.mjs makes the same checks for the JavaScript runtime.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from ..errors import KernelgenError
-from .module import I32_MAX, PAGE_SIZE, WASM_BYTES
+from .module import I32_MAX, PAGE_SIZE, WASM_BYTES, as_int
 
 MAX_PAGES = WASM_BYTES // PAGE_SIZE  # a 32-bit wasm memory: 4 GiB
 MAX_THREADS = 256  # POOL_GEN's low 8 bits count the helpers of a job (kernels.dsl)
@@ -79,9 +79,76 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
                    "they suit (when)")
     for name, e in manifest["exports"].items():
         if not (isinstance(e, dict) and isinstance(e.get("kernel"), str)
-                and (e.get("quant") is None or isinstance(e["quant"], str)) and isinstance(e.get("params"), list)):
+                and (e.get("quant") is None or isinstance(e["quant"], str)) and isinstance(e.get("params"), list)
+                and all(isinstance(p, dict) and isinstance(p.get("name"), str) for p in e["params"])):
             raise fail(f"exports.{name} needs a kernel name, a quant type name or null, and its params")
+        ints = {p["name"] for p in e["params"] if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
+        for p in e["params"]:
+            if not (p.get("extent") is None or _formula(p["extent"], ints)) \
+                    or not (p.get("multiple") is None or _int(p["multiple"]) and p["multiple"] >= 1):
+                raise fail(f"exports.{name}.{p['name']}: an extent must be a formula of {name}'s i32 parameters "
+                           "and a multiple a positive integer")
+        if isinstance(e.get("parallel"), dict) and not _formula(e["parallel"].get("count"), ints):
+            raise fail(f"exports.{name}.parallel.count must be a formula of its i32 parameters")
     act = manifest["activation"]
     if not (isinstance(act, dict) and isinstance(act.get("dtype"), str) and isinstance(act.get("sums"), str)
             and isinstance(act.get("split"), bool) and _int(act.get("max"))):
         raise fail("activation must give dtype, sums, split and max")
+
+
+Formula = int | str | list  # a manifest formula: a number, an i32 argument's name, or [op, left, right]
+FORMULA_OPS = ("+", "-", "*", "/", "%")
+MAX_FORMULA_DEPTH = 32  # deeper than any the compiler writes: a manifest's are checked, not recursed blind
+
+
+def _formula(tree: Any, names: set[str], depth: int = 0) -> bool:
+    if _int(tree):
+        return True
+    if isinstance(tree, str):
+        return tree in names
+    return (isinstance(tree, list) and len(tree) == 3 and tree[0] in FORMULA_OPS and depth < MAX_FORMULA_DEPTH
+            and _formula(tree[1], names, depth + 1) and _formula(tree[2], names, depth + 1))
+
+
+def evaluate(tree: Formula, env: Mapping[str, int | float], exact: bool = False) -> int:
+    """A manifest formula of a call's i32 arguments (an item count, an extent) as wasm's i32 ops
+    compute it, or (`exact`) in whole numbers: an extent in bytes, whose wrap would hide an overrun."""
+    if isinstance(tree, str):
+        return int(env[tree])
+    if isinstance(tree, int):
+        return tree
+    op, a, b = tree[0], evaluate(tree[1], env, exact), evaluate(tree[2], env, exact)
+    if op in "/%" and b == 0:
+        raise ValueError(f"{tree} divides by zero with {dict(env)}")
+    q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1) if op in "/%" else 0  # i32.div_s truncates
+    value = {"+": a + b, "-": a - b, "*": a * b, "/": q, "%": a - q * b}[op]
+    return value if exact else (value + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def check_arguments(name: str, spec: dict, args: Sequence[int | float], end: int) -> None:
+    """Refuse a call of export `name` (manifest entry `spec`) that its contract does not allow, with
+    a ValueError: an i32 argument that is not the "multiple" the kernel needs (it would skip a tail
+    or misread a super-block's record), or a pointer whose "extent" (bytes) from its address runs
+    past the memory's `end` (the kernel would trap midway, or read what lies there). The caller
+    has checked each address lies in the heap."""
+    params = spec["params"]
+    env = {p["name"]: as_int(f"{name} {p['name']}", a, -2**31, 2**32 - 1)
+           for p, a in zip(params, args) if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
+    for p, a in zip(params, args):
+        if p.get("multiple") and env[p["name"]] % p["multiple"]:
+            raise ValueError(f"{name} {p['name']}: must be a multiple of {p['multiple']}, got {a}")
+    for p, a in zip(params, args):
+        if p.get("extent") is not None and int(a) + (need := evaluate(p["extent"], env, exact=True)) > end:
+            raise ValueError(f"{name} {p['name']} ({shape_of(p)}): {need} bytes from address {a} run past the memory's"
+                             f" end at {end}")
+
+
+def shape_of(param: dict) -> str:
+    """The declared shape a parameter's meaning starts with (`f32[rows, k]`): to its first comma
+    outside brackets."""
+    text, depth = str(param.get("meaning", "")), 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            return text[:i]
+    return text

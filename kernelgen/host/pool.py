@@ -30,7 +30,7 @@ import numpy as np
 import wasmtime
 
 from ..errors import UnknownName
-from .manifest import MAX_THREADS
+from .manifest import MAX_THREADS, check_arguments, evaluate
 from .module import I32_MAX, as_int, as_real
 
 if TYPE_CHECKING:
@@ -70,21 +70,7 @@ def job_call(manifest: dict, export: str, args: Sequence[int | float]) -> JobCal
         raise ValueError(f"{export} takes {len(names)} arguments ({', '.join(names)}), got {len(args)}")
     env = dict(zip(names, args))
     words = [env[a["name"]] for a in manifest["jobs"][par["job"]]["args"]]
-    return JobCall(par["job"], _count(par["count"], env), words, par["items"])
-
-
-def _count(tree: int | str | list, env: dict[str, int | float]) -> int:
-    """Evaluate a manifest item count ([op, left, right], names, numbers) as wasm's i32 ops do."""
-    if isinstance(tree, str):
-        return int(env[tree])
-    if isinstance(tree, int):
-        return tree
-    op, a, b = tree[0], _count(tree[1], env), _count(tree[2], env)
-    if op in "/%" and b == 0:
-        raise ValueError(f"the item count divides by zero ({tree})")
-    q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1) if op in "/%" else 0  # i32.div_s truncates
-    value = {"+": a + b, "-": a - b, "*": a * b, "/": q, "%": a - q * b}[op]
-    return (value + (1 << 31)) % (1 << 32) - (1 << 31)
+    return JobCall(par["job"], evaluate(par["count"], env), words, par["items"])
 
 
 class Pool:
@@ -140,6 +126,7 @@ class Pool:
         c = job_call(self.kernels.manifest, export, args)
         if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk < 1:  # run() checks the rest
             raise ValueError(f"{export}: chunk ({c.items} per claim) must be >= 1, got {chunk}")
+        self.kernels.check_call(export, args)
         self.run(c.job, c.count, self.default_chunk(c) if chunk is None else chunk, c.words)
 
     def default_chunk(self, call: JobCall) -> int:

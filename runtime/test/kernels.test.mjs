@@ -200,12 +200,21 @@ for (const [target, unusable] of TARGETS) {
         [() => k.matmulF32(new Float32Array(16), new Float32Array(16), 4, 4, { bTransposed: 'no' }), TypeError, /expected true or false/],
         [() => k.pack('__proto__', new Uint8Array(18), 1, 32), TypeError, /unknown quant type __proto__/],
         [() => k.runJob('toString', 1, 1, []), TypeError, /no job "toString"/],
+        // raw calls are held to the extents and multiples the kernels' docs declare (manifest params)
+        [() => k.run('exp_f32', null, [new Float32Array(8), new Float32Array(8), 64]), RangeError,
+          /run: exp_f32 x \(f32\[n\]\): needs 256 bytes, got a typed array of 32/],
+        [() => k.run('exp_f32', null, [held.addr, held.addr, 2 ** 29]), RangeError, /x \(f32\[n\]\): 2147483648 bytes from address \d+ run past the memory's end/],
+        [() => k.run('act_check', null, [new Int16Array(64), new Float32Array(4), 48]), RangeError, /act_check n: must be a multiple of 32, got 48/],
+        [() => k.run('qmatvec', 'q4_1', [w.planes.q, w.planes.scale, w.planes.offset, held.addr, held.addr, held.addr, 2 ** 20, 64]), RangeError,
+          /qmatvec_q4_1\S* w_q \(packed\[n, k\]\): \d+ bytes from address \d+ run past the memory's end/],
       ];
       for (const [call, Type, message] of misuse) await assert.rejects(async () => call(), (e) => e instanceof Type && message.test(e.message), String(call));
       const doomed = await k.pack('q4_1', randomBlocks(k.manifest.quants.q4_1, 2 * 2, rand), 2, 64);
       let freed = false; // an activation getter that frees the weights while the call reads it
       const sly = { get q() { if (!freed) { freed = true; k.free(doomed); } return act.q; }, d: act.d, s: act.s };
       await assert.rejects(async () => k.qmatvec(doomed, sly), /these weights were freed/);
+      const { arrays } = await k.run('exp_f32', null, [new Float32Array(8), new Float32Array(8), 8]); // to the last byte
+      assert.deepEqual([...arrays[1]], Array(8).fill(1));
       await k.free(held);
       assert.equal(firstDifference(await k.qmatvec(w, act), want), null);
       assert.equal(firstDifference(await k.qmatvec(w, act, { threads: true }), want), null);
