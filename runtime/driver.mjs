@@ -4,7 +4,7 @@
 // per-call buffers are freed when the call returns, packed weights at free(packed) or reset().
 
 import { probeRelaxedDot, sharedMemoryStatus } from './features.mjs';
-import { I32_MAX, MAX_THREADS, checkArguments, loadBuild } from './manifest.mjs';
+import { I32_MAX, MAX_THREADS, checkArguments, checkExports, loadBuild } from './manifest.mjs';
 import { byteLengthOf, checkBlocks, classOf, lengthOf, packInto, paddedRows, planeLayout, typedArray } from './pack.mjs';
 import { hardwareThreads, isNode } from './platform.mjs';
 import { POOL_EXPORTS, Pool } from './pool.mjs';
@@ -157,6 +157,7 @@ export class Driver {
     }
     const module = await WebAssembly.compile(wasm);
     const { exports } = await WebAssembly.instantiate(module, { env: { memory } });
+    checkExports(manifest, exports, `${new URL(`${flavored.dir ? `${flavored.dir}/` : ''}kernels.json`, dir)}`);
     const pool = await Pool.start({ module, memory, manifest, exports, threads: size });
     const info = {
       environment: isNode ? `node ${process.versions.node}` : 'browser',
@@ -893,8 +894,10 @@ export class Driver {
 
   /** cos and sin tables, Float32Array(npos * dim / 2) each, of angles (pos0 + p) * theta^(-2i / dim). */
   ropeTable(npos, dim, theta = 10000, pos0 = 0) {
+    const kinds = Object.entries({ npos, dim, theta, pos0 }).filter(([, v]) => typeof v !== 'number');
+    if (kinds.length) throw new TypeError(`ropeTable: expected numbers, got ${kinds.map(([n, v]) => `${n} ${typeof v}`).join(', ')}`);
     if (!Number.isInteger(dim) || dim <= 0 || dim % 2 || dim > I32_MAX || !Number.isInteger(npos) || npos < 0
-        || !Number.isInteger(pos0) || pos0 < 0 || npos + pos0 > I32_MAX || typeof theta !== 'number' || !(theta >= 1 && theta < Infinity)) {
+        || !Number.isInteger(pos0) || pos0 < 0 || npos + pos0 > I32_MAX || !(theta >= 1 && theta < Infinity)) {
       // theta >= 1 keeps every angle at most the position, within the sin/cos argument reduction's range
       throw new RangeError(`ropeTable: need integers dim (even, > 0), npos >= 0 and pos0 >= 0 with npos + pos0 <= ${I32_MAX}, `
         + `and a finite theta >= 1; got dim=${dim}, npos=${npos}, pos0=${pos0}, theta=${theta}`);

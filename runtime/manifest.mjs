@@ -104,6 +104,10 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
       throw fail(`exports.${name}.parallel must name one of the jobs`);
     }
     if (!e.params.every((p) => isObject(p) && typeof p.name === 'string')) throw fail(`exports.${name}.params must be objects with a name`);
+    const tune = e.tune ?? {};
+    if (!isObject(tune) || !Object.values(tune).every(isInt) || variantName(e.kernel, e.quant, tune) !== name) {
+      throw fail(`exports.${name} names kernel ${JSON.stringify(e.kernel)}, quant ${JSON.stringify(e.quant)} and tune ${JSON.stringify(tune)}, whose export is not ${JSON.stringify(name)}`);
+    }
     const ints = new Set(e.params.filter((p) => p.type === 'i32' && p.dsl_type !== 'ptr').map((p) => p.name));
     for (const p of e.params) {
       if (!(p.extent == null || isFormula(p.extent, ints)) || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
@@ -111,6 +115,14 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
       }
     }
     if (e.parallel != null && !isFormula(e.parallel.count, ints)) throw fail(`exports.${name}.parallel.count must be a formula of its i32 parameters`);
+  }
+  for (const [name, q] of Object.entries(manifest.quants)) {
+    const planes = q?.planes;
+    if (!(isObject(q) && isInt(q.block) && q.block >= 1 && isInt(q.group) && q.group >= 1 && isObject(planes)
+        && Object.keys(planes).length && Object.values(planes).every((p) => isObject(p) && typeof p.dtype === 'string'
+          && isInt(p.bytes_per_block) && p.bytes_per_block >= 1))) {
+      throw fail(`quants.${name} must give a block, a group of rows and its planes (dtype, bytes_per_block)`);
+    }
   }
   const act = manifest.activation;
   if (!(isObject(act) && typeof act.dtype === 'string' && typeof act.sums === 'string' && typeof act.split === 'boolean' && isInt(act.max))) {
@@ -184,4 +196,25 @@ export function checkArguments(name, spec, args, end, sizes = []) {
       throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): ${need} bytes from address ${args[i]} run past the memory's end at ${end}`);
     }
   });
+}
+
+/** An export's name from its kernel, quant type and tune values (kernelgen/names.py variant_name). */
+export function variantName(kernel, quant, tune) {
+  const base = quant ? `${kernel}_${quant}` : kernel;
+  const params = Object.entries(tune).map(([k, v]) => `${k}${v}`);
+  return params.length ? `${base}__${params.join('_')}` : base;
+}
+
+/** Throw unless the instance `exports` a function of each manifest export's name taking its
+ * parameter count (as kernelgen/host/manifest.py check_exports, which also compares the wasm
+ * types: a JS function says only its length): a manifest edited after its build (its sha256
+ * covers the wasm only) would run one kernel under another's name or arguments. */
+export function checkExports(manifest, exports, where) {
+  for (const [name, e] of Object.entries(manifest.exports)) {
+    const f = exports[name];
+    if (typeof f !== 'function' || f.length !== e.params.length) {
+      throw new Error(`${where}: exports.${name} gives ${e.params.length} parameters, the wasm `
+        + `${typeof f === 'function' ? `function takes ${f.length}` : 'has no such function'}; rebuild with \`kernelgen build\``);
+    }
+  }
 }

@@ -180,6 +180,33 @@ def test_manifest_with_a_bad_extent_is_refused(tmp_path: Path) -> None:
         kernelgen.load(out, "simd128")
 
 
+def _swap_exports(m: dict, a: str, b: str) -> None:
+    """Swap two exports' entries under their names (`a` then runs what `b` was)."""
+    e = m["exports"]
+    e[a], e[b] = e[b], e[a]
+
+
+TAMPERED = {  # manifests edited after their build (the wasm's sha256 still matches): what each host says
+    "entries swapped": (lambda m: _swap_exports(m, "exp_f32", "silu_f32"),
+                        "exports.exp_f32 names kernel 'silu_f32', quant None and tune {}, whose export is not 'exp_f32'"),
+    "planes gone": (lambda m: m["quants"]["q4_0"].update(planes=None), "quants.q4_0 must give a block, a group"),
+    "a parameter's type": (lambda m: m["exports"]["rope_table"]["params"][-1].update(type="f32"),
+                           "exports.rope_table gives parameters (i32, i32, i32, i32, i32, f32), the wasm parameters "
+                           "(i32, i32, i32, i32, i32, f64)"),
+    "a parameter dropped": (lambda m: m["exports"]["exp_f32"]["params"].pop(0), "exports.exp_f32 gives parameters (i32, i32), "
+                            "the wasm parameters (i32, i32, i32)"),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED, ids=list(TAMPERED))
+def test_a_manifest_edited_after_its_build_is_refused(tmp_path: Path, case: str) -> None:
+    edit, message = TAMPERED[case]
+    out = copy_out(tmp_path / "out")
+    edit_manifest(out, "simd128", edit)
+    with pytest.raises(KernelgenError, match=re.escape(message)):
+        kernelgen.load(out, "simd128")
+
+
 def test_manifest_with_heap_base_zero_or_overlapping_words_is_refused(tmp_path: Path) -> None:
     cases = {
         "heap_base 0": (lambda m: m["memory"].update(heap_base=0), "overlaps heap_base at 0"),

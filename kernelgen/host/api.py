@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import module as host
-from .manifest import check_arguments, check_manifest
+from .manifest import check_arguments, check_exports, check_manifest
 from .module import I32_MAX, PAGE_SIZE, WASM_BYTES, as_int, as_real
 from .. import library
 from ..errors import KernelgenError, UnknownName
@@ -169,6 +169,7 @@ class Kernels:
         self.target: str = manifest["target"]
         self.flavor: str | None = manifest.get("flavor")  # None: the target's base build
         self.module = host.Module(wasm, manifest, deterministic)
+        check_exports(manifest, self.module.signatures, where)
         self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
                                                 for name, q in manifest["quants"].items()}
         # How quantize_act stores activations on this target (int16 on simd128, int8 on relaxed

@@ -12,6 +12,7 @@ import hashlib
 from typing import Any, Mapping, Sequence
 
 from ..errors import KernelgenError
+from ..names import variant_name
 from .module import I32_MAX, PAGE_SIZE, WASM_BYTES, as_int
 
 MAX_PAGES = WASM_BYTES // PAGE_SIZE  # a 32-bit wasm memory: 4 GiB
@@ -82,6 +83,11 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
                 and (e.get("quant") is None or isinstance(e["quant"], str)) and isinstance(e.get("params"), list)
                 and all(isinstance(p, dict) and isinstance(p.get("name"), str) for p in e["params"])):
             raise fail(f"exports.{name} needs a kernel name, a quant type name or null, and its params")
+        tune = e.get("tune") or {}
+        if not (isinstance(tune, dict) and all(isinstance(k, str) and _int(v) for k, v in tune.items())) \
+                or variant_name(e["kernel"], e["quant"], tune) != name:
+            raise fail(f"exports.{name} names kernel {e['kernel']!r}, quant {e['quant']!r} and tune {tune}, whose "
+                       f"export is not {name!r}")
         ints = {p["name"] for p in e["params"] if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
         for p in e["params"]:
             if not (p.get("extent") is None or _formula(p["extent"], ints)) \
@@ -90,6 +96,13 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
                            "and a multiple a positive integer")
         if isinstance(e.get("parallel"), dict) and not _formula(e["parallel"].get("count"), ints):
             raise fail(f"exports.{name}.parallel.count must be a formula of its i32 parameters")
+    for name, q in manifest["quants"].items():
+        planes = q.get("planes") if isinstance(q, dict) else None
+        if not (_int(q.get("block")) and q["block"] >= 1 and _int(q.get("group")) and q["group"] >= 1
+                and isinstance(planes, dict) and planes and all(
+                    isinstance(p, dict) and isinstance(p.get("dtype"), str) and _int(p.get("bytes_per_block"))
+                    and p["bytes_per_block"] >= 1 for p in planes.values())):
+            raise fail(f"quants.{name} must give a block, a group of rows and its planes (dtype, bytes_per_block)")
     act = manifest["activation"]
     if not (isinstance(act, dict) and isinstance(act.get("dtype"), str) and isinstance(act.get("sums"), str)
             and isinstance(act.get("split"), bool) and _int(act.get("max"))):
@@ -152,3 +165,16 @@ def shape_of(param: dict) -> str:
         if c == "," and depth == 0:
             return text[:i]
     return text
+
+
+def check_exports(manifest: dict, signatures: Mapping[str, list[str]], where: str = "kernels.json") -> None:
+    """Raise KernelgenError unless the wasm exports each function the manifest lists with the wasm
+    parameter types it gives (`signatures`: name -> types, from the compiled module): a manifest
+    edited after its build (its sha256 covers the wasm only) would run one kernel under another's
+    name or arguments."""
+    for name, e in manifest["exports"].items():
+        want = [p.get("type") for p in e["params"]]
+        if signatures.get(name) != want:
+            got = "no such function" if name not in signatures else f"parameters ({', '.join(signatures[name])})"
+            raise KernelgenError(f"{where}: exports.{name} gives parameters ({', '.join(map(str, want))}), the wasm "
+                                 f"{got}; rebuild with `kernelgen build`")

@@ -189,6 +189,7 @@ class Module:
                        if isinstance(ext, wasmtime.Func)}
         types = {name: f.type(self.store) for name, f in self._funcs.items()}
         self._params = {name: [str(p) for p in t.params] for name, t in types.items()}
+        self.signatures = {name: list(p) for name, p in self._params.items()}  # export -> its wasm parameter types
         self._callers = {name: _Caller(self._funcs[name], self._params[name], [str(r) for r in t.results])
                          for name, t in types.items()
                          if all(str(v) in _C_VALUES for v in (*t.params, *t.results))}

@@ -111,6 +111,27 @@ test('a flavor the probe picks but which is not deployed gives way to the base b
   }
 });
 
+test('a manifest edited after its build is refused (its sha256 covers the wasm only)', async () => {
+  const cases = [
+    [(m) => { [m.exports.exp_f32, m.exports.silu_f32] = [m.exports.silu_f32, m.exports.exp_f32]; },
+      /exports\.exp_f32 names kernel "silu_f32", quant null and tune \{\}, whose export is not "exp_f32"/],
+    [(m) => { m.quants.q4_0.planes = null; }, /quants\.q4_0 must give a block, a group of rows and its planes/],
+    [(m) => { m.exports.exp_f32.params.shift(); }, /exports\.exp_f32 gives 2 parameters, the wasm function takes 3/],
+  ];
+  const dir = await mkdtemp(join(tmpdir(), 'kernelgen-tampered-'));
+  try {
+    for (const [edit, message] of cases) {
+      await cp(new URL('../../out/simd128/', import.meta.url), join(dir, 'simd128'), { recursive: true });
+      const manifest = JSON.parse(await readFile(join(dir, 'simd128', 'kernels.json'), 'utf8'));
+      edit(manifest);
+      await writeFile(join(dir, 'simd128', 'kernels.json'), JSON.stringify(manifest));
+      await assert.rejects(loadKernels({ dir, target: 'simd128', threads: 1 }), message);
+    }
+  } finally {
+    await rm(dir, { recursive: true, force: true });
+  }
+});
+
 test('loadKernels picks relaxed SIMD exactly where its dot is usable, and says why', async () => {
   const k = await loadKernels({ threads: 1 });
   try {
@@ -200,6 +221,7 @@ for (const [target, unusable] of TARGETS) {
         [() => k.matmulF32(new Float32Array(16), new Float32Array(16), 4, 4, { bTransposed: 'no' }), TypeError, /expected true or false/],
         [() => k.pack('__proto__', new Uint8Array(18), 1, 32), TypeError, /unknown quant type __proto__/],
         [() => k.runJob('toString', 1, 1, []), TypeError, /no job "toString"/],
+        [() => k.ropeTable(4, 8, 10000n), TypeError, /ropeTable: expected numbers, got theta bigint/],
         // raw calls are held to the extents and multiples the kernels' docs declare (manifest params)
         [() => k.run('exp_f32', null, [new Float32Array(8), new Float32Array(8), 64]), RangeError,
           /run: exp_f32 x \(f32\[n\]\): needs 256 bytes, got a typed array of 32/],
