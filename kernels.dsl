@@ -1853,6 +1853,9 @@ kernel attention_items(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, j0: i32, j1:
         let h = j % heads;
         let t0 = i32.load(starts + s * 4);
         let t1 = i32.load(starts + s * 4 + 4);
+        if (t1 < t0) | (t1 - t0 > stride) {  # out of order, or longer than a scratch row: it would write the next
+            trap();
+        }
         let row = scratch + j * stride * 4;
         let keys = qkv + (n + h * d) * 4;
         let values = qkv + (2 * n + h * d) * 4;
@@ -1876,7 +1879,7 @@ kernel attention_items(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, j0: i32, j1:
 #   seqs: sentence count
 #   heads: heads per token
 #   d: head size, a multiple of 16
-#   stride: scratch row length, a multiple of 4, >= the longest sentence
+#   stride: scratch row length, a multiple of 4, at least the longest sentence (a longer one traps)
 export kernel attention_f32(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, seqs: i32, heads: i32, d: i32, stride: i32) {
     parallel items j0..j1 in 0..seqs * heads;
     attention_items(qkv, starts, scratch, y, j0, j1, heads, d, stride);

@@ -466,7 +466,9 @@ export class Driver {
     const end = this.#memory.buffer.byteLength;
     args.forEach((a, i) => {
       const p = spec.params[i];
-      if (ArrayBuffer.isView(a)) typedArray(`run ${name} ${p.name}`, a, classOf(a) ?? Float32Array);
+      if (ArrayBuffer.isView(a) && p.dsl_type !== 'ptr') {
+        throw new TypeError(`run: ${name} ${p.name}: expected ${SCALARS[p.type] ?? p.type}, got a typed array (only pointers take one)`);
+      } else if (ArrayBuffer.isView(a)) typedArray(`run ${name} ${p.name}`, a, classOf(a) ?? Float32Array);
       else if (p.dsl_type === 'ptr' && !(Number.isInteger(a) && a >= heap && a < end)) {
         // below heap_base are the pool's words, which a stray write would corrupt (a hang, later);
         // past the memory an i32 address wraps onto them

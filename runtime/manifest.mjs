@@ -110,8 +110,8 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     }
     const ints = new Set(e.params.filter((p) => p.type === 'i32' && p.dsl_type !== 'ptr').map((p) => p.name));
     for (const p of e.params) {
-      if (!(p.extent == null || isFormula(p.extent, ints)) || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
-        throw fail(`exports.${name}.${p.name}: an extent must be a formula of ${name}'s i32 parameters and a multiple a positive integer`);
+      if (![p.extent, p.minimum].every((f) => f == null || isFormula(f, ints)) || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
+        throw fail(`exports.${name}.${p.name}: an extent or minimum must be a formula of ${name}'s i32 parameters and a multiple a positive integer`);
       }
     }
     if (e.parallel != null && !isFormula(e.parallel.count, ints)) throw fail(`exports.${name}.parallel.count must be a formula of its i32 parameters`);
@@ -176,9 +176,9 @@ export function shapeOf(param) {
 }
 
 /** Throw a RangeError for a call of export `name` (manifest entry `spec`) its contract does not
- * allow: an i32 argument that is not the "multiple" the kernel needs, or a pointer whose "extent"
- * (bytes) runs past what it points into: `sizes[i]`, the byte length of a typed array the caller
- * copies in for argument i, else the memory's `end` from its address. */
+ * allow: an i32 argument that is not the "multiple" the kernel needs or below its "minimum", or a
+ * pointer whose "extent" (bytes) runs past what it points into: `sizes[i]`, the byte length of a
+ * typed array the caller copies in for argument i, else the memory's `end` from its address. */
 export function checkArguments(name, spec, args, end, sizes = []) {
   const env = {};
   spec.params.forEach((p, i) => {
@@ -186,6 +186,11 @@ export function checkArguments(name, spec, args, end, sizes = []) {
   });
   spec.params.forEach((p, i) => {
     if (p.multiple && env[p.name] % p.multiple) throw new RangeError(`${name} ${p.name}: must be a multiple of ${p.multiple}, got ${args[i]}`);
+    if (p.minimum != null) {
+      const least = evaluate(p.minimum, env, true);
+      const said = typeof p.minimum === 'string' ? ` (${p.minimum})` : '';
+      if (env[p.name] < least) throw new RangeError(`${name} ${p.name}: must be at least ${least}${said}, got ${args[i]}`);
+    }
   });
   spec.params.forEach((p, i) => {
     if (p.extent == null) return;

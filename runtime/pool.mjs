@@ -48,7 +48,8 @@ export function jobCall(manifest, exportName, args) {
   }
   const env = Object.fromEntries(names.map((n, i) => [n, args[i]]));
   const words = manifest.jobs[par.job].args.map((a) => env[a.name]);
-  return { job: par.job, count: evaluate(par.count, env), words, items: par.items };
+  // a negative count is no items, as the export itself takes it (its loop runs from 0 to it)
+  return { job: par.job, count: Math.max(0, evaluate(par.count, env)), words, items: par.items };
 }
 
 /** Items per claim for a jobCall `call` when the caller gives none, on a pool of `threads`: the

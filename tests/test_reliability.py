@@ -152,13 +152,49 @@ def test_raw_calls_are_held_to_the_extents_and_multiples_the_docs_declare() -> N
                 print(refused(pool.call, name, [*packed.args, aq, ad, y, 2**24, 256]))  # n rows past the end
         k4 = k.export_name("qmatvec", "q4_k")
         print(refused(k.call, k4, *[x] * 5, 1, 32))       # a Q4_K row is whole super-blocks of 256
+        soft = k.export_name("softmax_f32")
+        print(refused(k.call, soft, x, 2, 24, 4))         # stride >= t: 24 scores a row wrote the next row
+        print(refused(k.call, soft, x, 2, 4, -16))        # a negative stride wrote below x
+        mv = k.export_name("matvec_f32")
+        with k.pool(2) as pool:
+            pool.call(mv, [x, x, x, -1, 4])               # no rows, as the export itself takes it
         print("done")
     """).splitlines()
     assert out[0] == "16.0" and out[2] == "True"
     assert out[1].startswith("dot_f32__unroll4 x (f32[n]): 68 bytes from address ") and "run past the memory's end" in out[1]
     assert out[3] == "qmatvec_q8_0__rows2_accs1 k: must be a multiple of 32, got 250"
     assert all("run past the memory's end" in line and "(packed[n, k])" in line for line in out[4:6]), out
-    assert out[6] == "qmatvec_q4_k__rows4_accs1 k: must be a multiple of 256, got 32" and out[7] == "done"
+    assert out[6] == "qmatvec_q4_k__rows4_accs1 k: must be a multiple of 256, got 32"
+    assert out[7:] == ["softmax_f32 stride: must be at least 24 (t), got 4", "softmax_f32 stride: must be at least 4 (t), got -16",
+                       "done"]
+
+
+def test_attention_traps_on_a_sentence_longer_than_its_scratch_row() -> None:
+    """Sentence lengths are data (starts, in memory), so the kernel checks them itself: a raw call
+    whose stride is shorter than a sentence traps before it writes, one thread or the pool."""
+    out = py("""
+        import wasmtime
+        from kernelgen.host.pool import JobError
+        L, d = 40, 16
+        qkv = k.module.put(np.ones((L, 3 * d), np.float32))
+        y = k.module.alloc(4 * L * d)
+        scratch = k.module.alloc(4 * 4)                    # f32[seqs * heads, stride]: one row of 4
+        after = k.module.put(np.full(16, 7.0, np.float32))
+        name = k.export_name("attention_f32")
+        for starts in ([0, L], [8, 0]):                    # longer than the row; out of order
+            ps = k.module.put(np.array(starts, np.int32))
+            try:
+                k.call(name, qkv, ps, scratch, y, 1, 1, d, 4)
+            except wasmtime.Trap:
+                print("trap")
+            with k.pool(2) as pool:
+                try:
+                    pool.call(name, [qkv, ps, scratch, y, 1, 1, d, 4])
+                except JobError:
+                    print("job error")
+        print(k.module.get(after, np.float32, 16).tolist() == [7.0] * 16)
+    """).split()
+    assert out == ["trap", "job", "error"] * 2 + ["True"], out
 
 
 def test_every_pointer_of_the_library_declares_its_extent() -> None:
@@ -176,7 +212,7 @@ def test_manifest_with_a_bad_extent_is_refused(tmp_path: Path) -> None:
         m["exports"][next(n for n in m["exports"] if n.startswith("dot_f32"))]["params"][0]["extent"] = ["*", 4, "x"]
     out = copy_out(tmp_path / "out")
     edit_manifest(out, "simd128", edit)
-    with pytest.raises(KernelgenError, match=r"exports\.dot_f32__unroll4\.x: an extent must be a formula"):
+    with pytest.raises(KernelgenError, match=r"exports\.dot_f32__unroll4\.x: an extent or minimum must be a formula"):
         kernelgen.load(out, "simd128")
 
 

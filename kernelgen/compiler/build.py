@@ -199,7 +199,8 @@ def _params(e: Export) -> list[dict]:
     """The wasm parameters of an export, or the argument words of a job: name, wasm type, meaning
     (from the kernel's doc comment); a packed matrix is one pointer per plane of its quant type. An
     export's pointers give their "extent" (bytes, a formula of its i32 arguments; null where the
-    doc gives none or a `?`), its i32 parameters a required "multiple" where the doc says one."""
+    doc gives none or a `?`), its i32 parameters a required "multiple" and a "minimum" (a formula)
+    where the doc says one."""
     out = []
     for p in e.params:
         meaning = e.kernel.param_docs.get(p.name, "")
@@ -215,8 +216,11 @@ def _params(e: Export) -> list[dict]:
         for entry in out:
             if entry["dsl_type"] == "ptr":
                 entry["extent"] = e.contract.extents.get(entry["name"])
-            elif entry["name"] in e.contract.multiples:
-                entry["multiple"] = e.contract.multiples[entry["name"]]
+            else:
+                if entry["name"] in e.contract.multiples:
+                    entry["multiple"] = e.contract.multiples[entry["name"]]
+                if entry["name"] in e.contract.minimums:
+                    entry["minimum"] = e.contract.minimums[entry["name"]]
     return out
 
 

@@ -27,6 +27,7 @@ EXTENT_TYPES = {"f32": 4, "f64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1}
 _EXTENT_PART = re.compile(r"(\w+)\[([^\[\]]*)\]")
 _EXTENT_START = re.compile(rf"(?:{'|'.join(EXTENT_TYPES)}|packed)\[")
 _MULTIPLE = re.compile(r"\ba multiple of ((?:(?! \()[^,;])+)")  # to a ',', ';' or ' (' (a remark)
+_MINIMUM = re.compile(r">= ((?:(?! \()[^,;])+)")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class KernelInfo:
     param_docs: dict[str, str] = field(default_factory=dict)  # from "#   name: meaning" lines in it
     extents: dict[str, Extent] = field(default_factory=dict)  # an export's pointer parameters' (Extent)
     multiples: dict[str, A.Expr] = field(default_factory=dict)  # its i32 parameters' "a multiple of N"
+    minimums: dict[str, A.Expr] = field(default_factory=dict)  # and their ">= EXPR" (EXPR: item-count arithmetic)
 
     @property
     def name(self) -> str:
@@ -304,7 +306,7 @@ def _check_inline_returns(k: A.KernelDecl, body: tuple[A.Stmt, ...], top: bool) 
 def _with_docs(k: A.KernelDecl, lines: list[str], source: str) -> KernelInfo:
     """The comment block above `k`: its text, and its parameter lines `#   name: meaning` (a line
     indented deeper than one continues it), which for an export give its pointers' extents and its
-    i32 parameters' "a multiple of N" (_parameter_contract)."""
+    i32 parameters' "a multiple of N" and ">= EXPR" (_parameter_contract)."""
     doc: list[int] = []  # line indices
     n = k.span.line - 2
     while n >= 0 and lines[n].lstrip().startswith("#"):
@@ -337,7 +339,7 @@ def _with_docs(k: A.KernelDecl, lines: list[str], source: str) -> KernelInfo:
 def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, col: int, source: str,
                         info: KernelInfo) -> None:
     """Record an exported kernel's parameter `p`'s Extent (a pointer whose doc starts with one) or
-    its "a multiple of N" (an i32), from its doc `meaning` at `line`:`col` of `source`."""
+    its "a multiple of N" and ">= EXPR" (an i32), from its doc `meaning` at `line`:`col` of `source`."""
     params = {q.name: q for q in k.params}
     generics = {g.name for g in k.generics}
 
@@ -376,8 +378,11 @@ def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, co
             raise DslError(A.Span(k.span.file, line, col), f"{k.name}: {p.name} is "
                            f"{'a packed matrix: its extent is packed[rows, k]' if p.packed else 'a pointer'}", source)
         info.extents[p.name] = Extent(tuple(parts))
-    elif not pointer and T.resolve(p.type) == "i32" and (m := _MULTIPLE.search(meaning)) is not None:
-        info.multiples[p.name] = expr(m.group(1).strip(), m.start(1), f"{p.name}'s multiple")
+    elif not pointer and T.resolve(p.type) == "i32":
+        if (m := _MULTIPLE.search(meaning)) is not None:
+            info.multiples[p.name] = expr(m.group(1).strip(), m.start(1), f"{p.name}'s multiple")
+        if (m := _MINIMUM.search(meaning)) is not None:
+            info.minimums[p.name] = expr(m.group(1).strip(), m.start(1), f"{p.name}'s minimum")
 
 
 def tune_key(kernel: str, quant: str | None) -> str:

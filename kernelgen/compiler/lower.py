@@ -92,11 +92,13 @@ Tree = int | str | list  # a formula over an export's i32 arguments, as the mani
 class Contract:
     """What hosts compute and check from an export's arguments, as manifest formulas: its pool
     job's item count, each pointer's extent in bytes (check.Extent; a packed matrix's per plane,
-    None where a dimension is `?`), each i32 parameter's required multiple ("a multiple of N")."""
+    None where a dimension is `?`), each i32 parameter's required multiple ("a multiple of N") and
+    least value (">= EXPR")."""
 
     count: Tree | None = None
     extents: dict[str, Tree | None] = field(default_factory=dict)
     multiples: dict[str, int] = field(default_factory=dict)
+    minimums: dict[str, Tree] = field(default_factory=dict)
 
 
 MAX_INSTANTIATION_DEPTH = 32  # internal kernels instantiating one another, e.g. g[N] -> g[N + 1]
@@ -653,6 +655,8 @@ class Lowerer:
             if v.code is not None or not isinstance(v.const, int) or v.const < 1:
                 raise DslError(e.span, f"{k.name}: {name}'s 'a multiple of' needs a positive constant")
             out.multiples[name] = v.const
+        for name, e in k.minimums.items():
+            out.minimums[name] = self._count_tree(e)
         return out
 
     def _count_tree(self, e: A.Expr) -> int | str | list:

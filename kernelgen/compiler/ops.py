@@ -496,6 +496,14 @@ def _wait32(c: Ctx, q: str | None, args: list[Val]) -> Val:
     return Val(code, "i32")
 
 
+def _trap(c: Ctx, q: str | None, args: list[Val]) -> Val:
+    """trap(): stop with a trap (wasm's unreachable), for an input the kernel cannot honour that only
+    it can see (a length read from memory): the host raises it, where going on would write past a
+    buffer."""
+    _arity(c, args, 0, "trap")
+    return Val(I("unreachable"), "void")
+
+
 def _notify(c: Ctx, q: str | None, args: list[Val]) -> Val:
     """notify(p, count): wake up to count waiters on p (count -1: all); returns how many woke."""
     p, count = _arity(c, args, 2, "notify")
@@ -1037,6 +1045,7 @@ SIMD128: dict[str, Op] = {
     "atomic_cmpxchg": _atomic("atomic_cmpxchg", "i32.atomic.rmw.cmpxchg", 2, True),
     "wait32": _wait32,
     "notify": _notify,
+    "trap": _trap,
     "run_job": _run_job,
     "idot": _idot_simd128,
     "idots": _idot_simd128,

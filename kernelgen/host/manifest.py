@@ -90,10 +90,10 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
                        f"export is not {name!r}")
         ints = {p["name"] for p in e["params"] if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
         for p in e["params"]:
-            if not (p.get("extent") is None or _formula(p["extent"], ints)) \
+            if not all(p.get(f) is None or _formula(p[f], ints) for f in ("extent", "minimum")) \
                     or not (p.get("multiple") is None or _int(p["multiple"]) and p["multiple"] >= 1):
-                raise fail(f"exports.{name}.{p['name']}: an extent must be a formula of {name}'s i32 parameters "
-                           "and a multiple a positive integer")
+                raise fail(f"exports.{name}.{p['name']}: an extent or minimum must be a formula of {name}'s i32 "
+                           "parameters and a multiple a positive integer")
         if isinstance(e.get("parallel"), dict) and not _formula(e["parallel"].get("count"), ints):
             raise fail(f"exports.{name}.parallel.count must be a formula of its i32 parameters")
     for name, q in manifest["quants"].items():
@@ -141,7 +141,8 @@ def evaluate(tree: Formula, env: Mapping[str, int | float], exact: bool = False)
 def check_arguments(name: str, spec: dict, args: Sequence[int | float], end: int) -> None:
     """Refuse a call of export `name` (manifest entry `spec`) that its contract does not allow, with
     a ValueError: an i32 argument that is not the "multiple" the kernel needs (it would skip a tail
-    or misread a super-block's record), or a pointer whose "extent" (bytes) from its address runs
+    or misread a super-block's record) or below its "minimum" (softmax's stride below its row's
+    scores wrote the next row), or a pointer whose "extent" (bytes) from its address runs
     past the memory's `end` (the kernel would trap midway, or read what lies there). The caller
     has checked each address lies in the heap."""
     params = spec["params"]
@@ -150,6 +151,9 @@ def check_arguments(name: str, spec: dict, args: Sequence[int | float], end: int
     for p, a in zip(params, args):
         if p.get("multiple") and env[p["name"]] % p["multiple"]:
             raise ValueError(f"{name} {p['name']}: must be a multiple of {p['multiple']}, got {a}")
+        if p.get("minimum") is not None and env[p["name"]] < (least := evaluate(p["minimum"], env, exact=True)):
+            said = f" ({p['minimum']})" if isinstance(p["minimum"], str) else ""
+            raise ValueError(f"{name} {p['name']}: must be at least {least}{said}, got {a}")
     for p, a in zip(params, args):
         if p.get("extent") is not None and int(a) + (need := evaluate(p["extent"], env, exact=True)) > end:
             raise ValueError(f"{name} {p['name']} ({shape_of(p)}): {need} bytes from address {a} run past the memory's"
@@ -178,3 +182,4 @@ def check_exports(manifest: dict, signatures: Mapping[str, list[str]], where: st
             got = "no such function" if name not in signatures else f"parameters ({', '.join(signatures[name])})"
             raise KernelgenError(f"{where}: exports.{name} gives parameters ({', '.join(map(str, want))}), the wasm "
                                  f"{got}; rebuild with `kernelgen build`")
+

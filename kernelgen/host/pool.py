@@ -70,7 +70,8 @@ def job_call(manifest: dict, export: str, args: Sequence[int | float]) -> JobCal
         raise ValueError(f"{export} takes {len(names)} arguments ({', '.join(names)}), got {len(args)}")
     env = dict(zip(names, args))
     words = [env[a["name"]] for a in manifest["jobs"][par["job"]]["args"]]
-    return JobCall(par["job"], evaluate(par["count"], env), words, par["items"])
+    # a negative count is no items, as the export itself takes it (its loop runs from 0 to it)
+    return JobCall(par["job"], max(0, evaluate(par["count"], env)), words, par["items"])
 
 
 class Pool:

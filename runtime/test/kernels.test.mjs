@@ -227,6 +227,11 @@ for (const [target, unusable] of TARGETS) {
           /run: exp_f32 x \(f32\[n\]\): needs 256 bytes, got a typed array of 32/],
         [() => k.run('exp_f32', null, [held.addr, held.addr, 2 ** 29]), RangeError, /x \(f32\[n\]\): 2147483648 bytes from address \d+ run past the memory's end/],
         [() => k.run('act_check', null, [new Int16Array(64), new Float32Array(4), 48]), RangeError, /act_check n: must be a multiple of 32, got 48/],
+        [() => k.run('softmax_f32', null, [new Float32Array(8), 2, 24, 4]), RangeError, /softmax_f32 stride: must be at least 24 \(t\), got 4/],
+        [() => k.run('exp_f32', null, [held.addr, held.addr, new Int32Array([4])]), TypeError, /exp_f32 n: expected a 32-bit integer, got a typed array/],
+        // a sentence longer than attention's scratch row (its length is data: the kernel traps)
+        [() => k.run('attention_f32', null, [new Float32Array(40 * 48), new Int32Array([0, 40]), new Float32Array(4), new Float32Array(40 * 16), 1, 1, 16, 4]),
+          WebAssembly.RuntimeError, /unreachable/],
         [() => k.run('qmatvec', 'q4_1', [w.planes.q, w.planes.scale, w.planes.offset, held.addr, held.addr, held.addr, 2 ** 20, 64]), RangeError,
           /qmatvec_q4_1\S* w_q \(packed\[n, k\]\): \d+ bytes from address \d+ run past the memory's end/],
       ];
