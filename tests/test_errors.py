@@ -421,6 +421,10 @@ def test_errors_name_the_file_given() -> None:
     with pytest.raises(DslError) as info:
         compile_source("export kernel f(x: ptr) {\n    let a = ;\n}\n", filename="lib/mine.dsl")
     assert str(info.value).startswith("lib/mine.dsl:2:13: ")
+    for doc, where in (("#   x: f32[(n]", "1:14"), ("#   x: f32[m]", "1:12")):  # a parameter's extent, parsed or lowered
+        with pytest.raises(DslError) as info:
+            compile_source(doc + "\nexport kernel f(x: ptr, n: i32) {\n}\n", filename="lib/mine.dsl")
+        assert str(info.value).startswith(f"lib/mine.dsl:{where}: "), str(info.value)
 
 
 def test_unknown_tune_kernel_and_parameter_are_unlocated_errors() -> None:

@@ -344,7 +344,7 @@ def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, co
     generics = {g.name for g in k.generics}
 
     def expr(text: str, at: int, what: str) -> A.Expr:
-        e = parse_expr(source, text, line, col + at)
+        e = parse_expr(source, text, line, col + at, k.span.file)
         try:
             _check_count(k, e, params, generics, what)
         except DslError as err:
