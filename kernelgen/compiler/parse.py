@@ -93,7 +93,7 @@ def parse_expr(source: str, text: str, line: int, col: int, filename: str = "ker
     try:
         return _parse("\n" * (line - 1) + " " * (col - 1) + text, filename, "expr")
     except DslError as e:
-        raise DslError(e.span, e.message, source) from None
+        raise DslError(e.span, e.message.replace("end of file", "end of the expression"), source) from None
 
 
 def _parse(source: str, filename: str, start: str) -> Any:
