@@ -1871,11 +1871,11 @@ kernel attention_items(qkv: ptr, starts: ptr, scratch: ptr, y: ptr, j0: i32, j1:
 # y = softmax(q . k_j over the sentence's keys j) weighted sum of v_j. Rounding: each score as
 # matmul_f32_nt (|error| <= (d / 4 + 2) 2^-24 sum |q_c k_c|), the softmax as softmax_f32, each
 # output as matmul_f32_nn over the sentence's length L ((L + 1) 2^-24 sum |p_j v_j|).
-#   qkv: f32[?, 3 * heads * d], starts[seqs] rows (?: hosts cannot tell), row = q | k | v, queries scaled by 1 / sqrt(d)
+#   qkv: f32[starts[seqs], 3 * heads * d], row = q | k | v, queries scaled by 1 / sqrt(d)
 #   starts: i32[seqs + 1], sentence s owns rows starts[s] .. starts[s + 1] - 1 (at least one),
 #           starts[0] = 0, starts[seqs] = rows
 #   scratch: f32[seqs * heads, stride], overwritten
-#   y: f32[?, heads * d], written: starts[seqs] rows
+#   y: f32[starts[seqs], heads * d], written
 #   seqs: sentence count
 #   heads: heads per token
 #   d: head size, a multiple of 16

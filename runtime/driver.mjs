@@ -477,7 +477,10 @@ export class Driver {
         throw new TypeError(`run: ${name} ${p.name}: expected ${SCALARS[p.type] ?? p.type}, got ${typeof a} ${String(a)}`);
       }
     });
-    checkArguments(`run: ${name}`, spec, args, end, args.map((a) => (ArrayBuffer.isView(a) ? a.byteLength : undefined)));
+    const read = (i, offset) => (ArrayBuffer.isView(args[i])
+      ? new DataView(args[i].buffer, args[i].byteOffset, args[i].byteLength)
+      : new DataView(this.#memory.buffer, args[i])).getInt32(offset, true);
+    checkArguments(`run: ${name}`, spec, args, end, args.map((a) => (ArrayBuffer.isView(a) ? a.byteLength : undefined)), read);
     return this.#scoped(() => {
       const addrs = args.map((a) => (ArrayBuffer.isView(a) ? this.#put(a, VECTOR_BYTES) : a));
       const result = this.#run(kernel, quant, addrs, opts);

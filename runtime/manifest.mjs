@@ -109,8 +109,10 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
       throw fail(`exports.${name} names kernel ${JSON.stringify(e.kernel)}, quant ${JSON.stringify(e.quant)} and tune ${JSON.stringify(tune)}, whose export is not ${JSON.stringify(name)}`);
     }
     const ints = new Set(e.params.filter((p) => p.type === 'i32' && p.dsl_type !== 'ptr').map((p) => p.name));
+    const reads = new Set(e.params.filter((p) => p.dsl_type === 'ptr' && p.extent != null).map((p) => p.name));
     for (const p of e.params) {
-      if (![p.extent, p.minimum].every((f) => f == null || isFormula(f, ints)) || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
+      if (!(p.extent == null || isFormula(p.extent, ints, reads)) || !(p.minimum == null || isFormula(p.minimum, ints))
+          || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
         throw fail(`exports.${name}.${p.name}: an extent or minimum must be a formula of ${name}'s i32 parameters and a multiple a positive integer`);
       }
     }
@@ -141,22 +143,33 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
 const FORMULA_OPS = new Set(['+', '-', '*', '/', '%']);
 const MAX_FORMULA_DEPTH = 32; // deeper than any the compiler writes
 
-function isFormula(tree, names, depth = 0) {
+/** Whether `tree` is a formula of the i32 arguments `names`, reading (['i32', p, index]) only
+ * pointers in `reads`, with indices that read nothing. */
+function isFormula(tree, names, reads = new Set(), depth = 0) {
   if (isInt(tree)) return true;
   if (typeof tree === 'string') return names.has(tree);
+  if (Array.isArray(tree) && tree.length === 3 && tree[0] === 'i32') return reads.has(tree[1]) && isFormula(tree[2], names, new Set(), depth + 1);
   return Array.isArray(tree) && tree.length === 3 && FORMULA_OPS.has(tree[0]) && depth < MAX_FORMULA_DEPTH
-    && isFormula(tree[1], names, depth + 1) && isFormula(tree[2], names, depth + 1);
+    && isFormula(tree[1], names, reads, depth + 1) && isFormula(tree[2], names, reads, depth + 1);
 }
+
+/** Whether a formula reads memory (['i32', p, index] in it). */
+const readsMemory = (tree) => Array.isArray(tree) && (tree[0] === 'i32' || readsMemory(tree[1]) || readsMemory(tree[2]));
 
 /** A manifest formula ([op, left, right], argument names, numbers) of a call's i32 arguments `env`,
  * as wasm's i32 ops compute it (an item count), or (`exact`) in whole numbers: an extent in bytes,
- * whose wrap would hide an overrun. */
-export function evaluate(tree, env, exact = false) {
+ * whose wrap would hide an overrun. `load(p, i)`: the i32 at index i of pointer argument p (an
+ * extent's ['i32', p, i]). */
+export function evaluate(tree, env, exact = false, load = null) {
   if (typeof tree === 'string') return exact ? Number(env[tree]) : env[tree] | 0;
   if (typeof tree === 'number') return tree;
   const [op, left, right] = tree;
-  const a = evaluate(left, env, exact);
-  const b = evaluate(right, env, exact);
+  if (op === 'i32') {
+    if (!load) throw new RangeError(`${JSON.stringify(tree)} reads memory`);
+    return load(left, evaluate(right, env, exact));
+  }
+  const a = evaluate(left, env, exact, load);
+  const b = evaluate(right, env, exact, load);
   if ((op === '/' || op === '%') && b === 0) throw new RangeError(`${JSON.stringify(tree)} divides by zero`);
   if (exact) return { '+': a + b, '-': a - b, '*': a * b, '/': Math.trunc(a / b), '%': a % b }[op];
   const ops = { '+': () => a + b, '-': () => a - b, '*': () => Math.imul(a, b), '/': () => Math.trunc(a / b), '%': () => a % b };
@@ -178,8 +191,10 @@ export function shapeOf(param) {
 /** Throw a RangeError for a call of export `name` (manifest entry `spec`) its contract does not
  * allow: an i32 argument that is not the "multiple" the kernel needs or below its "minimum", or a
  * pointer whose "extent" (bytes) runs past what it points into: `sizes[i]`, the byte length of a
- * typed array the caller copies in for argument i, else the memory's `end` from its address. */
-export function checkArguments(name, spec, args, end, sizes = []) {
+ * typed array the caller copies in for argument i, else the memory's `end` from its address. An
+ * extent that reads another pointer's i32 (attention's rows, starts[seqs]) comes after that
+ * pointer's own check and reads within it: `read(i, offset)`, the i32 at byte offset of argument i. */
+export function checkArguments(name, spec, args, end, sizes = [], read = null) {
   const env = {};
   spec.params.forEach((p, i) => {
     if (p.type === 'i32' && p.dsl_type !== 'ptr') env[p.name] = args[i];
@@ -192,15 +207,24 @@ export function checkArguments(name, spec, args, end, sizes = []) {
       if (env[p.name] < least) throw new RangeError(`${name} ${p.name}: must be at least ${least}${said}, got ${args[i]}`);
     }
   });
-  spec.params.forEach((p, i) => {
-    if (p.extent == null) return;
-    const need = evaluate(p.extent, env, true);
+  const checked = new Map(); // pointer -> [argument index, bytes its extent was checked for]
+  const load = (pointer, index) => {
+    const [i, size] = checked.get(pointer);
+    if (!(index >= 0 && 4 * index <= size - 4) || !read) throw new RangeError(`${name}: ${pointer}[${index}] is outside ${pointer}'s extent (${size} bytes)`);
+    return read(i, 4 * index);
+  };
+  const order = spec.params.map((p, i) => i).sort((i, j) => readsMemory(spec.params[i].extent) - readsMemory(spec.params[j].extent));
+  for (const i of order) { // those whose extents read another pointer's i32s after it
+    const p = spec.params[i];
+    if (p.extent == null) continue;
+    const need = evaluate(p.extent, env, true, load);
     if (sizes[i] !== undefined) {
       if (need > sizes[i]) throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): needs ${need} bytes, got a typed array of ${sizes[i]}`);
     } else if (args[i] + need > end) {
       throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): ${need} bytes from address ${args[i]} run past the memory's end at ${end}`);
     }
-  });
+    checked.set(p.name, [i, need]);
+  }
 }
 
 /** An export's name from its kernel, quant type and tune values (kernelgen/names.py variant_name). */

@@ -220,7 +220,8 @@ export class Pool {
    * the job's tuned chunk, else about four claims per thread; run refuses a bad one). */
   call(exportName, args, chunk) {
     const c = jobCall(this.manifest, exportName, args);
-    checkArguments(exportName, this.manifest.exports[exportName], args, this.#memory.buffer.byteLength);
+    checkArguments(exportName, this.manifest.exports[exportName], args, this.#memory.buffer.byteLength, [],
+      (i, offset) => new DataView(this.#memory.buffer, args[i]).getInt32(offset, true));
     this.run(c.job, c.count, chunk ?? defaultChunk(this.manifest, c, this.size), c.words);
   }
 

@@ -380,6 +380,8 @@ CASES = [
     Case("extent: an element type after 'then'", "#   x: f32[n] then f16[n], written\n" + K(""), 1, 20,
          "f: x's extent: f16[...] is not an element type here"),
     Case("extent: an unknown name", "#   x: f32[m]\n" + K(""), 1, 12, "m", lowering=True),
+    Case("extent: reads a pointer that is no i32 array", "#   x: f32[y[0]]\n#   y: f32[n]\n"
+         + K("", "x: ptr, y: ptr, n: i32"), 1, 8, "f: x's extent reads y[...]: y's own extent must be i32[...], reading nothing"),
     Case("minimum: a pointer", "#   n: count, >= x\n" + K(""), 1, 18, "f: n's minimum may use i32 parameters, not x: ptr"),
     Case("multiple: not a constant", "#   n: count, a multiple of n\n" + K(""), 1, 29,
          "f: n's 'a multiple of' needs a positive constant", lowering=True),

@@ -24,7 +24,7 @@ _TARGET_CONSTS = set().union(*(t.constants for t in TARGETS.values())) | set(lay
 _DOC_PARAM = re.compile(r"#(\s+)(\w+):\s+(.*)")
 # A pointer parameter's extent at the start of its doc: parts `TYPE[dims]` joined by " then ".
 EXTENT_TYPES = {"f32": 4, "f64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1}
-_EXTENT_PART = re.compile(r"(\w+)\[([^\[\]]*)\]")
+_EXTENT_KIND = re.compile(r"(\w+)\[")
 _EXTENT_START = re.compile(rf"(?:{'|'.join(EXTENT_TYPES)}|packed)\[")
 _MULTIPLE = re.compile(r"\ba multiple of ((?:(?! \()[^,;])+)")  # to a ',', ';' or ' (' (a remark)
 _MINIMUM = re.compile(r">= ((?:(?! \()[^,;])+)")
@@ -40,6 +40,7 @@ class Extent:
     hosts evaluate them from a call's arguments and refuse memory too short for them."""
 
     parts: tuple[tuple[str, tuple[A.Expr | None, ...]], ...]
+    loads: frozenset[str] = frozenset()  # the pointers whose i32s it reads (`starts[seqs]`)
 
 
 @dataclass
@@ -274,13 +275,19 @@ def _check_parallel(k: A.KernelDecl, quants: dict[str, QuantFormat], local: Call
 
 
 def _check_count(k: A.KernelDecl, e: A.Expr, params: dict[str, A.Param], generics: set[str],
-                 what: str = "the item count") -> None:
+                 what: str = "the item count", loads: set[str] | None = None) -> None:
     """The item count (or an extent's dimension) is arithmetic (+ - * / %) on numbers, consts, tune
     values, Q.block and the kernel's i32 parameters: what both hosts can evaluate from a call's
-    arguments (manifest "parallel".count, a parameter's "extent")."""
+    arguments (manifest "parallel".count, a parameter's "extent"). An extent may also read `p[i]`,
+    the i32 at index i of pointer p (its own extent i32[...]; i without reads), which `loads`
+    collects: attention's rows are starts[seqs]."""
     if isinstance(e, A.Binary) and e.op in "+-*/%":
-        _check_count(k, e.left, params, generics, what)
-        _check_count(k, e.right, params, generics, what)
+        _check_count(k, e.left, params, generics, what, loads)
+        _check_count(k, e.right, params, generics, what, loads)
+    elif (loads is not None and isinstance(e, A.Index) and isinstance(e.base, A.Name) and len(e.indices) == 1
+          and e.base.id in params and params[e.base.id].type == "ptr"):
+        _check_count(k, e.indices[0], params, generics, what)
+        loads.add(e.base.id)
     elif isinstance(e, A.Name) and e.id in params:
         if params[e.id].packed or T.resolve(params[e.id].type) != "i32" or params[e.id].type == "ptr":
             raise DslError(e.span, f"{k.name}: {what} may use i32 parameters, not {e.id}: {params[e.id].type}")
@@ -333,7 +340,31 @@ def _with_docs(k: A.KernelDecl, lines: list[str], source: str) -> KernelInfo:
         for p in k.params:
             if p.name in params:
                 _parameter_contract(k, p, params[p.name], *at[p.name], source, info)
+        for name, e in info.extents.items():  # an extent reads i32s only where the pointer's own says so
+            for read in e.loads:
+                own = info.extents.get(read)
+                if own is None or [kind for kind, _ in own.parts] != ["i32"] or own.loads:
+                    raise DslError(A.Span(k.span.file, *at[name]), f"{k.name}: {name}'s extent reads {read}[...]: "
+                                   f"{read}'s own extent must be i32[...], reading nothing", source)
     return info
+
+
+def _bracketed(text: str, start: int) -> list[str] | None:
+    """The comma-separated items from `start` to the `]` that closes the `[` before it (brackets
+    inside nest: `starts[seqs]`), or None if none closes it."""
+    items, depth, begin = [], 0, start
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        elif c in ",]" and depth == 0:
+            items.append(text[begin:i])
+            begin = i + 1
+            if c == "]":
+                return items
+    return None
 
 
 def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, col: int, source: str,
@@ -343,30 +374,30 @@ def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, co
     params = {q.name: q for q in k.params}
     generics = {g.name for g in k.generics}
 
-    def expr(text: str, at: int, what: str) -> A.Expr:
+    def expr(text: str, at: int, what: str, loads: set[str] | None = None) -> A.Expr:
         e = parse_expr(source, text, line, col + at, k.span.file)
         try:
-            _check_count(k, e, params, generics, what)
+            _check_count(k, e, params, generics, what, loads)
         except DslError as err:
             raise err.with_source(source) from None
         return e
 
     pointer = p.packed or p.type == "ptr"
     if pointer and _EXTENT_START.match(meaning):
-        parts, pos = [], 0
-        while (m := _EXTENT_PART.match(meaning, pos)) is not None:
+        parts, pos, loads = [], 0, set()
+        while (m := _EXTENT_KIND.match(meaning, pos)) is not None and (dims_text := _bracketed(meaning, m.end())):
             kind = m.group(1)
             if kind not in EXTENT_TYPES and not (kind == "packed" and p.packed and not parts):
                 want = "packed[rows, k]" if p.packed else f"one of {', '.join(EXTENT_TYPES)}"
                 raise DslError(A.Span(k.span.file, line, col + pos), f"{k.name}: {p.name}'s extent: {kind}[...] is"
                                f" not an element type here (want {want})", source)
-            dims, at = [], m.start(2)
-            for d in m.group(2).split(","):
+            dims, at = [], m.end()
+            for d in dims_text:
                 lead = len(d) - len(d.lstrip())
-                dims.append(None if d.strip() == "?" else expr(d.strip(), at + lead, f"{p.name}'s extent"))
+                dims.append(None if d.strip() == "?" else expr(d.strip(), at + lead, f"{p.name}'s extent", loads))
                 at += len(d) + 1
             parts.append((kind, tuple(dims)))
-            pos = m.end()
+            pos = at
             if not meaning.startswith(" then ", pos) or kind == "packed":
                 break
             pos += len(" then ")
@@ -377,7 +408,7 @@ def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, co
         if p.packed != (parts[0][0] == "packed") or (p.packed and len(parts[0][1]) != 2):
             raise DslError(A.Span(k.span.file, line, col), f"{k.name}: {p.name} is "
                            f"{'a packed matrix: its extent is packed[rows, k]' if p.packed else 'a pointer'}", source)
-        info.extents[p.name] = Extent(tuple(parts))
+        info.extents[p.name] = Extent(tuple(parts), frozenset(loads))
     elif not pointer and T.resolve(p.type) == "i32":
         if (m := _MULTIPLE.search(meaning)) is not None:
             info.multiples[p.name] = expr(m.group(1).strip(), m.start(1), f"{p.name}'s multiple")

@@ -661,8 +661,12 @@ class Lowerer:
 
     def _count_tree(self, e: A.Expr) -> int | str | list:
         """The item count as the manifest writes it for hosts: a number, a parameter's name, or
-        [op, left, right] with op one of + - * / % on i32 (check.py allows nothing else);
-        constants, tune values and Q.block are folded."""
+        [op, left, right] with op one of + - * / % on i32 (check.py allows nothing else), or in an
+        extent ["i32", p, index]: the i32 at that index of pointer p; constants, tune values and
+        Q.block are folded."""
+        if isinstance(e, A.Index):
+            assert isinstance(e.base, A.Name), e
+            return ["i32", e.base.id, self._count_tree(e.indices[0])]
         v = self._expr(e)
         if v.code is None and isinstance(v.const, int):
             return v.const

@@ -237,7 +237,8 @@ class Kernels:
         for a, p in zip(args, spec["params"]):
             if p["dsl_type"] == "ptr" and not (type(a) is int and self.module.in_heap(a)):
                 self.module.check_address(f"{name} {p['name']}", a)  # raises, or takes a numpy integer
-        check_arguments(name, spec, args, self.module.memory.data_len())
+        check_arguments(name, spec, args, self.module.memory.data_len(),
+                        lambda addr: int(self.module.view(addr, np.int32, 1)[0]))
 
     def reset(self) -> None:
         """Free all memory the module holds for this host, packed weights included."""

@@ -9,7 +9,7 @@ runtime/manifest.mjs makes the same checks for the JavaScript runtime.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import KernelgenError
 from ..names import variant_name
@@ -89,8 +89,10 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
             raise fail(f"exports.{name} names kernel {e['kernel']!r}, quant {e['quant']!r} and tune {tune}, whose "
                        f"export is not {name!r}")
         ints = {p["name"] for p in e["params"] if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
+        reads = {p["name"] for p in e["params"] if p.get("dsl_type") == "ptr" and p.get("extent") is not None}
         for p in e["params"]:
-            if not all(p.get(f) is None or _formula(p[f], ints) for f in ("extent", "minimum")) \
+            if not (p.get("extent") is None or _formula(p["extent"], ints, reads)) \
+                    or not (p.get("minimum") is None or _formula(p["minimum"], ints)) \
                     or not (p.get("multiple") is None or _int(p["multiple"]) and p["multiple"] >= 1):
                 raise fail(f"exports.{name}.{p['name']}: an extent or minimum must be a formula of {name}'s i32 "
                            "parameters and a multiple a positive integer")
@@ -114,23 +116,38 @@ FORMULA_OPS = ("+", "-", "*", "/", "%")
 MAX_FORMULA_DEPTH = 32  # deeper than any the compiler writes: a manifest's are checked, not recursed blind
 
 
-def _formula(tree: Any, names: set[str], depth: int = 0) -> bool:
+def _formula(tree: Any, names: set[str], reads: set[str] = frozenset(), depth: int = 0) -> bool:
+    """Whether `tree` is a formula of the i32 arguments `names`, reading (["i32", p, index]) only
+    pointers in `reads`, with indices that read nothing."""
     if _int(tree):
         return True
     if isinstance(tree, str):
         return tree in names
+    if isinstance(tree, list) and len(tree) == 3 and tree[0] == "i32":
+        return tree[1] in reads and _formula(tree[2], names, frozenset(), depth + 1)
     return (isinstance(tree, list) and len(tree) == 3 and tree[0] in FORMULA_OPS and depth < MAX_FORMULA_DEPTH
-            and _formula(tree[1], names, depth + 1) and _formula(tree[2], names, depth + 1))
+            and _formula(tree[1], names, reads, depth + 1) and _formula(tree[2], names, reads, depth + 1))
 
 
-def evaluate(tree: Formula, env: Mapping[str, int | float], exact: bool = False) -> int:
+def _reads(tree: Any) -> bool:
+    """Whether a formula reads memory (["i32", p, index] in it)."""
+    return isinstance(tree, list) and (tree[0] == "i32" or _reads(tree[1]) or _reads(tree[2]))
+
+
+def evaluate(tree: Formula, env: Mapping[str, int | float], exact: bool = False,
+             load: Callable[[str, int], int] | None = None) -> int:
     """A manifest formula of a call's i32 arguments (an item count, an extent) as wasm's i32 ops
-    compute it, or (`exact`) in whole numbers: an extent in bytes, whose wrap would hide an overrun."""
+    compute it, or (`exact`) in whole numbers: an extent in bytes, whose wrap would hide an overrun.
+    `load(p, i)`: the i32 at index i of pointer argument p (an extent's ["i32", p, i])."""
     if isinstance(tree, str):
         return int(env[tree])
     if isinstance(tree, int):
         return tree
-    op, a, b = tree[0], evaluate(tree[1], env, exact), evaluate(tree[2], env, exact)
+    if tree[0] == "i32":
+        if load is None:
+            raise ValueError(f"{tree} reads memory")
+        return load(tree[1], evaluate(tree[2], env, exact))
+    op, a, b = tree[0], evaluate(tree[1], env, exact, load), evaluate(tree[2], env, exact, load)
     if op in "/%" and b == 0:
         raise ValueError(f"{tree} divides by zero with {dict(env)}")
     q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1) if op in "/%" else 0  # i32.div_s truncates
@@ -138,13 +155,16 @@ def evaluate(tree: Formula, env: Mapping[str, int | float], exact: bool = False)
     return value if exact else (value + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
-def check_arguments(name: str, spec: dict, args: Sequence[int | float], end: int) -> None:
+def check_arguments(name: str, spec: dict, args: Sequence[int | float], end: int,
+                    read: Callable[[int], int] | None = None) -> None:
     """Refuse a call of export `name` (manifest entry `spec`) that its contract does not allow, with
     a ValueError: an i32 argument that is not the "multiple" the kernel needs (it would skip a tail
     or misread a super-block's record) or below its "minimum" (softmax's stride below its row's
     scores wrote the next row), or a pointer whose "extent" (bytes) from its address runs
-    past the memory's `end` (the kernel would trap midway, or read what lies there). The caller
-    has checked each address lies in the heap."""
+    past the memory's `end` (the kernel would trap midway, or read what lies there). An extent that
+    reads an i32 of another pointer (attention's rows, starts[seqs]) comes after that pointer's own
+    check, and reads within it (`read(addr)`: the i32 there). The caller has checked each address
+    lies in the heap."""
     params = spec["params"]
     env = {p["name"]: as_int(f"{name} {p['name']}", a, -2**31, 2**32 - 1)
            for p, a in zip(params, args) if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
@@ -154,10 +174,21 @@ def check_arguments(name: str, spec: dict, args: Sequence[int | float], end: int
         if p.get("minimum") is not None and env[p["name"]] < (least := evaluate(p["minimum"], env, exact=True)):
             said = f" ({p['minimum']})" if isinstance(p["minimum"], str) else ""
             raise ValueError(f"{name} {p['name']}: must be at least {least}{said}, got {a}")
-    for p, a in zip(params, args):
-        if p.get("extent") is not None and int(a) + (need := evaluate(p["extent"], env, exact=True)) > end:
+    spans: dict[str, tuple[int, int]] = {}  # pointer -> (address, bytes) its extent was checked for
+
+    def load(pointer: str, i: int) -> int:
+        addr, size = spans[pointer]
+        if not 0 <= 4 * i <= size - 4 or read is None:
+            raise ValueError(f"{name}: {pointer}[{i}] is outside {pointer}'s extent ({size} bytes)")
+        return read(addr + 4 * i)
+
+    for p, a in sorted(zip(params, args), key=lambda pa: _reads(pa[0].get("extent"))):  # those that read last
+        if p.get("extent") is None:
+            continue
+        if int(a) + (need := evaluate(p["extent"], env, exact=True, load=load)) > end:
             raise ValueError(f"{name} {p['name']} ({shape_of(p)}): {need} bytes from address {a} run past the memory's"
                              f" end at {end}")
+        spans[p["name"]] = (int(a), need)
 
 
 def shape_of(param: dict) -> str:

@@ -232,6 +232,9 @@ for (const [target, unusable] of TARGETS) {
         // a sentence longer than attention's scratch row (its length is data: the kernel traps)
         [() => k.run('attention_f32', null, [new Float32Array(40 * 48), new Int32Array([0, 40]), new Float32Array(4), new Float32Array(40 * 16), 1, 1, 16, 4]),
           WebAssembly.RuntimeError, /unreachable/],
+        // its rows are data too, read from starts for the extents of qkv and y: one row short is refused
+        [() => k.run('attention_f32', null, [new Float32Array(39 * 48), new Int32Array([0, 40]), new Float32Array(40), new Float32Array(40 * 16), 1, 1, 16, 40]),
+          RangeError, /attention_f32 qkv \(f32\[starts\[seqs\], 3 \* heads \* d\]\): needs 7680 bytes, got a typed array of 7488/],
         [() => k.run('qmatvec', 'q4_1', [w.planes.q, w.planes.scale, w.planes.offset, held.addr, held.addr, held.addr, 2 ** 20, 64]), RangeError,
           /qmatvec_q4_1\S* w_q \(packed\[n, k\]\): \d+ bytes from address \d+ run past the memory's end/],
       ];
