@@ -36,15 +36,38 @@ export async function loadBuild(dir) {
     }
   };
   const [json, wasm] = await Promise.all([read(jsonUrl), read(wasmUrl)]);
+  const notes = [];
+  await checkSignature(json, jsonUrl.href, notes);
   let manifest;
   try {
     manifest = JSON.parse(new TextDecoder().decode(json));
   } catch (e) {
     throw new Error(`${jsonUrl}: not a valid manifest (${e.message}); rebuild with \`kernelgen build\``);
   }
-  const notes = [];
   await checkManifest(manifest, wasm, jsonUrl.href, notes);
   return { manifest, wasm, notes };
+}
+
+const SIGNED = /"manifest_sha256": "([0-9a-f]{64})"\n}\n$/;
+
+/** Throw an Error naming `where` unless kernels.json's bytes `json` carry their own sha256: the
+ * last key, manifest_sha256, is the sha256 of the text with that value written as 64 zeros
+ * (kernelgen/host/manifest.py manifest_text). A manifest edited after its build would run kernels
+ * under names, arguments or layouts they were not built for. */
+async function checkSignature(json, where, notes) {
+  const bytes = new Uint8Array(json);
+  const tail = new TextDecoder().decode(bytes.subarray(Math.max(0, bytes.length - 100)));
+  const m = SIGNED.exec(tail);
+  if (!m) throw new Error(`${where}: not signed by its build (no manifest_sha256 at its end); rebuild with \`kernelgen build\``);
+  if (!globalThis.crypto?.subtle) {
+    notes.push('no crypto.subtle (not a secure context): the manifest was not checked against its own sha256');
+    return;
+  }
+  const zeros = bytes.slice();
+  zeros.fill(0x30, bytes.length - (tail.length - m.index) + '"manifest_sha256": "'.length, bytes.length - 4); // the 64 hex digits
+  if (await sha256Hex(zeros) !== m[1]) {
+    throw new Error(`${where}: edited after its build (its manifest_sha256 is not the sha256 of its text); rebuild with \`kernelgen build\``);
+  }
 }
 
 /** Throw an Error naming `where` unless `manifest` describes `wasm`; `notes` gets what could not be checked. */
@@ -100,8 +123,9 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     if (!(isObject(e) && typeof e.kernel === 'string' && (e.quant === null || typeof e.quant === 'string') && Array.isArray(e.params))) {
       throw fail(`exports.${name} needs a kernel name, a quant type name or null, and its params`);
     }
-    if (e.parallel != null && !(isObject(e.parallel) && typeof e.parallel.job === 'string' && Object.hasOwn(manifest.jobs, e.parallel.job))) {
-      throw fail(`exports.${name}.parallel must name one of the jobs`);
+    const job = isObject(e.parallel) && typeof e.parallel.job === 'string' && Object.hasOwn(manifest.jobs, e.parallel.job) ? manifest.jobs[e.parallel.job] : null;
+    if (e.parallel != null && !(job && typeof e.parallel.items === 'string' && job.kernel === `${e.kernel}_job` && job.quant === e.quant)) {
+      throw fail(`exports.${name}.parallel must give its items and name a job of ${e.kernel}`);
     }
     if (!e.params.every((p) => isObject(p) && typeof p.name === 'string')) throw fail(`exports.${name}.params must be objects with a name`);
     const tune = e.tune ?? {};
@@ -109,11 +133,13 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
       throw fail(`exports.${name} names kernel ${JSON.stringify(e.kernel)}, quant ${JSON.stringify(e.quant)} and tune ${JSON.stringify(tune)}, whose export is not ${JSON.stringify(name)}`);
     }
     const ints = new Set(e.params.filter((p) => p.type === 'i32' && p.dsl_type !== 'ptr').map((p) => p.name));
-    const reads = new Set(e.params.filter((p) => p.dsl_type === 'ptr' && p.extent != null).map((p) => p.name));
+    const reads = new Set(e.params.filter((p) => p.dsl_type === 'ptr' && p.extent != null && !readsMemory(p.extent)).map((p) => p.name));
     for (const p of e.params) {
-      if (!(p.extent == null || isFormula(p.extent, ints, reads)) || !(p.minimum == null || isFormula(p.minimum, ints))
-          || !(p.multiple == null || (isInt(p.multiple) && p.multiple >= 1))) {
-        throw fail(`exports.${name}.${p.name}: an extent or minimum must be a formula of ${name}'s i32 parameters and a multiple a positive integer`);
+      const i32 = ints.has(p.name);
+      if (!(p.extent == null || (p.dsl_type === 'ptr' && isFormula(p.extent, ints, reads))) || !(p.minimum == null || (i32 && isFormula(p.minimum, ints)))
+          || !(p.multiple == null || (i32 && isInt(p.multiple) && p.multiple >= 1))) {
+        throw fail(`exports.${name}.${p.name}: an extent (of a pointer) or minimum (of an i32) must be a formula of ${name}'s i32 parameters, `
+          + 'and a multiple (of an i32) a positive integer');
       }
     }
     if (e.parallel != null && !isFormula(e.parallel.count, ints)) throw fail(`exports.${name}.parallel.count must be a formula of its i32 parameters`);
@@ -127,8 +153,8 @@ export async function checkManifest(manifest, wasm, where, notes = []) {
     }
   }
   const act = manifest.activation;
-  if (!(isObject(act) && typeof act.dtype === 'string' && typeof act.sums === 'string' && typeof act.split === 'boolean' && isInt(act.max))) {
-    throw fail('activation must give dtype, sums, split and max');
+  if (!(isObject(act) && ['int8', 'int16'].includes(act.dtype) && act.sums === 'int32' && typeof act.split === 'boolean' && isInt(act.max))) {
+    throw fail('activation must give dtype (int8 or int16), sums (int32), split and max');
   }
   const flavors = manifest.flavors ?? {};
   if (!isObject(flavors) || !Object.values(flavors).every((f) => isObject(f) && typeof f.dir === 'string'
@@ -154,7 +180,8 @@ function isFormula(tree, names, reads = new Set(), depth = 0) {
 }
 
 /** Whether a formula reads memory (['i32', p, index] in it). */
-const readsMemory = (tree) => Array.isArray(tree) && (tree[0] === 'i32' || readsMemory(tree[1]) || readsMemory(tree[2]));
+const readsMemory = (tree, depth = 0) => Array.isArray(tree) && tree.length === 3 && depth < MAX_FORMULA_DEPTH
+  && (tree[0] === 'i32' || readsMemory(tree[1], depth + 1) || readsMemory(tree[2], depth + 1));
 
 /** A manifest formula ([op, left, right], argument names, numbers) of a call's i32 arguments `env`,
  * as wasm's i32 ops compute it (an item count), or (`exact`) in whole numbers: an extent in bytes,
@@ -195,7 +222,7 @@ export function shapeOf(param) {
  * extent that reads another pointer's i32 (attention's rows, starts[seqs]) comes after that
  * pointer's own check and reads within it: `read(i, offset)`, the i32 at byte offset of argument i. */
 export function checkArguments(name, spec, args, end, sizes = [], read = null) {
-  const env = {};
+  const env = Object.create(null); // a parameter may be named __proto__
   spec.params.forEach((p, i) => {
     if (p.type === 'i32' && p.dsl_type !== 'ptr') env[p.name] = args[i];
   });
@@ -218,6 +245,7 @@ export function checkArguments(name, spec, args, end, sizes = [], read = null) {
     const p = spec.params[i];
     if (p.extent == null) continue;
     const need = evaluate(p.extent, env, true, load);
+    if (!Number.isFinite(need)) throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): its extent is not a finite number of bytes`);
     if (sizes[i] !== undefined) {
       if (need > sizes[i]) throw new RangeError(`${name} ${p.name} (${shapeOf(p)}): needs ${need} bytes, got a typed array of ${sizes[i]}`);
     } else if (args[i] + need > end) {

@@ -21,6 +21,7 @@ from kernelgen.compiler.parse import parse
 from kernelgen.compiler.ops import TARGETS
 from kernelgen.errors import KernelgenError
 from kernelgen.host import module as host_module
+from kernelgen.host.manifest import manifest_text
 
 from conftest import DSL_PATH
 from helpers import assert_bitwise_equal, random_blocks, rng_for
@@ -139,7 +140,7 @@ def test_load_refuses_a_flavor_from_another_build(builds, target, flavor, tmp_pa
         kernelgen.load(tmp_path, target, flavor=flavor)
     manifest = json.loads((d / "kernels.json").read_text())
     manifest["flavors"][flavor]["dir"] = "../.."
-    (d / "kernels.json").write_text(json.dumps(manifest))
+    (d / "kernels.json").write_bytes(manifest_text(manifest))
     with pytest.raises(KernelgenError, match="flavors must map names to a directory name"):
         kernelgen.load(tmp_path, target, flavor="base")
 

@@ -22,6 +22,7 @@ import pytest
 import kernelgen
 from kernelgen import cli
 from kernelgen.host.api import Kernels, padded_rows
+from kernelgen.host.manifest import manifest_text
 from kernelgen.compiler.build import compile_source, write_outputs
 
 from helpers import SQUARE_ADD, random_blocks, square_add_inputs
@@ -328,7 +329,7 @@ def test_node_refuses_a_packed_layout_it_does_not_know(tmp_path: Path, quant, st
     path = out / "relaxed-simd" / "kernels.json"
     m = json.loads(path.read_text())
     edit(m["quants"][quant])
-    path.write_text(json.dumps(m))
+    path.write_bytes(manifest_text(m))
     script = f"""
 import {{ loadKernels }} from {json.dumps((ROOT / "runtime" / "kernelgen.mjs").as_uri())};
 const k = await loadKernels({{ dir: {json.dumps(str(out))}, target: 'relaxed-simd', threads: 1 }});

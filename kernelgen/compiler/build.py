@@ -43,6 +43,7 @@ from ..tuning.store import (ALL_QUANTS, Comparison, Record, best_tune, compare, 
                             other_hosts, other_versions, shared_tune, smallest, speedup, usable)
 from .emit import render_module
 from ..host.api import Kernels
+from ..host.manifest import manifest_text
 from . import types as T
 from .lower import Export, lower
 from .ops import TARGETS
@@ -67,7 +68,7 @@ class Built:
         return {Path(self.target, *([f.manifest["flavor"]] if f is not self else [])) / name: data
                 for f in (self, *self.flavors.values()) for name, data in (
                     ("kernels.wat", f.wat.encode()), ("kernels.wasm", f.wasm),
-                    ("kernels.json", (json.dumps(f.manifest, indent=2, sort_keys=False) + "\n").encode()))}
+                    ("kernels.json", manifest_text(f.manifest)))}
 
 
 def inputs_hash(source: str, target: str, tune: dict, max_pages: int) -> str:

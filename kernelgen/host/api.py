@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import module as host
-from .manifest import check_arguments, check_exports, check_manifest
+from .manifest import check_arguments, check_exports, check_manifest, check_signature
 from .module import I32_MAX, PAGE_SIZE, WASM_BYTES, as_int, as_real
 from .. import library
 from ..errors import KernelgenError, UnknownName
@@ -794,13 +794,15 @@ def load(out_dir: str | Path | None = None, target: str = "relaxed-simd", determ
 def _read_build(d: Path, target: str) -> tuple[bytes, dict]:
     """kernels.wasm and kernels.json of the build in `d`, checked (check_manifest) before load reads its flavors."""
     try:
-        manifest = json.loads((d / "kernels.json").read_text(encoding="utf-8"))
+        text = (d / "kernels.json").read_bytes()
+        check_signature(text, str(d / "kernels.json"))
+        manifest = json.loads(text.decode("utf-8"))
         wasm = (d / "kernels.wasm").read_bytes()
     except FileNotFoundError as e:
         raise KernelgenError(f"{d}: no build for target {target!r} ({e.filename} is missing); run kernelgen build") from None
     except OSError as e:  # a file where a directory should be, a directory where a file, no permission
         raise KernelgenError(f"{d}: cannot read the build for target {target!r} ({e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep, an integer too long
         raise KernelgenError(f"{d / 'kernels.json'}: not a valid manifest ({e})") from None
     check_manifest(manifest, wasm, str(d / "kernels.json"))
     return wasm, manifest

@@ -9,6 +9,8 @@ runtime/manifest.mjs makes the same checks for the JavaScript runtime.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import KernelgenError
@@ -20,6 +22,33 @@ MAX_THREADS = 256  # POOL_GEN's low 8 bits count the helpers of a job (kernels.d
 # The words the hosts' pools read and write (kernelgen/host/pool.py, runtime/pool.mjs).
 POOL_WORDS = ("POOL_GEN", "POOL_LEFT", "POOL_READY", "POOL_NEXT", "POOL_JOB", "POOL_COUNT", "POOL_CHUNK",
               "POOL_WANT", "POOL_STOP", "JOB_ARGS")
+
+
+SIGNATURE = "manifest_sha256"  # kernels.json's last key: the sha256 of its own text, this value zeroed
+_SIGNED = re.compile(rb'"manifest_sha256": "([0-9a-f]{64})"\n}\n$')
+
+
+def manifest_text(manifest: dict) -> bytes:
+    """kernels.json's text for `manifest`, signed: its last key is the sha256 of the text with that
+    value written as 64 zeros. The manifest's wasm_sha256 ties the wasm to it, this ties it to its
+    build: a manifest edited afterwards (an entry renamed, a plane's size changed) would run kernels
+    under arguments, names or layouts they were not built for, and checking every field's meaning
+    against the wasm is not possible."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    zeros = (json.dumps({**body, SIGNATURE: "0" * 64}, indent=2) + "\n").encode()
+    return zeros[:-70] + zeros[-70:].replace(b"0" * 64, hashlib.sha256(zeros).hexdigest().encode())
+
+
+def check_signature(text: bytes, where: str) -> None:
+    """Raise KernelgenError unless kernels.json's `text` carries its own sha256 (manifest_text)."""
+    m = _SIGNED.search(text)
+    if m is None:
+        raise KernelgenError(f"{where}: not signed by its build (no {SIGNATURE} at its end); rebuild with "
+                             "`kernelgen build`")
+    zeros = text[:m.start(1)] + b"0" * 64 + text[m.end(1):]
+    if hashlib.sha256(zeros).hexdigest() != m.group(1).decode():
+        raise KernelgenError(f"{where}: edited after its build (its {SIGNATURE} is not the sha256 of its text); "
+                             "rebuild with `kernelgen build`")
 
 
 def _int(v: Any) -> bool:
@@ -52,6 +81,8 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
     absent = [n for n in POOL_WORDS if not _int(fixed.get(n))]
     if absent:
         raise fail(f"memory.fixed has no address for {', '.join(absent)}")
+    if not all(_int(a) for a in fixed.values()):
+        raise fail("memory.fixed must give an integer address for each name")
     spans = sorted((a, a + (4 * mem["job_arg_words"] if n == "JOB_ARGS" else 4), n) for n, a in fixed.items())
     for (a, end, n), (b, _, m) in zip(spans, spans[1:] + [(mem["heap_base"], 0, "heap_base")]):
         if a <= 0 or a % 4:
@@ -85,30 +116,38 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
             raise fail(f"exports.{name} needs a kernel name, a quant type name or null, and its params")
         tune = e.get("tune") or {}
         if not (isinstance(tune, dict) and all(isinstance(k, str) and _int(v) for k, v in tune.items())) \
-                or variant_name(e["kernel"], e["quant"], tune) != name:
-            raise fail(f"exports.{name} names kernel {e['kernel']!r}, quant {e['quant']!r} and tune {tune}, whose "
+                or variant_name(e["kernel"], e.get("quant"), tune) != name:
+            raise fail(f"exports.{name} names kernel {e['kernel']!r}, quant {e.get('quant')!r} and tune {tune}, whose "
                        f"export is not {name!r}")
         ints = {p["name"] for p in e["params"] if p.get("type") == "i32" and p.get("dsl_type") != "ptr"}
-        reads = {p["name"] for p in e["params"] if p.get("dsl_type") == "ptr" and p.get("extent") is not None}
+        reads = {p["name"] for p in e["params"] if p.get("dsl_type") == "ptr" and p.get("extent") is not None
+                 and not _reads(p["extent"])}
         for p in e["params"]:
-            if not (p.get("extent") is None or _formula(p["extent"], ints, reads)) \
-                    or not (p.get("minimum") is None or _formula(p["minimum"], ints)) \
-                    or not (p.get("multiple") is None or _int(p["multiple"]) and p["multiple"] >= 1):
-                raise fail(f"exports.{name}.{p['name']}: an extent or minimum must be a formula of {name}'s i32 "
-                           "parameters and a multiple a positive integer")
-        if isinstance(e.get("parallel"), dict) and not _formula(e["parallel"].get("count"), ints):
+            i32 = p["name"] in ints
+            if not (p.get("extent") is None or p.get("dsl_type") == "ptr" and _formula(p["extent"], ints, reads)) \
+                    or not (p.get("minimum") is None or i32 and _formula(p["minimum"], ints)) \
+                    or not (p.get("multiple") is None or i32 and _int(p["multiple"]) and p["multiple"] >= 1):
+                raise fail(f"exports.{name}.{p['name']}: an extent (of a pointer) or minimum (of an i32) must be a "
+                           f"formula of {name}'s i32 parameters, and a multiple (of an i32) a positive integer")
+        par = e.get("parallel")
+        job = manifest["jobs"].get(par.get("job")) if isinstance(par, dict) and isinstance(par.get("job"), str) else None
+        if par is not None and not (isinstance(job, dict) and isinstance(par.get("items"), str)
+                                    and job.get("kernel") == f"{e['kernel']}_job" and job.get("quant") == e.get("quant")):
+            raise fail(f"exports.{name}.parallel must give its items and name a job of {e['kernel']}")
+        if par is not None and not _formula(par.get("count"), ints):
             raise fail(f"exports.{name}.parallel.count must be a formula of its i32 parameters")
     for name, q in manifest["quants"].items():
         planes = q.get("planes") if isinstance(q, dict) else None
-        if not (_int(q.get("block")) and q["block"] >= 1 and _int(q.get("group")) and q["group"] >= 1
+        if not (isinstance(q, dict) and _int(q.get("block")) and q["block"] >= 1
+                and _int(q.get("group")) and q["group"] >= 1
                 and isinstance(planes, dict) and planes and all(
                     isinstance(p, dict) and isinstance(p.get("dtype"), str) and _int(p.get("bytes_per_block"))
                     and p["bytes_per_block"] >= 1 for p in planes.values())):
             raise fail(f"quants.{name} must give a block, a group of rows and its planes (dtype, bytes_per_block)")
     act = manifest["activation"]
-    if not (isinstance(act, dict) and isinstance(act.get("dtype"), str) and isinstance(act.get("sums"), str)
+    if not (isinstance(act, dict) and act.get("dtype") in ("int8", "int16") and act.get("sums") == "int32"
             and isinstance(act.get("split"), bool) and _int(act.get("max"))):
-        raise fail("activation must give dtype, sums, split and max")
+        raise fail("activation must give dtype (int8 or int16), sums (int32), split and max")
 
 
 Formula = int | str | list  # a manifest formula: a number, an i32 argument's name, or [op, left, right]
@@ -124,14 +163,15 @@ def _formula(tree: Any, names: set[str], reads: set[str] = frozenset(), depth: i
     if isinstance(tree, str):
         return tree in names
     if isinstance(tree, list) and len(tree) == 3 and tree[0] == "i32":
-        return tree[1] in reads and _formula(tree[2], names, frozenset(), depth + 1)
+        return isinstance(tree[1], str) and tree[1] in reads and _formula(tree[2], names, frozenset(), depth + 1)
     return (isinstance(tree, list) and len(tree) == 3 and tree[0] in FORMULA_OPS and depth < MAX_FORMULA_DEPTH
             and _formula(tree[1], names, reads, depth + 1) and _formula(tree[2], names, reads, depth + 1))
 
 
-def _reads(tree: Any) -> bool:
-    """Whether a formula reads memory (["i32", p, index] in it)."""
-    return isinstance(tree, list) and (tree[0] == "i32" or _reads(tree[1]) or _reads(tree[2]))
+def _reads(tree: Any, depth: int = 0) -> bool:
+    """Whether a formula reads memory (["i32", p, index] in it); a malformed one is not checked here."""
+    return (isinstance(tree, list) and len(tree) == 3 and depth < MAX_FORMULA_DEPTH
+            and (tree[0] == "i32" or _reads(tree[1], depth + 1) or _reads(tree[2], depth + 1)))
 
 
 def evaluate(tree: Formula, env: Mapping[str, int | float], exact: bool = False,

@@ -3,6 +3,7 @@
 // wasmtime on both targets. Run: node --experimental-wasm-relaxed-simd --no-liftoff --test runtime/test/
 
 import assert from 'node:assert/strict';
+import { createHash } from 'node:crypto';
 import { cp, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -89,6 +90,14 @@ test('chooseFlavor takes the first flavor whose probe outcome matches, the one a
   assert.throws(() => chooseFlavor(manifest, 3, vnni), TypeError);
 });
 
+/** kernels.json's text for `manifest`, signed as a build signs it (kernelgen/host/manifest.py
+ * manifest_text): the last key the sha256 of the text with that value as 64 zeros. */
+function signed(manifest) {
+  const { manifest_sha256: _, ...body } = manifest;
+  const zeros = `${JSON.stringify({ ...body, manifest_sha256: '0'.repeat(64) }, null, 2)}\n`;
+  return zeros.replace(/0{64}"\n}\n$/, `${createHash('sha256').update(zeros).digest('hex')}"\n}\n`);
+}
+
 test('a flavor the probe picks but which is not deployed gives way to the base build, with a note; asked for, it is an error', {
   skip: probe.usable ? false : probe.note,
 }, async () => {
@@ -97,7 +106,7 @@ test('a flavor the probe picks but which is not deployed gives way to the base b
     await cp(new URL('../../out/relaxed-simd/', import.meta.url), join(dir, 'relaxed-simd'), { recursive: true });
     const manifest = JSON.parse(await readFile(join(dir, 'relaxed-simd', 'kernels.json'), 'utf8'));
     manifest.flavors = { ghost: { dir: 'ghost', when: Object.fromEntries(['sevenBit', 'saturates'].map((f) => [f, probe[f]])) } };
-    await writeFile(join(dir, 'relaxed-simd', 'kernels.json'), JSON.stringify(manifest));
+    await writeFile(join(dir, 'relaxed-simd', 'kernels.json'), signed(manifest));
     const k = await loadKernels({ dir, target: 'relaxed-simd', threads: 1 });
     try {
       assert.equal(k.info.flavor, null);
@@ -111,20 +120,25 @@ test('a flavor the probe picks but which is not deployed gives way to the base b
   }
 });
 
-test('a manifest edited after its build is refused (its sha256 covers the wasm only)', async () => {
+test('a manifest edited after its build is refused: unsigned, or signed again but not matching its wasm', async () => {
   const cases = [
+    [(m) => { m.activation.max = 126; }, /edited after its build \(its manifest_sha256 is not the sha256 of its text\)/,
+      (m) => `${JSON.stringify(m, null, 2)}\n`], // the old signature kept
+    [(m) => { m.activation.max = 126; }, /not signed by its build/, JSON.stringify],
     [(m) => { [m.exports.exp_f32, m.exports.silu_f32] = [m.exports.silu_f32, m.exports.exp_f32]; },
       /exports\.exp_f32 names kernel "silu_f32", quant null and tune \{\}, whose export is not "exp_f32"/],
     [(m) => { m.quants.q4_0.planes = null; }, /quants\.q4_0 must give a block, a group of rows and its planes/],
+    [(m) => { m.exports.matvec_f32__unroll4.parallel.job = Object.keys(m.jobs).find((j) => m.jobs[j].kernel === 'silu_f32_job'); },
+      /exports\.matvec_f32__unroll4\.parallel must give its items and name a job of matvec_f32/],
     [(m) => { m.exports.exp_f32.params.shift(); }, /exports\.exp_f32 gives 2 parameters, the wasm function takes 3/],
   ];
   const dir = await mkdtemp(join(tmpdir(), 'kernelgen-tampered-'));
   try {
-    for (const [edit, message] of cases) {
+    for (const [edit, message, write = signed] of cases) {
       await cp(new URL('../../out/simd128/', import.meta.url), join(dir, 'simd128'), { recursive: true });
       const manifest = JSON.parse(await readFile(join(dir, 'simd128', 'kernels.json'), 'utf8'));
       edit(manifest);
-      await writeFile(join(dir, 'simd128', 'kernels.json'), JSON.stringify(manifest));
+      await writeFile(join(dir, 'simd128', 'kernels.json'), write(manifest));
       await assert.rejects(loadKernels({ dir, target: 'simd128', threads: 1 }), message);
     }
   } finally {
