@@ -375,6 +375,7 @@ CASES = [
     Case("extent: not arithmetic", "#   x: f32[n < 4]\n" + K(""), 1, 12, "f: x's extent is arithmetic"),
     Case("extent: a syntax error at its column", "#   x: f32[n, (n]\n" + K(""), 1, 17,
          "unexpected end of the expression, expected ')'"),
+    Case("extent: unclosed", "#   x: f32[n, written\n" + K(""), 1, 8, "f: x's extent: no ']' closes its '['"),
     Case("extent: packed on a pointer", "#   x: packed[n, n]\n" + K(""), 1, 8,
          "f: x's extent: packed[...] is not an element type here (want one of f32"),
     Case("extent: an element type after 'then'", "#   x: f32[n] then f16[n], written\n" + K(""), 1, 20,

@@ -402,6 +402,9 @@ def _parameter_contract(k: A.KernelDecl, p: A.Param, meaning: str, line: int, co
                 break
             pos += len(" then ")
         rest = meaning[pos:]
+        if not parts:
+            raise DslError(A.Span(k.span.file, line, col + pos), f"{k.name}: {p.name}'s extent: no ']' closes its "
+                           f"'[' in {meaning!r}", source)
         if rest and not rest.startswith(","):
             raise DslError(A.Span(k.span.file, line, col + pos), f"{k.name}: {p.name}'s extent: expected ','"
                            f" or ' then TYPE[...]' after {meaning[:pos]!r}", source)
