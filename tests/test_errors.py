@@ -384,6 +384,8 @@ CASES = [
     Case("extent: reads a pointer that is no i32 array", "#   x: f32[y[0]]\n#   y: f32[n]\n"
          + K("", "x: ptr, y: ptr, n: i32"), 1, 8, "f: x's extent reads y[...]: y's own extent must be i32[...], reading nothing"),
     Case("minimum: a pointer", "#   n: count, >= x\n" + K(""), 1, 18, "f: n's minimum may use i32 parameters, not x: ptr"),
+    Case("multiple: more after its expression", "#   n: count, a multiple of 4]x\n" + K(""), 1, 30,
+         "unexpected ']', expected end of the expression"),
     Case("multiple: not a constant", "#   n: count, a multiple of n\n" + K(""), 1, 29,
          "f: n's 'a multiple of' needs a positive constant", lowering=True),
     Case("multiple: zero", "#   n: count, a multiple of 0\n" + K(""), 1, 29,

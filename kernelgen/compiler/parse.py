@@ -50,6 +50,8 @@ _TERMINAL_TEXT = {
 
 def _describe(expected: set[str]) -> str:
     words = sorted({_TERMINAL_TEXT.get(t, repr(t.lower()) if t.isupper() else t) for t in expected})
+    if not words:  # after a whole expression (parse_expr): nothing may follow
+        return "end of file"
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
