@@ -238,6 +238,9 @@ TAMPERED = {  # manifests edited after their build (the wasm's sha256 still matc
                                 "exports.matvec_f32__unroll4.parallel must give its items and name a job of matvec_f32"),
     "a minimum on a pointer": (lambda m: m["exports"]["exp_f32"]["params"][0].update(minimum=0),
                                "exports.exp_f32.x: an extent (of a pointer) or minimum (of an i32) must be a formula"),
+    "a plane's size": (lambda m: m["quants"]["q8_0"]["planes"]["q"].update(bytes_per_block=33),
+                        "manifest quant 'q8_0': its kernels read planes"),
+    "an allocator alignment": (lambda m: m["memory"].update(align=24), "memory.align must be a power of two of at least 16"),
     "a parameter's type": (lambda m: m["exports"]["rope_table"]["params"][-1].update(type="f32"),
                            "exports.rope_table gives parameters (i32, i32, i32, i32, i32, f32), the wasm parameters "
                            "(i32, i32, i32, i32, i32, f64)"),

@@ -170,8 +170,11 @@ class Kernels:
         self.flavor: str | None = manifest.get("flavor")  # None: the target's base build
         self.module = host.Module(wasm, manifest, deterministic)
         check_exports(manifest, self.module.signatures, where)
-        self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
-                                                for name, q in manifest["quants"].items()}
+        try:  # QuantFormat re-derives each type's planes from its formulas: a manifest's must match them
+            self.quants: dict[str, QuantFormat] = {name: QuantFormat.from_json(name, q)
+                                                    for name, q in manifest["quants"].items()}
+        except ValueError as e:
+            raise KernelgenError(f"{where}: {e}") from None
         # How quantize_act stores activations on this target (int16 on simd128, int8 on relaxed
         # SIMD): the manifest says.
         self._act_dtype = np.dtype(manifest["activation"]["dtype"])

@@ -91,6 +91,8 @@ def check_manifest(manifest: Any, wasm: bytes, where: str = "kernels.json") -> N
             raise fail(f"memory.fixed.{n} (bytes {a}..{end}) overlaps {m} at {b}")
     if mem["heap_base"] > mem["max_pages"] * PAGE_SIZE:
         raise fail(f"memory.heap_base={mem['heap_base']} is beyond max_pages={mem['max_pages']}")
+    if not (_int(mem.get("align")) and mem["align"] >= 16 and mem["align"] & (mem["align"] - 1) == 0):
+        raise fail(f"memory.align must be a power of two of at least 16 (the allocator's alignment), got {mem.get('align')}")
     if not isinstance(manifest["jobs"], dict):
         raise fail("jobs must be an object")
     for name, job in manifest["jobs"].items():
