@@ -204,6 +204,24 @@ def test_attention_traps_on_a_sentence_longer_than_its_scratch_row() -> None:
     assert out[5].startswith("attention_f32 qkv (f32[starts[seqs], 3 * heads * d]): 7872 bytes from address "), out
 
 
+def test_an_extent_is_its_docs_shape_in_bytes_and_a_question_mark_leaves_it_unchecked() -> None:
+    source = """
+#   x: f32[?, n], rows only the data knows
+#   y: f32[n / 4] then i32[2 * n + 1], written
+#   s: i32[n + 1]
+#   z: f32[s[n], n]
+#   n: count, a multiple of 4, >= 8
+export kernel f(x: ptr, y: ptr, s: ptr, z: ptr, n: i32) {
+}
+"""
+    (built,) = compile_source(source, targets=("simd128",))
+    params = {p["name"]: p for p in built.manifest["exports"]["f"]["params"]}
+    assert params["x"]["extent"] is None
+    assert params["y"]["extent"] == ["+", ["*", 4, ["/", "n", 4]], ["*", 4, ["+", ["*", 2, "n"], 1]]]
+    assert params["z"]["extent"] == ["*", ["*", 4, ["i32", "s", "n"]], "n"]
+    assert (params["n"]["multiple"], params["n"]["minimum"]) == (4, 8)
+
+
 def test_every_pointer_of_the_library_declares_its_extent() -> None:
     """Each exported pointer's doc starts with its shape, so both hosts check raw calls against it
     (attention's token rows read from its starts array: f32[starts[seqs], ...])."""
