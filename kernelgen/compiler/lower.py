@@ -18,6 +18,7 @@ from . import layout
 from . import types as T
 from .check import EXTENT_TYPES, Checked, KernelInfo, tune_for
 from ..errors import DslError
+from ..host.manifest import evaluate
 from ..names import variant_name
 from .ops import TARGETS, Op, Target, Val, fold, is_zero_vector, wrap
 from ..quantformat import SUB_SCALES, Call, Int, Lookup, QuantFormat
@@ -335,8 +336,7 @@ def _arith(op: str, a: Tree | None, b: Tree | None) -> Tree | None:
     if a is None or b is None:
         return None
     if isinstance(a, int) and isinstance(b, int):
-        q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1) if op == "/" else 0  # i32.div_s truncates
-        return {"+": a + b, "-": a - b, "*": a * b, "/": q}[op]
+        return evaluate([op, a, b], {}, exact=True)  # as the hosts will
     if op in ("+", "*") and isinstance(a, int) and a == (0 if op == "+" else 1):
         return b
     return _simplified([op, a, b])
