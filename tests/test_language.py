@@ -192,6 +192,27 @@ export kernel zero_shuffles(src: ptr, dst: ptr) {
     f32x4.store(dst, 48, f32x4.shuffle(f, f32x4.splat(-0.0), 0, 4, 3, 5));
 }
 
+# An inline kernel that returns nothing, called as the last statement of an arm of another inline
+# kernel's if (store_first's store_part in kernels.dsl): its body is the arm's end.
+inline kernel put_tail(p: ptr, v: i32, n: i32) {
+    i32.store(p, v);
+    if n > 1 {
+        i32.store(p + 4, v + 1);
+    }
+}
+
+inline kernel put_head(p: ptr, v: i32, n: i32) {
+    if n >= 4 {
+        i32.store(p, v * 10);
+    } else {
+        put_tail(p, v, n);
+    }
+}
+
+export kernel put(p: ptr, v: i32, n: i32) {
+    put_head(p, v, n);
+}
+
 export kernel atomics(p: ptr) -> i32 {
     atomic_store(p, 5);
     let old = atomic_add(p, 3);
@@ -227,6 +248,14 @@ def test_integer_identities_go_and_effects_stay(k) -> None:
     assert k.module.get(p, np.int32, 1).tolist() == [1]  # bump ran
     with pytest.raises(Exception, match="out of bounds"):
         k.module.call("identities", 5, 0x7FFFFFF0)  # the load's trap is kept (the raw call: Kernels.call refuses it)
+
+
+def test_an_inline_call_that_returns_nothing_may_end_an_arm(k) -> None:
+    p = k.module.alloc(8)
+    for n, want in ((4, [70, 0]), (2, [7, 8]), (1, [7, 0])):
+        k.module.view(p, np.int32, 2)[:] = 0
+        k.call("put", p, 7, n)
+        assert k.module.get(p, np.int32, 2).tolist() == want, n
 
 
 def test_each_inline_expansion_keeps_its_own_result(k) -> None:

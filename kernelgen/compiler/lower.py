@@ -768,10 +768,8 @@ class Lowerer:
         elif isinstance(s, A.ExprStmt):
             self._comment(s)
             v = self._expr(s.expr)
-            if v.type == "void":
-                self.emit(v.code)
-            elif v.code is not None:
-                self.emit(I("drop", v.code))
+            if v.code is not None:  # none: an inlined kernel that returns nothing has emitted its body
+                self.emit(v.code if v.type == "void" else I("drop", v.code))
 
     def _declared(self, type_name: str | None, v: Val) -> str:
         if type_name is None:
