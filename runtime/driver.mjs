@@ -12,7 +12,7 @@ import { POOL_EXPORTS, Pool } from './pool.mjs';
 const PAGE_BYTES = 65536;
 const ACT_BLOCK = 32; // quantize_act: one scale per 32 values (kernels.dsl)
 const ACT_ARRAYS = { int8: Int8Array, uint8: Uint8Array, int16: Int16Array, int32: Int32Array }; // manifest activation.dtype, .sums
-const VECTOR_BYTES = 16; // elementwise kernels read a partial last vector whole
+const VECTOR_BYTES = 16; // zero bytes after each array copied in or held: a margin (no kernel reads past its extent)
 const LANES = 4; // f32 lanes per vector: softmax rows are padded to a multiple of it
 const TARGETS = ['relaxed-simd', 'simd128'];
 

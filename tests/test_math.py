@@ -61,7 +61,7 @@ def f64_ulps(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
 def raw_elementwise(k: Kernels, kernel: str, inputs: list[np.ndarray], in_place: bool = False
                     ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Call `kernel(in..., y, n)` on buffers laid out by hand: every input is followed by 8 canary
-    words (the kernels read a partial last vector whole, so its dead lanes hold NaNs), and y (a fresh
+    words (NaNs among them: a kernel reading a partial last vector whole would compute on them), and y (a fresh
     buffer of sentinels, or the first input when `in_place`) too. Returns y[:n] as float32, the 8
     words after y[n - 1], and every input buffer (n + 8 words) as it is after the call."""
     n = inputs[0].size
@@ -495,6 +495,34 @@ def test_silu_keeps_normal_results_below_exp_overflow(mode, kgen):
     ref = silu64(x)
     assert (np.abs(ref) > np.finfo(np.float32).tiny).all()  # normal float32 results
     assert_silu_close(got, ref, x, "silu below exp overflow")
+
+
+# (export, its inputs' count, the API method that gives the same values)
+ELEMENTWISE = (("exp_f32", 1, "exp_f32"), ("silu_f32", 1, "silu_f32"), ("swiglu_f32", 2, "swiglu_f32"),
+               ("erf_f32", 1, "erf_f32"))
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 5, 7), ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("kernel, inputs, api", ELEMENTWISE, ids=[e[0] for e in ELEMENTWISE])
+def test_elementwise_partial_vector_at_the_end_of_memory(mode, kgen, kernel, inputs, api, n):
+    """Every buffer ends exactly where memory does, so a read or a write of the lanes of a partial
+    last vector past n (a whole-vector load or read-modify-write) traps; the values equal the API's,
+    in place (y = x) too."""
+    k = kgen()
+    m = k.module
+    rng = rng_for(f"end-{kernel}", n)
+    xs = [(rng.standard_normal(n) * 4).astype(np.float32) for _ in range(inputs)]
+    want = getattr(k, api)(*xs)
+    top = m.memory.data_len()
+    for in_place in (False, True):
+        # each buffer in its own last pages: the buffer i from the end ends where memory does when i = 0
+        ptrs = [top - 4 * n - 4096 * i for i in range(inputs + (not in_place))]
+        assert min(ptrs) >= m.in_use()
+        for p, x in zip(ptrs, xs):
+            m.view(p, np.float32, n)[:] = x
+        y = ptrs[0] if in_place else ptrs[-1]
+        k.call(k.export_name(kernel), *ptrs[:inputs], y, n)
+        assert_bitwise_equal(m.get(y, np.float32, n), want, f"{kernel} n={n} at the end of memory (in place: {in_place})")
 
 
 @pytest.mark.parametrize("n", (*range(1, 10), 1000), ids=lambda n: f"n{n}")

@@ -514,9 +514,8 @@ class Kernels:
             if a.shape != arrays[0].shape:
                 raise ValueError(f"{kernel}: shapes differ, {[x.shape for x in arrays]}")
         with self.module.scope():
-            # The vector code reads a partial last vector whole: round the buffers up to 16 bytes.
-            ins = [self.module.put(a, pad=16) for a in arrays]
-            out = self.module.alloc(n * np.dtype(dtype).itemsize + 16)
+            ins = [self.module.put(a) for a in arrays]  # a partial last vector is read lane by lane: no padding
+            out = self.module.alloc(n * np.dtype(dtype).itemsize)
             self.run(kernel, None, [*ins, out, n], pool, chunk)
             return self.module.get(out, dtype, n)
 
