@@ -1440,41 +1440,47 @@ inline kernel first_lanes(m: i32) -> i32x4 {
     return i32x4.iota() < i32x4.splat(m);
 }
 
-# The first `valid` (1 to 3) f32s at p read one by one, zeros in the other lanes: a partial last
-# vector reads nothing past the data (which may end where memory does).
-inline kernel load_part(p: ptr, valid: i32) -> f32x4 {
-    var v: f32x4 = f32x4.splat(f32.load(p));
-    for l in 1..valid {
-        v = select(i32x4.iota() < i32x4.splat(l), v, f32x4.splat(f32.load(p + l * 4)));
-    }
-    return select(first_lanes(valid), v, f32x4.splat(0.0));
+# The four f32s at p when valid >= 4, else the four ending at p + 4 valid: the last `valid` lanes
+# hold the values (store_last's form). One unconditional load: nothing past the data is read (which
+# may end where memory does); a partial vector's other lanes are read from before p (a value of an
+# earlier group, which another thread may be writing, or below a short buffer: no address under
+# HEAP_BASE is one) and never stored.
+inline kernel load_last(p: ptr, valid: i32) -> f32x4 {
+    return f32x4.load(p + min(valid, 4) * 4 - 16);
 }
 
-# Store the first `valid` (1 to 3) lanes of v at p one by one: a partial last vector touches
-# nothing past the data (no read-modify-write of bytes another thread may own).
-inline kernel store_part(p: ptr, v: f32x4, valid: i32) {
-    f32.store(p, extract(v, 0));
-    if valid > 1 {
-        f32.store(p + 4, extract(v, 1));
-    }
-    if valid > 2 {
-        f32.store(p + 8, extract(v, 2));
+# Store the four lanes of v at p when valid >= 4, else the last `valid` (load_last's) at p .. p +
+# 4 valid one by one: nothing past the data is touched (no read-modify-write of bytes another
+# thread may own).
+inline kernel store_last(p: ptr, v: f32x4, valid: i32) {
+    if valid >= 4 {
+        f32x4.store(p, v);
+    } else {
+        if valid == 3 {
+            f32.store(p, extract(v, 1));
+            f32.store(p + 4, extract(v, 2));
+        }
+        if valid == 2 {
+            f32.store(p, extract(v, 2));
+        }
+        f32.store(p + valid * 4 - 4, extract(v, 3));
     }
 }
 
-# Store v at p: all four lanes when valid >= 4, else only the first `valid` (store_part).
+# Store v at p: all four lanes when valid >= 4, else only the first `valid`, the others keeping
+# what they held (softmax's rows: a row's padding up to its stride is the row's own).
 inline kernel store_first(p: ptr, v: f32x4, valid: i32) {
     if valid >= 4 {
         f32x4.store(p, v);
     } else {
-        store_part(p, v, valid);
+        f32x4.store(p, select(first_lanes(valid), v, f32x4.load(p)));
     }
 }
 
 # y = exp(x) over n f32 values.
 #   x: f32[n]
 #   y: f32[n], written; may be x
-#   n: element count (a partial last vector's n % 4 values read and written one by one)
+#   n: element count (nothing past the n values is read or written: load_last, store_last)
 export kernel exp_f32(x: ptr, y: ptr, n: i32) {
     parallel groups g0..g1 in 0..(n + 3) / 4;
     exp_groups(x, y, g0, g1, n);
@@ -1482,12 +1488,8 @@ export kernel exp_f32(x: ptr, y: ptr, n: i32) {
 
 # Vector groups g0 .. g1 - 1 of exp_f32 (values 4 g0 .. 4 g1 - 1, the last group cut at n).
 kernel exp_groups(x: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
-    let whole = max(g0, min(g1, n / 4));  # the groups before it hold four values each
-    for i in g0..whole {
-        f32x4.store(y + i * 16, exp4(f32x4.load(x + i * 16)));
-    }
-    for i in whole..g1 {  # the partial last group, when g1 takes it
-        store_part(y + i * 16, exp4(load_part(x + i * 16, n - i * 4)), n - i * 4);
+    for i in g0..g1 {
+        store_last(y + i * 16, exp4(load_last(x + i * 16, n - i * 4)), n - i * 4);
     }
 }
 
@@ -1556,23 +1558,15 @@ inline kernel silu4(x: f32x4) -> f32x4 {
 }
 
 # Vector groups g0 .. g1 - 1 (values 4 g0 .. 4 g1 - 1, the last group cut at n) of y = silu(x),
-# times g unless g is 0 (no buffer lives at address 0). A partial last group reads and writes only
-# its valid lanes.
+# times g unless g is 0 (no buffer lives at address 0). A partial last group stores only its valid
+# lanes (store_last).
 kernel silu_groups(x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
-    let whole = max(g0, min(g1, n / 4));  # as exp_groups
-    for i in g0..whole {
-        var v: f32x4 = silu4(f32x4.load(x + i * 16));
+    for i in g0..g1 {
+        var v: f32x4 = silu4(load_last(x + i * 16, n - i * 4));
         if g != 0 {
-            v = v * f32x4.load(g + i * 16);
+            v = v * load_last(g + i * 16, n - i * 4);
         }
-        f32x4.store(y + i * 16, v);
-    }
-    for i in whole..g1 {
-        var v: f32x4 = silu4(load_part(x + i * 16, n - i * 4));
-        if g != 0 {
-            v = v * load_part(g + i * 16, n - i * 4);
-        }
-        store_part(y + i * 16, v, n - i * 4);
+        store_last(y + i * 16, v, n - i * 4);
     }
 }
 
@@ -1580,7 +1574,7 @@ kernel silu_groups(x: ptr, g: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
 #   x: f32[n], the gate projection
 #   g: f32[n], the up projection
 #   y: f32[n], written; may be x or g
-#   n: element count (a partial last vector's n % 4 values read and written one by one)
+#   n: element count (nothing past the n values is read or written: load_last, store_last)
 export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
     parallel groups g0..g1 in 0..(n + 3) / 4;
     silu_groups(x, g, y, g0, g1, n);
@@ -1589,7 +1583,7 @@ export kernel swiglu_f32(x: ptr, g: ptr, y: ptr, n: i32) {
 # y = silu(x) over n values.
 #   x: f32[n]
 #   y: f32[n], written; may be x
-#   n: element count (a partial last vector's n % 4 values read and written one by one)
+#   n: element count (nothing past the n values is read or written: load_last, store_last)
 export kernel silu_f32(x: ptr, y: ptr, n: i32) {
     parallel groups g0..g1 in 0..(n + 3) / 4;
     silu_groups(x, 0, y, g0, g1, n);
@@ -1663,19 +1657,15 @@ inline kernel erf4(x: f32x4) -> f32x4 {
 
 # Vector groups g0 .. g1 - 1 of erf_f32 (values 4 g0 .. 4 g1 - 1, the last group cut at n).
 kernel erf_groups(x: ptr, y: ptr, g0: i32, g1: i32, n: i32) {
-    let whole = max(g0, min(g1, n / 4));  # as exp_groups
-    for i in g0..whole {
-        f32x4.store(y + i * 16, erf4(f32x4.load(x + i * 16)));
-    }
-    for i in whole..g1 {
-        store_part(y + i * 16, erf4(load_part(x + i * 16, n - i * 4)), n - i * 4);
+    for i in g0..g1 {
+        store_last(y + i * 16, erf4(load_last(x + i * 16, n - i * 4)), n - i * 4);
     }
 }
 
 # y = erf(x) over n f32 values.
 #   x: f32[n]
 #   y: f32[n], written; may be x
-#   n: element count (a partial last vector's n % 4 values read and written one by one)
+#   n: element count (nothing past the n values is read or written: load_last, store_last)
 export kernel erf_f32(x: ptr, y: ptr, n: i32) {
     erf_groups(x, y, 0, (n + 3) / 4, n);
 }

@@ -62,21 +62,22 @@ def raw_elementwise(k: Kernels, kernel: str, inputs: list[np.ndarray], in_place:
                     ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Call `kernel(in..., y, n)` on buffers laid out by hand: every input is followed by 8 canary
     words (NaNs among them: a kernel reading a partial last vector whole would compute on them), and y (a fresh
-    buffer of sentinels, or the first input when `in_place`) too. Returns y[:n] as float32, the 8
-    words after y[n - 1], and every input buffer (n + 8 words) as it is after the call."""
+    buffer of sentinels, or the first input when `in_place`) too; y is preceded by 8 more (a partial
+    vector's lanes come from before it: load_last). Returns y[:n] as float32, the 16 words around
+    y[0 .. n - 1] (before, then after), and every input buffer (n + 8 words) as it is after the call."""
     n = inputs[0].size
     m = k.module
     with m.scope():
-        ptrs = [m.put(np.concatenate([a.view(np.uint32), canaries(8)])) for a in inputs]
+        ptrs = [m.put(np.concatenate([canaries(8), a.view(np.uint32), canaries(8)])) + 32 for a in inputs]
         if in_place:
             py = ptrs[0]
         else:
             sentinel = np.full(n, np.float32(-777.0)).view(np.uint32)
-            py = m.put(np.concatenate([sentinel, canaries(8)]))
+            py = m.put(np.concatenate([canaries(8), sentinel, canaries(8)])) + 32
         k.call(k.export_name(kernel), *ptrs, py, n)
-        y = m.get(py, np.uint32, n + 8)
+        y = m.get(py - 32, np.uint32, n + 16)
         after = [m.get(p, np.uint32, n + 8) for p in ptrs]
-        return y[:n].view(np.float32), y[n:], after
+        return y[8:8 + n].view(np.float32), np.concatenate([y[:8], y[8 + n:]]), after
 
 
 # ---- exp_f32 (exp4) ----------------------------------------------------------------------------
@@ -196,10 +197,10 @@ def test_exp_f32_partial_vector_writes_only_n(mode, kgen, n):
 
     y, tail, xa, yi, tail_i = outs = run(kgen())
     assert (f32_ulps(y, exp_ref(x)) <= 2).all()
-    np.testing.assert_array_equal(tail, canaries(8), err_msg="exp_f32 wrote past n")
+    np.testing.assert_array_equal(tail, canaries(16), err_msg="exp_f32 wrote outside y[0 .. n - 1]")
     np.testing.assert_array_equal(xa, np.concatenate([x.view(np.uint32), canaries(8)]), err_msg="x changed")
     assert_bitwise_equal(yi, y, "in place (y = x) gives the same values")
-    np.testing.assert_array_equal(tail_i, canaries(8), err_msg="exp_f32 in place wrote past n")
+    np.testing.assert_array_equal(tail_i, canaries(16), err_msg="exp_f32 in place wrote outside x[0 .. n - 1]")
     assert_bitwise_equal(kgen().exp_f32(x), y, "API vs raw call")
     same_as_deterministic(mode, kgen, None, run, outs)
 
@@ -545,7 +546,7 @@ def test_silu_swiglu_lengths_write_only_n(mode, kgen, n):
             raws, (silu_api, swiglu_api, silu_api, swiglu_api), ([x], [x, g], [x], [x, g]),
             ("silu", "swiglu", "silu in place", "swiglu in place (y = x)")):
         assert_bitwise_equal(y, want, f"{what} n={n}: raw vs API")
-        np.testing.assert_array_equal(tail, canaries(8), err_msg=f"{what} n={n}: wrote past n")
+        np.testing.assert_array_equal(tail, canaries(16), err_msg=f"{what} n={n}: wrote outside y[0 .. n - 1]")
         for i, (a, buf) in enumerate(zip(ins, after)):
             if "in place" in what and i == 0:
                 continue
