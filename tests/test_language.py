@@ -193,7 +193,7 @@ export kernel zero_shuffles(src: ptr, dst: ptr) {
 }
 
 # An inline kernel that returns nothing, called as the last statement of an arm of another inline
-# kernel's if (store_first's store_part in kernels.dsl): its body is the arm's end.
+# kernel's if (a partial-vector store helper once failed to assemble so): its body is the arm's end.
 inline kernel put_tail(p: ptr, v: i32, n: i32) {
     i32.store(p, v);
     if n > 1 {

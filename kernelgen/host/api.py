@@ -514,7 +514,7 @@ class Kernels:
             if a.shape != arrays[0].shape:
                 raise ValueError(f"{kernel}: shapes differ, {[x.shape for x in arrays]}")
         with self.module.scope():
-            ins = [self.module.put(a) for a in arrays]  # a partial last vector is read lane by lane: no padding
+            ins = [self.module.put(a) for a in arrays]  # the kernels touch nothing past n (load_last): no padding
             out = self.module.alloc(n * np.dtype(dtype).itemsize)
             self.run(kernel, None, [*ins, out, n], pool, chunk)
             return self.module.get(out, dtype, n)
