@@ -1316,6 +1316,19 @@ def test_bench_table_names_every_ratio_by_printed_rows(fake_report: Report) -> N
     assert "wasm size [simd128]:" in text and "<= 1 bytes: NOT met" in text
 
 
+def test_bench_ratio_that_misses_its_goal_never_prints_as_the_goal() -> None:
+    """A ratio just below its goal gets the digits that tell it apart ("1.797x", not "1.80x" beside
+    "goal >= 1.80x: NOT met"); one that meets it, or misses it by more, keeps two."""
+    a, b = (bench.Row(k, "simd128", bench.Cell([1e-3]), 1.0, "weights") for k in ("a 8x8", "b 8x8"))
+    machine = {"cpu": "X", "isa": [], "cores": 2, "wasmtime": "1"}
+    for median, goal, shown in ((1.797, 1.8, "1.797x"), (1.7999, 1.8, "1.7999x"), (1.8, 1.8, "1.80x"),
+                                (1.804, 1.8, "1.80x"), (1.5, 1.8, "1.50x"), (1.797, None, "1.80x")):
+        ratio = bench.RatioRow(a, b, bench.Cell([median]), goal)
+        line = next(x for x in format_table(Report([a, b], [ratio], [], 1, machine)).splitlines() if " vs " in x)
+        assert line.split(": ", 1)[1].startswith(f"{shown}"), line
+        assert ("NOT met" in line) == (goal is not None and median < goal)
+
+
 def test_bench_json_has_every_sample(fake_report: Report) -> None:
     back = json.loads(json.dumps(as_json(fake_report)))
     assert back["repeat"] == 3

@@ -803,7 +803,7 @@ def format_table(report: Report) -> str:
     lines += ["", "ratios: how many times faster the row is than the versus row (both above)"]
     for q in report.ratios:
         goal = "" if q.at_least is None else f"  goal >= {q.at_least:.2f}x: {'met' if q.met else 'NOT met'}"
-        lines.append(f"  {_name(q.row)} vs {_name(q.versus)}: {_ratio(q.value.median)}"
+        lines.append(f"  {_name(q.row)} vs {_name(q.versus)}: {_ratio(q.value.median, q.at_least)}"
                      f" {_spread(q.value, _ratio)}".rstrip() + goal)
     lines += ["", "limits (on the median)"]
     for lim in report.limits:
@@ -852,8 +852,13 @@ def _name(row: Row) -> str:
     return f"{row.key} [{row.target}]"
 
 
-def _ratio(x: float) -> str:
-    return f"{x:.2f}x"
+def _ratio(x: float, goal: float | None = None) -> str:
+    """x to two decimals; to as many more as tell it from `goal` when it falls short of it but would
+    print as it (1.797 is "1.797x", not "1.80x", beside "goal >= 1.80x: NOT met")."""
+    digits = 2
+    while goal is not None and x < goal and f"{x:.{digits}f}" == f"{goal:.{digits}f}" and digits < 6:
+        digits += 1
+    return f"{x:.{digits}f}x"
 
 
 def as_json(report: Report) -> dict:
