@@ -18,9 +18,11 @@ import time
 import types
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
+import wasmtime
 
 import kernelgen.tuning.timing
 import kernelgen.tuning.tune
@@ -38,7 +40,7 @@ from kernelgen.host.manifest import manifest_text
 from kernelgen.compiler.parse import parse
 from kernelgen.tuning.fingerprint import Code
 from kernelgen.tuning.store import Record, append_record, best_tune, kernel_hash, load_store
-from kernelgen.tuning.timing import measure
+from kernelgen.tuning.timing import measure, measure_together
 from kernelgen.tuning.tune import SPECS, parse_shape, tune
 
 from helpers import CHROMIUM, need, random_blocks
@@ -904,13 +906,13 @@ def test_cli_build_store_options(checked, tmp_path: Path, monkeypatch: pytest.Mo
 # ---- the tuner end to end ------------------------------------------------------------------------
 
 
-def _fast_measure(call, *_args, **_kwargs):
-    return measure(call, min_batch=0.001, samples=3)
+def _fast_measure(calls, *_args, **_kwargs):
+    return measure_together(calls, min_batch=0.001, samples=3)
 
 
 @pytest.fixture
 def fast(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernelgen.tuning.tune, "measure", _fast_measure)
+    monkeypatch.setattr(kernelgen.tuning.tune, "measure_together", _fast_measure)
 
 
 def _tune_dot(source: str, store: Path, **kw) -> list[Record]:
@@ -946,9 +948,11 @@ def test_tune_times_every_variant_retimes_and_resumes(checked, tmp_path: Path, f
     assert (f"nothing to do: all {len(first)} variant(s) asked for are already recorded in {store}" in err
             and "pass --remeasure to time them again" in err)
     assert store.read_bytes() == before
-    code, out, err = run_cli(*argv, "--remeasure", "--budget", "0.001")  # times one (and retimes it)
-    assert code == 0 and "2 timing(s) and 0 failed variant(s) appended" in out
-    assert len(load_store(store)) == len(on_disk) + 2
+    # A budget is checked between cases: the first case's variants are timed together, then its best three again.
+    code, out, err = run_cli(*argv, "--remeasure", "--budget", "0.001")
+    timings = len(first) + min(3, len(first))
+    assert code == 0 and f"{timings} timing(s) and 0 failed variant(s) appended" in out
+    assert len(load_store(store)) == len(on_disk) + timings
 
     # Resume after an interruption: only what is missing is timed.
     partial = tmp_path / "partial.jsonl"
@@ -1182,6 +1186,32 @@ def test_measure_stops_growing_for_a_call_that_takes_no_time(monkeypatch: pytest
     t = measure(clock.call, min_batch=0.02, samples=3)
     assert t.reps >= 1 << 24 and len(clock.calls) < 10
     assert t.seconds == 0.0
+
+
+def test_measure_together_takes_the_calls_batches_in_turn_and_so_shares_a_drift(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two identical calls on a host that slows by 10% per batch: timed one after another the second
+    reads far slower; timed together each round times both, the next round in the other order, so
+    their medians agree. Each call keeps its own batch size."""
+    now, log = [1000.0], []
+    monkeypatch.setattr(kernelgen.tuning.timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def kernel(name: str, per_rep: float) -> Callable[[int], None]:
+        def call(reps: int) -> None:
+            log.append(name)
+            now[0] += reps * per_rep * (1 + 0.1 * len(log))
+        return call
+
+    a, b, c = kernel("a", 1e-3), kernel("b", 1e-3), kernel("c", 4e-3)
+    alone = [measure(a, 0.02, 5), measure(b, 0.02, 5)]
+    assert alone[1].seconds / alone[0].seconds > 1.4
+    log.clear()
+    together = measure_together([a, b], 0.02, 5)
+    assert 0.9 < together[1].seconds / together[0].seconds < 1.1
+    rounds = log[-10:]
+    assert rounds == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    log.clear()
+    small, big = measure_together([a, c], 0.02, 3)
+    assert small.reps > big.reps and len(small.samples) == len(big.samples) == 3
 
 
 def test_measure_sizes_again_when_a_slow_first_batch_left_batches_the_clock_cannot_resolve(
@@ -1961,9 +1991,52 @@ def test_a_timing_of_no_time_is_a_failed_variant(checked, monkeypatch: pytest.Mo
     store would refuse and a pick would divide by."""
     from kernelgen.tuning.timing import MAX_REPS, Timing
     from kernelgen.tuning.tune import run_case
-    monkeypatch.setattr(kernelgen.tuning.tune, "measure", lambda *a, **k: Timing(0.0, (0.0,) * 5, MAX_REPS))
+    monkeypatch.setattr(kernelgen.tuning.tune, "measure_together",
+                        lambda calls, *a, **k: [Timing(0.0, (0.0,) * 5, MAX_REPS) for _ in calls])
     seconds, status = run_case(SOURCE, checked, "simd128", "qmatvec", "q8_0", (8, 256), {"rows": 1, "accs": 1}, 1e-4, 1)
     assert seconds is None and status.startswith("failed:") and "did not advance" in status
+
+
+def test_tune_times_a_cases_variants_in_turn_within_the_memory_bound(checked, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variants of one (kernel, type, shape) are loaded together and timed in turn, then the best
+    two again, in turn; past TOGETHER_BYTES of their memories, in as many turns as fit."""
+    together: list[int] = []
+
+    def spy(calls, *_a, **_k):
+        together.append(len(calls))
+        return measure_together(calls, min_batch=0.001, samples=3)
+
+    monkeypatch.setattr(kernelgen.tuning.tune, "measure_together", spy)
+    n = len(variants(checked, "qmatvec"))
+    args = (SOURCE, ["simd128"], ["qmatvec"], {"qmatvec": [(8, 256)]}, ["q8_0"])
+    recs = tune(*args, tmp_path / "a.jsonl", budget=120.0, out=io.StringIO(), retime=2)
+    assert together == [n, 2] and all(r.status == "ok" for r in recs)
+    assert len([r for r in recs if r.threads == 1]) == n + 2  # (on more cores, its pool job too: not in turn)
+    together.clear()
+    monkeypatch.setattr(kernelgen.tuning.tune, "TOGETHER_BYTES", 1)  # no two fit: one at a time
+    tune(*args, tmp_path / "b.jsonl", budget=120.0, out=io.StringIO(), retime=2)
+    assert together == [1] * (n + 2)
+
+
+def test_a_variant_that_traps_while_timed_in_turn_fails_alone(checked, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trap while variants are timed in turn does not tell whose it was: each is timed again alone,
+    and only the one that traps then fails."""
+    from kernelgen.tuning.tune import run_cases
+    rows1 = {"rows": 1, "accs": 1}
+    calls: list[object] = []
+
+    def traps_with_rows1(batches, *_a, **_k):
+        calls.append(len(batches))
+        if len(calls) <= 2:  # in turn, then rows 1 (the first) alone
+            raise wasmtime.Trap("wasm trap: out of bounds memory access")
+        return measure_together(batches, min_batch=0.001, samples=3)
+
+    monkeypatch.setattr(kernelgen.tuning.tune, "measure_together", traps_with_rows1)
+    got = run_cases(SOURCE, checked, "simd128", "qmatvec", "q8_0", (8, 256), [rows1, {"rows": 2, "accs": 1}])
+    assert calls == [2, 1, 1]
+    assert got[0] == (None, "failed: trapped (wasm trap: out of bounds memory access)")
+    assert got[1][1] == "ok" and got[1][0] > 0
 
 
 def test_tune_leaves_out_shapes_whose_rows_are_not_whole_blocks_of_a_type(checked, tmp_path: Path, fast) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..compiler import ast as A
 from ..compiler.check import Checked
@@ -196,33 +196,48 @@ def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: b
     is then left out (the tuner's single-thread kernels; a pool job's helpers run on other threads).
     `timed_by_call`: `call` returns the seconds its batch took, measured where it ran (another
     process: v8.measure_v8)."""
+    return measure_together([call], min_batch, samples, thread_time, timed_by_call)[0]
+
+
+def measure_together(calls: Sequence[Any], min_batch: float = 0.02, samples: int = 5, thread_time: bool = False,
+                     timed_by_call: bool = False) -> list[Timing]:
+    """measure() for several calls, their batches taken in turn: each round times every call once,
+    the next round starting one call later. Why: a shared host's speed drifts by up to 1.3x over
+    minutes (Zen 3, stop 63), so variants timed one after another compare the drift as much as the
+    code, while variants timed in turn share it (the tuner's variants of one case)."""
     now = time.thread_time if thread_time else time.perf_counter
 
-    def timed(reps: int) -> float:
+    def timed(call: Any, reps: int) -> float:
         if timed_by_call:
             return call(reps)
         t0 = now()
         call(reps)
         return now() - t0
 
-    def sized(reps: int) -> int:
+    def sized(call: Any, reps: int) -> int:
         while True:
-            dt = timed(reps)
+            dt = timed(call, reps)
             if dt >= min_batch or reps >= MAX_REPS:
                 return reps
             reps = min(MAX_REPS, max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2)))
 
-    reps = sized(1)
+    reps = [sized(c, 1) for c in calls]
     while True:
-        call(reps)  # warm-up at the final size
-        times = [timed(reps) for _ in range(samples)]
+        for c, n in zip(calls, reps):
+            c(n)  # warm-up at the final size
+        times: list[list[float]] = [[] for _ in calls]
+        for r in range(samples):
+            for i in (j % len(calls) for j in range(r, r + len(calls))):
+                times[i].append(timed(calls[i], reps[i]))
         # A first batch slowed by what only it pays (V8 compiling the module under load) can end the
         # sizing at batches shorter than the clock resolves: Chromium's page clock read 0 s. Size again.
-        if statistics.median(times) >= min_batch / 2 or reps >= MAX_REPS:
+        short = [i for i, t in enumerate(times) if statistics.median(t) < min_batch / 2 and reps[i] < MAX_REPS]
+        if not short:
             break
-        reps = sized(min(MAX_REPS, reps * 2))
-    per_call = tuple(t / reps for t in times)
-    return Timing(statistics.median(per_call), per_call, reps)
+        for i in short:
+            reps[i] = sized(calls[i], min(MAX_REPS, reps[i] * 2))
+    per_call = [tuple(t / n for t in ts) for ts, n in zip(times, reps)]
+    return [Timing(statistics.median(p), p, n) for p, n in zip(per_call, reps)]
 
 
 def time_job(k: Any, export: str, args: list, threads: int, chunk: int | None = None,

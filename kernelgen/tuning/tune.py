@@ -8,6 +8,7 @@ by skipping what is recorded; the best few of each shape are timed again before 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from ..names import variant_name
 from ..compiler.parse import parse
 from .fingerprint import Code
 from .store import WASMTIME, Record, append_record, caches, host, kernel_hash, last_level, load_store, usable
-from .timing import ENGINES, POOL_REPEAT, check_case_bytes, measure, repeat_name, repeat_source, time_job
+from .timing import ENGINES, POOL_REPEAT, check_case_bytes, measure_together, repeat_name, repeat_source, time_job
 from .v8 import engine_name, in_browser, measure_v8
 
 
@@ -307,33 +308,70 @@ def variant_table(checked: Checked, target: str, kernel: str, tune: dict[str, in
 def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
              tune: dict[str, int], min_batch: float = 0.02, samples: int = 5,
              engine: str = WASMTIME, records: list[Record] | None = None, threads: int = 1) -> tuple[float | None, str]:
-    """Build one variant (variant_table: the other kernels as the build picks them from `records`),
-    verify it once under wasmtime, then time it inside wasm on `engine` (wasmtime, or V8 on a copy
-    of the verified memory: not pool jobs), or with `threads` > 1 its pool job in wasmtime on that
-    many threads: (seconds per call, status)."""
-    maker, _ = SPECS[kernel]
+    """run_cases for one variant: (seconds per call, status)."""
+    return run_cases(source, checked, target, kernel, quant, shape, [tune], min_batch, samples, engine, records,
+                     threads)[0]
+
+
+# The most memory the variants timed in turn hold together (a layered case: about 1 GB each); more
+# are timed in as many turns, each within it.
+TOGETHER_BYTES = 4 << 30
+
+
+@dataclass
+class _Ready:
+    """A variant built and verified in wasmtime, waiting for its turn: `batch(reps)` runs it reps times."""
+    batch: Callable[[int], object]
+    nbytes: int
+
+
+def run_cases(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
+              tunes: list[dict[str, int]], min_batch: float = 0.02, samples: int = 5, engine: str = WASMTIME,
+              records: list[Record] | None = None, threads: int = 1) -> list[tuple[float | None, str]]:
+    """Build each variant of `tunes` (variant_table: the other kernels as the build picks them from
+    `records`), verify it once under wasmtime, then time it inside wasm on `engine` (wasmtime, or
+    V8 on a copy of the verified memory: not pool jobs), or with `threads` > 1 its pool job in
+    wasmtime on that many threads: (seconds per call, status) each. The variants of one call in
+    wasmtime on one thread are loaded together and timed in turn (timing.measure_together), up to
+    TOGETHER_BYTES of memory at a time; the others one after another."""
     if layered(kernel, shape) and engine != WASMTIME:
         raise ValueError(f"{kernel} at {'x'.join(map(str, shape))}: a layered shape is timed in wasmtime only,"
                          f" not {engine}")
+    if threads > 1 and engine != WASMTIME:
+        raise ValueError(f"{kernel} on {threads} threads: timed in wasmtime only, not {engine}")
+    results: dict[int, tuple[float | None, str]] = {}
+    waiting: list[tuple[int, _Ready]] = []
+    for i, tune in enumerate(tunes):
+        got = _prepare(source, checked, target, kernel, quant, shape, tune, min_batch, samples, engine, records,
+                       threads)
+        if isinstance(got, tuple):
+            results[i] = got
+            continue
+        if waiting and sum(r.nbytes for _, r in waiting) + got.nbytes > TOGETHER_BYTES:
+            results.update(_in_turn(waiting, min_batch, samples))
+            waiting = []
+        waiting.append((i, got))
+    results.update(_in_turn(waiting, min_batch, samples))
+    return [results[i] for i in range(len(tunes))]
+
+
+def _prepare(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
+             tune: dict[str, int], min_batch: float, samples: int, engine: str, records: list[Record] | None,
+             threads: int) -> _Ready | tuple[float | None, str]:
+    """One variant of run_cases built and verified: ready for its turn in wasmtime, or its result
+    (a failure; a pool job or a V8 timing, which run where they are made)."""
+    maker, _ = SPECS[kernel]
     table = variant_table(checked, target, kernel, tune, records)
     # Only the type timed is built (a kernel of no type: the first declared, the least a build holds):
     # the other types' code is most of a build's time and none of the timed call's.
-    build = functools.partial(compile_source, targets=(target,), tune=table, flavors=False,
-                              quants=(quant or next(iter(checked.quants)),))
-    if threads > 1:
-        if engine != WASMTIME:
-            raise ValueError(f"{kernel} on {threads} threads: timed in wasmtime only, not {engine}")
-        (built,) = build(source + POOL_REPEAT)
-        k = from_built(built)
-        case = maker(k, quant, shape, np.random.default_rng(0))
-        try:
-            return _run_job(k, kernel, quant, case, {"threads": threads}, min_batch, samples)
-        except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
-            return None, f"failed: trapped ({str(e).splitlines()[0]})"
-    (built,) = build(source + (POOL_REPEAT if kernel in checked.jobs else repeat_source(checked, kernel)))
+    (built,) = compile_source(source + (POOL_REPEAT if threads > 1 or kernel in checked.jobs
+                                        else repeat_source(checked, kernel)),
+                              targets=(target,), tune=table, flavors=False, quants=(quant or next(iter(checked.quants)),))
     k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
+        if threads > 1:
+            return _run_job(k, kernel, quant, case, {"threads": threads}, min_batch, samples)
         if kernel in checked.jobs:
             return _run_job(k, checked.jobs[kernel].name, quant, case, tune, min_batch, samples)
         export = k.export_name(kernel, quant)
@@ -341,21 +379,42 @@ def run_case(source: str, checked: Checked, target: str, kernel: str, quant: str
         if problem:
             return None, f"failed: wrong results ({problem})"
         bench = variant_name(repeat_name(kernel), quant, {})
-        if case.layers:  # one call per matrix, from Python: 30-60 us against a matrix's milliseconds
-            timing = measure(lambda reps: [k.call(export, *a) for _ in range(reps) for a in case.layers], min_batch,
-                             samples, thread_time=True)
-        elif engine == WASMTIME:
-            timing = measure(lambda reps: k.call(bench, reps, *case.args), min_batch, samples, thread_time=True)
-        else:
+        if engine != WASMTIME:
             try:
                 timing = measure_v8(built.wasm, k, bench, list(case.args), min_batch, samples, in_browser(engine))
             except KernelgenError as e:  # Node or Chromium stopped or hung on this variant: the others still count
                 return None, f"failed: in {engine} ({e})"
+            return _result(timing.seconds, timing.reps)
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
-        return None, f"failed: trapped ({str(e).splitlines()[0]})"
-    if not timing.seconds > 0:  # a store keeps positive times only (store.Record), and a pick divides by them
-        return None, f"failed: {timing.reps} calls per batch timed at {timing.seconds} s (the clock did not advance)"
-    return timing.seconds, "ok"
+        return None, _trapped(e)
+    if case.layers:  # one call per matrix, from Python: 30-60 us against a matrix's milliseconds
+        layers = case.layers
+        return _Ready(lambda reps: [k.call(export, *a) for _ in range(reps) for a in layers], k.module.memory.data_len())
+    args = case.args
+    return _Ready(lambda reps: k.call(bench, reps, *args), k.module.memory.data_len())
+
+
+def _in_turn(waiting: list[tuple[int, _Ready]], min_batch: float, samples: int) -> dict[int, tuple[float | None, str]]:
+    """Time the ready variants in turn; if one traps, each alone, so that only its own result fails."""
+    if not waiting:
+        return {}
+    try:
+        timings = measure_together([r.batch for _, r in waiting], min_batch, samples, thread_time=True)
+    except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
+        if len(waiting) == 1:
+            return {waiting[0][0]: (None, _trapped(e))}
+        return {i: v for one in waiting for i, v in _in_turn([one], min_batch, samples).items()}
+    return {i: _result(t.seconds, t.reps) for (i, _), t in zip(waiting, timings)}
+
+
+def _trapped(e: Exception) -> str:
+    return f"failed: trapped ({str(e).splitlines()[0]})"
+
+
+def _result(seconds: float, reps: int) -> tuple[float | None, str]:
+    if not seconds > 0:  # a store keeps positive times only (store.Record), and a pick divides by them
+        return None, f"failed: {reps} calls per batch timed at {seconds} s (the clock did not advance)"
+    return seconds, "ok"
 
 
 def engine_names(engine: str) -> list[str]:
@@ -468,8 +527,9 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
                         runs = [(e, 1) for e in ([WASMTIME] if alone else engines)]
                         if WASMTIME in dict(runs) and threaded(checked, kernel):
                             runs.append((WASMTIME, threaded(checked, kernel)))
-                    for t in job_variants() if kernel in checked.jobs else variants(checked, kernel):
-                        plans += [(target, Plan(kernel, q, shape, t, e, n)) for e, n in runs]
+                    for e, n in runs:  # a case's variants next to each other: run_cases times them in turn
+                        plans += [(target, Plan(kernel, q, shape, t, e, n))
+                                  for t in (job_variants() if kernel in checked.jobs else variants(checked, kernel))]
     if unfit:
         print(f"not timed, their rows not whole blocks of the type: {', '.join(unfit)}", file=out)
     if note := cache_note(checked, [p for _, p in plans]):
@@ -496,29 +556,43 @@ def tune(source: str, targets: Iterable[str], kernels: list[str], shapes: dict[s
         print(f"nothing to do: all {len(plans)} variant(s) asked for are already recorded in {store} for this"
               f" host and kernel source; pass --remeasure to time them again", file=out)
         return []
-    if strategy == "random":
-        random.Random(seed).shuffle(plans)
+    def case(tp: tuple[str, Plan]) -> tuple:
+        target, p = tp
+        return target, p.kernel, p.quant, p.shape, p.engine, p.threads
+
+    cases = [list(group) for _, group in itertools.groupby(plans, key=case)]
+    if strategy == "random":  # the cases in a random order, and each one's variants
+        rng = random.Random(seed)
+        rng.shuffle(cases)
+        for c in cases:
+            rng.shuffle(c)
     elif strategy != "exhaustive":
         raise ValueError(f"unknown strategy {strategy!r}: exhaustive or random")
     new: list[Record] = []
-    start = time.monotonic()
+    start, begun = time.monotonic(), 0
     try:
-        for i, (target, p) in enumerate(plans, 1):
-            shape = "x".join(map(str, p.shape))
-            if timed(target, p):
+        for c in cases:
+            target, p0 = c[0]
+            todo = [p for _, p in c if not timed(target, p)]
+            begun += len(c)
+            if not todo:
                 continue
             if time.monotonic() - start > budget:
-                print(f"\ntime budget of {budget:.0f} s used; {len(plans) - i + 1} variant(s) left", file=out)
+                print(f"\ntime budget of {budget:.0f} s used; {len(plans) - begun + len(c)} variant(s) left", file=out)
                 break
-            name = variant_name(p.kernel, p.quant, p.tune)
-            where = (f" in {p.engine}" if p.engine != WASMTIME else "") + (f" on {p.threads} threads" if p.threads > 1 else "")
-            print(f"\r[{i}/{len(plans)}] {target} {name} {shape}{where} ...".ljust(79), end="", file=out, flush=True)
-            seconds, status = run_case(source, checked, target, p.kernel, p.quant, p.shape, p.tune, engine=p.engine,
-                                       records=stored + new, threads=p.threads)
-            rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel, p.quant), me, p.tune, seconds, status,
-                         engine=p.engine, threads=p.threads, code=code.fingerprint(target, p.kernel, p.quant, p.tune, p.threads))
-            append_record(store, rec)
-            new.append(rec)
+            shape = "x".join(map(str, p0.shape))
+            name = variant_name(p0.kernel, p0.quant, {})
+            where = (f" in {p0.engine}" if p0.engine != WASMTIME else "") + (f" on {p0.threads} threads" if p0.threads > 1 else "")
+            print(f"\r[{begun}/{len(plans)}] {target} {name} {shape}{where}: {len(todo)} variant(s) ...".ljust(79), end="",
+                  file=out, flush=True)
+            results = run_cases(source, checked, target, p0.kernel, p0.quant, p0.shape, [p.tune for p in todo],
+                                engine=p0.engine, records=stored + new, threads=p0.threads)
+            for p, (seconds, status) in zip(todo, results):
+                rec = Record(p.kernel, p.quant, target, shape, hash_of(p.kernel, p.quant), me, p.tune, seconds, status,
+                             engine=p.engine, threads=p.threads,
+                             code=code.fingerprint(target, p.kernel, p.quant, p.tune, p.threads))
+                append_record(store, rec)
+                new.append(rec)
         new += _retime_best(source, checked, new, store, retime, out, stored)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(new)} result(s) kept in {store}", file=out)
@@ -537,11 +611,14 @@ def _retime_best(source: str, checked: Checked, recs: list[Record], store: Path,
             groups.setdefault((r.kernel, r.quant, r.target, r.shape, r.engine, r.threads), []).append(r)
     again = []
     for (kernel, quant, target, shape, engine, threads), rs in groups.items():
-        for r in sorted(rs, key=lambda r: r.seconds)[:n]:
-            print(f"\rre-timing {target} {variant_name(kernel, quant, r.tune)} {shape} {engine} x{threads}".ljust(79),
-                  end="", file=out, flush=True)
-            seconds, status = run_case(source, checked, target, kernel, quant, parse_shape(shape), r.tune,
-                                       engine=engine, records=stored + recs, threads=threads)
+        best = sorted(rs, key=lambda r: r.seconds)[:n]
+        if not best:
+            continue
+        print(f"\rre-timing {target} {variant_name(kernel, quant, {})} {shape} {engine} x{threads}: {len(best)} variant(s)"
+              .ljust(79), end="", file=out, flush=True)
+        results = run_cases(source, checked, target, kernel, quant, parse_shape(shape), [r.tune for r in best],
+                            engine=engine, records=stored + recs, threads=threads)
+        for r, (seconds, status) in zip(best, results):
             rec = Record(kernel, quant, target, shape, r.dsl_hash, r.host, r.tune, seconds, status, retimed=True,
                          engine=engine, threads=threads, code=r.code)
             append_record(store, rec)
