@@ -1997,6 +1997,24 @@ def test_a_timing_of_no_time_is_a_failed_variant(checked, monkeypatch: pytest.Mo
     assert seconds is None and status.startswith("failed:") and "did not advance" in status
 
 
+def test_tune_builds_the_type_it_times_beside_the_store_picks_of_other_types(checked, tmp_path: Path, fast) -> None:
+    """A variant's module holds only the type timed, so the store's picks of other types (qmatvec's
+    Q4_0, which qmatmul's Q8_0 variants are built beside) stay out of its build: tuning qmatmul
+    after qmatvec stopped at its first case with "--tune: 'qmatvec_q4_0' tunes quant type q4_0,
+    which this build leaves out"."""
+    store = tmp_path / "store.jsonl"
+    timed = tune(SOURCE, ["simd128"], ["qmatvec"], {"qmatvec": [(8, 256)]}, ["q4_0"], tmp_path / "timed.jsonl",
+                 budget=120.0, out=io.StringIO(), retime=0)
+    for r in timed:  # a store in which rows 4 wins by far: a pick that is not the declared default
+        append_record(store, dataclasses.replace(r, seconds=r.seconds / (10 if r.tune["rows"] == 4 else 1)))
+    table = kernelgen.tuning.tune.variant_table(checked, "simd128", "qmatmul", {"tokens": 1, "rows": 1},
+                                                load_store(store))
+    assert table["qmatvec_q4_0"]["rows"] == 4
+    recs = tune(SOURCE, ["simd128"], ["qmatmul"], {"qmatmul": [(2, 8, 256)]}, ["q8_0"], store, budget=120.0,
+                out=io.StringIO(), retime=0)
+    assert recs and all(r.status == "ok" for r in recs)
+
+
 def test_tune_times_a_cases_variants_in_turn_within_the_memory_bound(checked, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The variants of one (kernel, type, shape) are loaded together and timed in turn, then the best

@@ -361,12 +361,16 @@ def _prepare(source: str, checked: Checked, target: str, kernel: str, quant: str
     """One variant of run_cases built and verified: ready for its turn in wasmtime, or its result
     (a failure; a pool job or a V8 timing, which run where they are made)."""
     maker, _ = SPECS[kernel]
-    table = variant_table(checked, target, kernel, tune, records)
     # Only the type timed is built (a kernel of no type: the first declared, the least a build holds):
-    # the other types' code is most of a build's time and none of the timed call's.
+    # the other types' code is most of a build's time and none of the timed call's. Their picks
+    # (another kernel's, from `records`) leave the table with them: a build refuses tune values of a
+    # type it leaves out.
+    one = quant or next(iter(checked.quants))
+    others = {tune_key(k, q) for k in [*checked.kernels, *checked.jobs] for q in checked.quants if q != one}
+    table = {k: v for k, v in variant_table(checked, target, kernel, tune, records).items() if k not in others}
     (built,) = compile_source(source + (POOL_REPEAT if threads > 1 or kernel in checked.jobs
                                         else repeat_source(checked, kernel)),
-                              targets=(target,), tune=table, flavors=False, quants=(quant or next(iter(checked.quants)),))
+                              targets=(target,), tune=table, flavors=False, quants=(one,))
     k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
