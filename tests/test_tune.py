@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 import types
 import warnings
@@ -2017,24 +2018,29 @@ def test_tune_builds_the_type_it_times_beside_the_store_picks_of_other_types(che
 
 def test_tune_times_a_cases_variants_in_turn_within_the_memory_bound(checked, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The variants of one (kernel, type, shape) are loaded together and timed in turn, then the best
-    two again, in turn; past TOGETHER_BYTES of their memories, in as many turns as fit."""
-    together: list[int] = []
+    """The variants of one (kernel, type, shape, threads) are loaded together and timed in turn, then
+    the best two again, in turn; past TOGETHER_BYTES of their memories, in as many turns as fit. On
+    more than one core each variant is timed on its own pool too (by the wall clock), the pools
+    side by side, every one of them closed afterwards."""
+    together: list[tuple[int, bool]] = []
 
-    def spy(calls, *_a, **_k):
-        together.append(len(calls))
+    def spy(calls, *_a, thread_time=False, **_k):
+        together.append((len(calls), thread_time))
         return measure_together(calls, min_batch=0.001, samples=3)
 
     monkeypatch.setattr(kernelgen.tuning.tune, "measure_together", spy)
     n = len(variants(checked, "qmatvec"))
+    p = 1 if kernelgen.tuning.tune.threaded(checked, "qmatvec") else 0  # on one core: no pool timings
     args = (SOURCE, ["simd128"], ["qmatvec"], {"qmatvec": [(8, 256)]}, ["q8_0"])
     recs = tune(*args, tmp_path / "a.jsonl", budget=120.0, out=io.StringIO(), retime=2)
-    assert together == [n, 2] and all(r.status == "ok" for r in recs)
-    assert len([r for r in recs if r.threads == 1]) == n + 2  # (on more cores, its pool job too: not in turn)
+    one, pool = (n, True), (n, False)
+    assert together == [one] + [pool] * p + [(2, True)] + [(2, False)] * p
+    assert all(r.status == "ok" for r in recs) and len(recs) == (n + 2) * (1 + p)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kernelgen-pool")]
     together.clear()
     monkeypatch.setattr(kernelgen.tuning.tune, "TOGETHER_BYTES", 1)  # no two fit: one at a time
     tune(*args, tmp_path / "b.jsonl", budget=120.0, out=io.StringIO(), retime=2)
-    assert together == [1] * (n + 2)
+    assert [k for k, _ in together] == [1] * (n + 2) * (1 + p)
 
 
 def test_a_variant_that_traps_while_timed_in_turn_fails_alone(checked, monkeypatch: pytest.MonkeyPatch) -> None:

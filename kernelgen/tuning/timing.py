@@ -240,26 +240,40 @@ def measure_together(calls: Sequence[Any], min_batch: float = 0.02, samples: int
     return [Timing(statistics.median(p), p, n) for p, n in zip(per_call, reps)]
 
 
+def open_job(k: Any, export: str, args: list, threads: int, chunk: int | None = None,
+             layers: list[list] | None = None) -> tuple[Pool, Callable[[int], Any]]:
+    """A pool of `threads` threads on k's module with parallel `export` run once on it (each of
+    `layers`' argument lists in turn, `args` the last; this publishes the arguments), and
+    batch(reps), which runs it reps times: inside wasm through POOL_REPEAT's bench_par_for, or
+    with `layers` one call per matrix from Python. `chunk` items per claim (None:
+    Pool.default_chunk). The caller closes the pool; helpers of a pool between batches sleep
+    after SPIN_ROUNDS, so several pools can wait their turn side by side."""
+    call = job_call(k.manifest, export, args)
+    pool = Pool(k, threads)
+    try:
+        chunk = chunk or pool.default_chunk(call)
+        for a in layers or [args]:
+            pool.call(export, a, chunk)
+        index = pool.job_index(call.job)
+    except BaseException:
+        pool.close()
+        raise
+    if layers:
+        return pool, lambda reps: [pool.call(export, a, chunk) for _ in range(reps) for a in layers]
+    return pool, lambda reps: k.call("bench_par_for", reps, index, call.count, chunk)
+
+
 def time_job(k: Any, export: str, args: list, threads: int, chunk: int | None = None,
              verify: Callable[[], str | None] = lambda: None, min_batch: float = 0.02,
              samples: int = 5, layers: list[list] | None = None) -> tuple[float | None, str | None]:
-    """Parallel `export` with `args` on `threads` threads through the pool's par_for (POOL_REPEAT's
-    bench_par_for), `chunk` items per claim (None: Pool.default_chunk): (seconds per run, None), or
-    (None, the problem) when `verify` finds one in the first run's output. `layers`: the argument
-    lists of as many calls in turn, each through the pool from Python (`args` is the last)."""
-    call = job_call(k.manifest, export, args)
-    with Pool(k, threads) as pool:
-        chunk = chunk or pool.default_chunk(call)
-        for a in layers or [args]:
-            pool.call(export, a, chunk)  # runs it once and publishes the arguments
+    """open_job, then (seconds per run, None), or (None, the problem) when `verify` finds one in
+    the first run's output."""
+    pool, batch = open_job(k, export, args, threads, chunk, layers)
+    with pool:
         problem = verify()
         if problem:
             return None, problem
-        if layers:
-            return measure(lambda reps: [pool.call(export, a, chunk) for _ in range(reps) for a in layers],
-                           min_batch, samples).seconds, None
-        index = pool.job_index(call.job)
-        return measure(lambda reps: k.call("bench_par_for", reps, index, call.count, chunk), min_batch, samples).seconds, None
+        return measure(batch, min_batch, samples).seconds, None
 
 
 def measure_python(fn: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:

@@ -25,13 +25,14 @@ import wasmtime
 from .. import reference
 from ..errors import KernelgenError
 from ..host.api import Act, Kernels
+from ..host.pool import Pool
 from ..compiler.build import choose_tune, compile_source, from_built
 from ..compiler.check import Checked, check, tune_key, variants
 from ..names import variant_name
 from ..compiler.parse import parse
 from .fingerprint import Code
 from .store import WASMTIME, Record, append_record, caches, host, kernel_hash, last_level, load_store, usable
-from .timing import ENGINES, POOL_REPEAT, check_case_bytes, measure_together, repeat_name, repeat_source, time_job
+from .timing import ENGINES, POOL_REPEAT, check_case_bytes, measure_together, open_job, repeat_name, repeat_source
 from .v8 import engine_name, in_browser, measure_v8
 
 
@@ -232,15 +233,6 @@ def job_variants() -> list[dict[str, int]]:
     return [{"threads": t, "chunk": c} for t in range(cores, 0, -1) for c in CHUNKS]
 
 
-def _run_job(k: Kernels, kernel: str, quant: str | None, case: Case, tune: dict[str, int], min_batch: float,
-             samples: int) -> tuple[float | None, str]:
-    """Time parallel `kernel` on the pool with `tune`'s threads and chunk (none: the pool's default
-    for the call, Pool.default_chunk), after checking its output once."""
-    seconds, problem = time_job(k, k.export_name(kernel, quant), case.args, tune["threads"], tune.get("chunk"),
-                                lambda: case.verify(None), min_batch, samples, case.layers)
-    return (None, f"failed: wrong results ({problem})") if problem else (seconds, "ok")
-
-
 def threaded(checked: Checked, kernel: str) -> int:
     """The thread count `kernel`'s variants are also timed at, on its pool job in wasmtime: every
     core, as pages and the Pool run it; 0 on one core or for a kernel with no job. Why: a tile's
@@ -320,9 +312,12 @@ TOGETHER_BYTES = 4 << 30
 
 @dataclass
 class _Ready:
-    """A variant built and verified in wasmtime, waiting for its turn: `batch(reps)` runs it reps times."""
+    """A variant built and verified in wasmtime, waiting for its turn: `batch(reps)` runs it reps
+    times, on this thread (timed by its CPU time) or on `pool` (by the wall clock; run_cases
+    closes it after the last turn)."""
     batch: Callable[[int], object]
     nbytes: int
+    pool: Pool | None = None
 
 
 def run_cases(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
@@ -333,7 +328,8 @@ def run_cases(source: str, checked: Checked, target: str, kernel: str, quant: st
     V8 on a copy of the verified memory: not pool jobs), or with `threads` > 1 its pool job in
     wasmtime on that many threads: (seconds per call, status) each. The variants of one call in
     wasmtime on one thread are loaded together and timed in turn (timing.measure_together), up to
-    TOGETHER_BYTES of memory at a time; the others one after another."""
+    TOGETHER_BYTES of memory at a time, and so are those on a pool, each with its own pool; V8's
+    one after another."""
     if layered(kernel, shape) and engine != WASMTIME:
         raise ValueError(f"{kernel} at {'x'.join(map(str, shape))}: a layered shape is timed in wasmtime only,"
                          f" not {engine}")
@@ -341,25 +337,36 @@ def run_cases(source: str, checked: Checked, target: str, kernel: str, quant: st
         raise ValueError(f"{kernel} on {threads} threads: timed in wasmtime only, not {engine}")
     results: dict[int, tuple[float | None, str]] = {}
     waiting: list[tuple[int, _Ready]] = []
-    for i, tune in enumerate(tunes):
-        got = _prepare(source, checked, target, kernel, quant, shape, tune, min_batch, samples, engine, records,
-                       threads)
-        if isinstance(got, tuple):
-            results[i] = got
-            continue
-        if waiting and sum(r.nbytes for _, r in waiting) + got.nbytes > TOGETHER_BYTES:
-            results.update(_in_turn(waiting, min_batch, samples))
-            waiting = []
-        waiting.append((i, got))
-    results.update(_in_turn(waiting, min_batch, samples))
+    try:
+        for i, tune in enumerate(tunes):
+            got = _prepare(source, checked, target, kernel, quant, shape, tune, min_batch, samples, engine, records,
+                           threads)
+            if isinstance(got, tuple):
+                results[i] = got
+                continue
+            if waiting and sum(r.nbytes for _, r in waiting) + got.nbytes > TOGETHER_BYTES:
+                results.update(_in_turn(waiting, min_batch, samples))
+                _close(waiting)
+                waiting = []
+            waiting.append((i, got))
+        results.update(_in_turn(waiting, min_batch, samples))
+    finally:
+        _close(waiting)
     return [results[i] for i in range(len(tunes))]
+
+
+def _close(waiting: list[tuple[int, _Ready]]) -> None:
+    for _, r in waiting:
+        if r.pool is not None:
+            r.pool.close()
 
 
 def _prepare(source: str, checked: Checked, target: str, kernel: str, quant: str | None, shape: tuple[int, ...],
              tune: dict[str, int], min_batch: float, samples: int, engine: str, records: list[Record] | None,
              threads: int) -> _Ready | tuple[float | None, str]:
-    """One variant of run_cases built and verified: ready for its turn in wasmtime, or its result
-    (a failure; a pool job or a V8 timing, which run where they are made)."""
+    """One variant of run_cases built and verified: ready for its turn in wasmtime (on its pool
+    with `threads` > 1 or for a pool job: `tune`'s threads and chunk), or its result (a failure; a
+    V8 timing, which runs where it is made)."""
     maker, _ = SPECS[kernel]
     # Only the type timed is built (a kernel of no type: the first declared, the least a build holds):
     # the other types' code is most of a build's time and none of the timed call's. Their picks
@@ -374,10 +381,20 @@ def _prepare(source: str, checked: Checked, target: str, kernel: str, quant: str
     k = from_built(built)
     case = maker(k, quant, shape, np.random.default_rng(0))
     try:
-        if threads > 1:
-            return _run_job(k, kernel, quant, case, {"threads": threads}, min_batch, samples)
-        if kernel in checked.jobs:
-            return _run_job(k, checked.jobs[kernel].name, quant, case, tune, min_batch, samples)
+        if threads > 1 or kernel in checked.jobs:
+            job = kernel if threads > 1 else checked.jobs[kernel].name
+            pooled = {"threads": threads} if threads > 1 else tune
+            pool, batch = open_job(k, k.export_name(job, quant), case.args, pooled["threads"], pooled.get("chunk"),
+                                   case.layers)
+            try:
+                problem = case.verify(None)
+            except BaseException:
+                pool.close()
+                raise
+            if problem:
+                pool.close()
+                return None, f"failed: wrong results ({problem})"
+            return _Ready(batch, k.module.memory.data_len(), pool)
         export = k.export_name(kernel, quant)
         problem = case.verify([k.call(export, *a) for a in case.layers or [case.args]][-1])
         if problem:
@@ -403,7 +420,8 @@ def _in_turn(waiting: list[tuple[int, _Ready]], min_batch: float, samples: int) 
     if not waiting:
         return {}
     try:
-        timings = measure_together([r.batch for _, r in waiting], min_batch, samples, thread_time=True)
+        timings = measure_together([r.batch for _, r in waiting], min_batch, samples,
+                                   thread_time=waiting[0][1].pool is None)
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         if len(waiting) == 1:
             return {waiting[0][0]: (None, _trapped(e))}
