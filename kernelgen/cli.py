@@ -450,7 +450,8 @@ def parser() -> argparse.ArgumentParser:
                    help="quant types for generic kernels (repeatable or comma-separated; default: all)")
     t.add_argument("--budget", type=_budget, default=600.0, help="seconds to spend (default 600)")
     t.add_argument("--strategy", choices=("exhaustive", "random"), default="exhaustive",
-                   help="every variant in order, or in a random order (with --budget: a sample)")
+                   help="every case (kernel, type, shape) in order, or the cases and their variants in a random"
+                        " order (with --budget: a sample of cases; a case's variants are timed together)")
     t.add_argument("--seed", type=int, default=0, help="for --strategy random")
     t.add_argument("--store", type=Path, help=f"where results go (default {STORE})")
     t.add_argument("--remeasure", action="store_true",
