@@ -7,6 +7,7 @@ by skipping what is recorded; the best few of each shape are timed again before 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -386,14 +387,12 @@ def _prepare(source: str, checked: Checked, target: str, kernel: str, quant: str
             pooled = {"threads": threads} if threads > 1 else tune
             pool, batch = open_job(k, k.export_name(job, quant), case.args, pooled["threads"], pooled.get("chunk"),
                                    case.layers)
-            try:
+            with contextlib.ExitStack() as unless_ready:  # the pool is closed here unless it is handed on
+                unless_ready.callback(pool.close)
                 problem = case.verify(None)
-            except BaseException:
-                pool.close()
-                raise
-            if problem:
-                pool.close()
-                return None, f"failed: wrong results ({problem})"
+                if problem:
+                    return None, f"failed: wrong results ({problem})"
+                unless_ready.pop_all()
             return _Ready(batch, k.module.memory.data_len(), pool)
         export = k.export_name(kernel, quant)
         problem = case.verify([k.call(export, *a) for a in case.layers or [case.args]][-1])
@@ -420,7 +419,7 @@ def _in_turn(waiting: list[tuple[int, _Ready]], min_batch: float, samples: int) 
     if not waiting:
         return {}
     try:
-        timings = measure_together([r.batch for _, r in waiting], min_batch, samples,
+        timings = measure_together([r.batch for _, r in waiting], min_batch, samples,  # one case: all on pools or none
                                    thread_time=waiting[0][1].pool is None)
     except (wasmtime.Trap, wasmtime.WasmtimeError) as e:
         if len(waiting) == 1:
