@@ -1262,9 +1262,14 @@ def test_measure_with_a_real_counting_call() -> None:
 
 
 def _cycle(*values: float):
-    """A case's timer giving `values` in turn, one per run."""
+    """A case's prepare giving `values` in turn, one per run: a timer whose batches take that many
+    seconds per call."""
     it = iter(values * 10)
-    return lambda k: next(it)
+
+    def prepare(k, stack) -> bench.Timer:
+        seconds = next(it)
+        return bench.Timer((lambda reps: seconds * reps,), timed=True)
+    return prepare
 
 
 FAKE_CASES = [
@@ -1291,7 +1296,8 @@ def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Rep
                          *((name, "simd128") for name in (size.WASM, size.GZIP, size.BROTLI, size.QUANT_CODE, size.OTHER_CODE,
                                                           *(size.quant_code(q) for q in check(parse(SOURCE)).quants)))}
     slow = rows[("slow 8x8", "simd128")].value
-    assert slow.samples == [2e-3, 4e-3, 3e-3] and (slow.min, slow.median, slow.max) == (2e-3, 3e-3, 4e-3)
+    assert slow.samples == pytest.approx([2e-3, 4e-3, 3e-3])
+    assert (slow.min, slow.median, slow.max) == pytest.approx((2e-3, 3e-3, 4e-3))
     assert len(rows[("build all targets", "-")].value.samples) == 3
     # Ratios pair the rows of one run: 2, 4 and 1 -> median 2 (not a ratio of medians, 3 / 1).
     (fast_vs_slow, slow_vs_np) = fake_report.ratios
@@ -1300,6 +1306,45 @@ def test_bench_repeats_the_whole_table_and_summarizes_each_cell(fake_report: Rep
     assert slow_vs_np.versus.target == "numpy" and slow_vs_np.met is None
     fast_limit, wasm_limit = fake_report.limits
     assert fast_limit.met and not wasm_limit.met  # median 1 ms <= 2.5 ms; a module is more than 1 byte
+
+
+def test_bench_times_the_rows_a_ratio_compares_in_turn() -> None:
+    """The rows each ratio names, joined through the ratios, are one group: their batches are
+    timed in turn, so a host slowing 10% per batch leaves identical cases within 25%; rows no
+    ratio joins are timed apart, and so is a case `alone` (a pool, numpy's BLAS: on every core); a
+    group whose weights pass TOGETHER_BYTES is timed in parts."""
+    log: list[str] = []
+    clock = [1.0]
+
+    def slowing(name: str):
+        def prepare(k, stack) -> bench.Timer:
+            def batch(reps: int) -> float:
+                log.append(name)
+                clock[0] *= 1.1
+                return 1e-3 * reps * clock[0]
+            return bench.Timer((batch,), timed=True)
+        return prepare
+    cases = [Case(name, "8x8", 64, "weights", slowing(name)) for name in ("a", "b", "c", "d")]
+    ratios = [Ratio("a 8x8", "b 8x8"), Ratio("b 8x8", "c 8x8")]
+    report = bench.run(SOURCE, ("simd128",), cases=cases, ratios=ratios, limits=[])
+    a_b, b_c = report.ratios
+    assert 0.8 < a_b.value.median < 1.25 and 0.8 < b_c.value.median < 1.25
+    rows = {r.key: r.value.median for r in report.rows}
+    assert rows["d 8x8"] > 2 * rows["a 8x8"]  # timed after the group: the drift since falls on d alone
+    group = [i for i, name in enumerate(log) if name in "abc"]
+    assert group == list(range(len(group))) and set(log[len(group):]) == {"d"}  # a, b, c together, d after
+    assert "".join(log[len(group) - 15:len(group)]) == "abc" "bca" "cab" "abc" "bca"  # five rounds, each one case later
+    kernels = bench.Bench(SOURCE, ("simd128",), None)
+    big = [Case(f"qmatvec {q}", "8x8", 64, "weights", slowing(q), weights=(q, 4096, 4096)) for q in ("q8_0", "q4_0")]
+    both = [(c, "simd128") for c in big]
+    assert bench._groups(both, [Ratio("qmatvec q4_0 8x8", "qmatvec q8_0 8x8")], {"simd128"}, kernels) == [both]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "TOGETHER_BYTES", 20 << 20)  # 4096x4096 Q8_0 packs 18 MB, Q4_0 9 MB
+        assert bench._groups(both, [Ratio("qmatvec q4_0 8x8", "qmatvec q8_0 8x8")], {"simd128"}, kernels) == [
+            both[:1], both[1:]]
+    pooled = [(dataclasses.replace(big[0], name="qmatvec q8_0 pool", alone=True), "simd128"), both[1]]
+    assert bench._groups(pooled, [Ratio("qmatvec q4_0 8x8", "qmatvec q8_0 pool 8x8")], {"simd128"}, kernels) == [
+        pooled[:1], pooled[1:]]
 
 
 def test_bench_reads_the_caches_and_says_when_the_dram_shape_fits_the_last_one(tmp_path: Path) -> None:
@@ -1417,8 +1462,9 @@ def test_bench_dram_layers_read_distinct_matrices_in_turn() -> None:
     packs: list[int] = []
     pack = k.pack
     k.pack = lambda *a, **kw: packs.append(1) or pack(*a, **kw)  # type: ignore[method-assign]
-    assert bench.qmatvec("q4_0", 8, 512, layers=3)(k) > 0
-    assert len(packs) == 3  # three distinct matrices, not one read three times
+    with contextlib.ExitStack() as stack:
+        timer = bench.qmatvec("q4_0", 8, 512, layers=3)(k, stack)
+    assert len(timer.calls) == 1 and len(packs) == 3  # three distinct matrices, not one read three times
 
 
 def test_bench_dram_table_on_every_core_reads_the_same_bytes_on_the_pool(capsys) -> None:
@@ -1538,9 +1584,9 @@ def _small_matvec_cases() -> list[Case]:
         Case("qmatvec q4_0", shape, n, "weights", bench.qmatvec("q4_0", r, c), node=("qmatvec", "q4_0", MV_SMALL, 1),
              weights=("q4_0", r, c)),
         *[Case(f"qmatvec q8_0 pool, {t}", shape, n, "weights", bench.qmatvec("q8_0", r, c, t),
-               node=("qmatvec pool", "q8_0", MV_SMALL, t), weights=("q8_0", r, c)) for t in (1, 2)],
+               node=("qmatvec pool", "q8_0", MV_SMALL, t), weights=("q8_0", r, c), alone=True) for t in (1, 2)],
         *[Case(f"stream pool, {t}", shape, n, "weights", bench.stream_pool("q8_0", r, c, t),
-               node=("stream", "q8_0", MV_SMALL, t), weights=("q8_0", r, c)) for t in (1, 2)],
+               node=("stream", "q8_0", MV_SMALL, t), weights=("q8_0", r, c), alone=True) for t in (1, 2)],
         Case("np.base", "8", 8, "elements", _cycle(5e-6), numpy=True),
     ]
 
@@ -1603,9 +1649,9 @@ def test_bench_runs_the_gemm_rows_in_node_too(monkeypatch) -> None:
     q, f32 = (8, 64, 128), (16, 8, 32)
     cases = [Case("qmatmul q8_0", "s", 1, "MACs", bench.qmatmul("q8_0", *q), node=("qmatmul", "q8_0", q, 1)),
              *[Case(f"qmatmul q8_0 pool, {t}", "s", 1, "MACs", bench.qmatmul("q8_0", *q, t),
-                    node=("qmatmul pool", "q8_0", q, t)) for t in (1, 2)],
+                    node=("qmatmul pool", "q8_0", q, t), alone=True) for t in (1, 2)],
              *[Case(f"matmul_f32_{form}{label}", "s", 1, "MACs", bench.matmul_f32(form, *f32, t),
-                    node=(f"matmul_f32_{form}" + (" pool" if t else ""), "", f32, max(t, 1)))
+                    node=(f"matmul_f32_{form}" + (" pool" if t else ""), "", f32, max(t, 1)), alone=t > 0)
                for form in ("nt", "nn") for label, t in (("", 0), (" pool, 2", 2))], *_roofline_cases()]
     ratios = [Ratio("qmatmul q8_0 pool, 2 s", "qmatmul q8_0 pool, 1 s")]
     report = bench.run(SOURCE, ("simd128",), cases=cases, ratios=ratios, limits=[], engines=("wasmtime", "node"))
@@ -1633,7 +1679,8 @@ def test_bench_runs_the_mat_vec_and_gemm_rows_in_chromium(monkeypatch) -> None:
     q = (8, 64, 128)
     cases = [*_small_matvec_cases()[:-1],
              Case("qmatmul q8_0", "s", 1, "MACs", bench.qmatmul("q8_0", *q), node=("qmatmul", "q8_0", q, 1)),
-             Case("qmatmul q8_0 pool, 2", "s", 1, "MACs", bench.qmatmul("q8_0", *q, 2), node=("qmatmul pool", "q8_0", q, 2)),
+             Case("qmatmul q8_0 pool, 2", "s", 1, "MACs", bench.qmatmul("q8_0", *q, 2), node=("qmatmul pool", "q8_0", q, 2),
+                  alone=True),
              *_roofline_cases()]
     ratios = [Ratio(f"qmatvec q8_0 {shape}", f"seed-style q8_0 (hand-written) {shape}"),
               Ratio(f"qmatvec q8_0 pool, 2 {shape}", f"qmatvec q8_0 pool, 1 {shape}")]

@@ -30,7 +30,7 @@ import numpy as np
 import wasmtime
 
 from ..errors import UnknownName
-from .manifest import MAX_THREADS, check_arguments, evaluate
+from .manifest import MAX_THREADS, evaluate
 from .module import I32_MAX, as_int, as_real
 
 if TYPE_CHECKING:

@@ -3,8 +3,11 @@
 The bench is three small tables of data, read by one loop:
 
 - `CASES`: the rows. Each case is timed on each benched target (or once, for a numpy baseline)
-  by one protocol, `timing.measure`: repetitions inside wasm (or a Python loop for numpy) grown
-  until a batch lasts 20 ms, a warm-up batch, the median of 5 batches.
+  by one protocol, `timing.measure_together`: repetitions inside wasm (or a Python loop for numpy)
+  grown until a batch lasts 20 ms, a warm-up batch, the median of 5 batches. The rows a ratio
+  compares (joined through the ratios: `_groups`) are prepared together and their batches timed in
+  turn, each round one batch of each, so the drift of a shared host falls on both sides alike;
+  cases on more than one core, or on a pool, are timed alone (`Case.alone`).
 - `RATIOS`: how many times faster one printed row is than another printed row (their rates, work
   per second: rows of one shape compare by time, a matrix product against mat-vec or a roofline
   by what each does per second), with the goal the project set for it, if any.
@@ -23,15 +26,14 @@ the mat-vec rows as a roofline chart.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
-import subprocess
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,7 +44,7 @@ from ..compiler.check import check
 from ..compiler.parse import parse
 from ..host.pool import Pool, job_call
 from .. import library
-from ..names import parse_variant, variant_name
+from ..names import variant_name
 from .store import Record, caches, host, last_level
 from .v8 import NODE_FLAGS, chromium_path, node_path, run_group
 from .peer import SeedPeer
@@ -50,8 +52,8 @@ from .budget import CODE_BUDGET, dropped_text
 from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
 from .timing import (ENGINES as ENGINE_SETS, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS,
-                     ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, measure, measure_python,
-                     check_case_bytes, repeat_name, repeat_source, roof_name, stream_name, time_job)
+                     ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, CASE_MAX_BYTES,
+                     check_case_bytes, measure_together, open_job, repeat_name, repeat_source, roof_name, stream_name)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
@@ -98,17 +100,23 @@ ROOFLINE = "roofline"  # (ROOFLINE, op, (iters,), 1): a compute roofline's loops
 
 @dataclass(frozen=True)
 class Case:
-    """One row per benched target (or one numpy row): `time(kernels)` gives seconds per call,
-    `work` what one call does, in `unit`s (the rate column)."""
+    """One row per benched target (or one numpy row): `prepare(kernels, stack)` makes its inputs
+    and gives its Timer (the batches `run` times), `work` what one call does, in `unit`s (the rate
+    column)."""
 
     name: str
     shape: str
     work: float
     unit: str
-    time: Callable[[Kernels | None], float]
+    prepare: Callable[[Kernels | None, ExitStack], "Timer"]
     numpy: bool = False  # a baseline: timed once, in Python, on no module
     node: NodeKey | None = None  # its timing in node_bench.mjs's output, for --engine node
     weights: tuple[str, int, int] | None = None  # (quant, rows, cols) a mat-vec case reads: the chart's x
+    # Timed by itself, never in turn with other cases: it runs a pool (one per module), or on every
+    # core (numpy's BLAS). Batches on every core slowed the one-thread batches timed in turn with
+    # them by 1.1-1.3x (Zen 5, wasmtime, 4096x4096 Q8_0 qmatvec), which would flatter any ratio of
+    # threads.
+    alone: bool = False
 
     @property
     def key(self) -> str:
@@ -139,6 +147,30 @@ class Limit:
 # ---- what is timed -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Timer:
+    """A case made ready to time: `calls`, each call(reps) running its kernel reps times (inside
+    wasm where it can); the case's time is the fastest call's per-run median times `scale`. Several
+    calls: alternatives of which the fastest counts (the streaming read's stream counts, a
+    roofline's accumulator counts). `timed`: the calls return their batch's seconds themselves."""
+
+    calls: tuple[Callable[[int], Any], ...]
+    scale: float = 1.0
+    timed: bool = False
+
+
+def _job(k: Kernels, stack: ExitStack, export: str, args: list, threads: int, chunk: int | None = None) -> Callable[[int], Any]:
+    """The batch of parallel `export` on a pool of `threads` (timing.open_job), the pool closed with `stack`."""
+    pool, batch = open_job(k, export, args, threads, chunk)
+    stack.enter_context(pool)
+    return batch
+
+
+def _python(fn: Callable[[], Any]) -> Callable[[int], Any]:
+    """A batch of a Python callable (numpy baselines, one wasm call per layer): reps calls."""
+    return lambda reps: [fn() for _ in range(reps)]
+
+
 def _blocks(k: Kernels, quant: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random codes, every f16 field 0.01 and every byte field of the scale (an e8m0 exponent:
     MXFP4) the value whose scale is nearest 0.01 (node_bench.mjs's blocksOf makes the same). Random
@@ -165,102 +197,103 @@ def _filled(k: Kernels, nbytes: int) -> int:
     return addr
 
 
-def stream(quant: str, rows: int, cols: int, layers: int = 1) -> Callable[[Kernels], float]:
+# A case's timing, made ready: prepare(kernels, stack) makes its inputs and gives its Timer; what it
+# opens (a pool) it enters in `stack`, which closes once its group is timed.
+Prepare = Callable[[Kernels, ExitStack], Timer]
+
+
+def stream(quant: str, rows: int, cols: int, layers: int = 1) -> Prepare:
     """A streaming read of as many bytes as `quant`'s packed rows x cols, the fastest of
     STREAM_WAYS interleaved streams: the memory roofline. `layers` > 1: as many buffers, read in
     turn with one call each, as qmatvec's layers are."""
-    def run(k: Kernels) -> float:
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
         nbytes = _packed_bytes(k, quant, rows, cols) // STREAM_ALIGN * STREAM_ALIGN
         if layers > 1:
             bufs = [_filled(k, nbytes) for _ in range(layers)]
-            return min(measure_python(lambda: [k.call(stream_name(ways), b, nbytes) for b in bufs]).seconds
-                       for ways in STREAM_WAYS)
+            return Timer(tuple(_python(lambda w=ways: [k.call(stream_name(w), b, nbytes) for b in bufs]) for ways in STREAM_WAYS))
         buf = _filled(k, nbytes)
-        return min(measure(lambda reps: k.call(stream_name(ways) + "_repeat", reps, buf, nbytes)).seconds
-                   for ways in STREAM_WAYS)
-    return run
+        return Timer(tuple((lambda reps, w=ways: k.call(stream_name(w) + "_repeat", reps, buf, nbytes)) for ways in STREAM_WAYS))
+    return prepare
 
 
-def qmatvec(quant: str, rows: int, cols: int, threads: int = 0, layers: int = 1) -> Callable[[Kernels], float]:
+def qmatvec(quant: str, rows: int, cols: int, threads: int = 0, layers: int = 1) -> Prepare:
     """One mat-vec: the exported kernel, or (`threads` > 0) its job through the pool's par_for.
     `layers` > 1: as many distinct matrices, each mat-vec'd in turn (one call each), as decoding
     reads a model's layers: once they pass the last-level cache together, every matrix comes from
     DRAM, with its rows as near each other as one matrix's are (a single matrix that size puts a
     tile's row streams hundreds of MB apart)."""
-    def run(k: Kernels) -> float:
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
         rng = np.random.default_rng(1)
         if layers > 1:
             ws = [k.pack(quant, _blocks(k, quant, rows, cols, rng)) for _ in range(layers)]
             act = k.put_act(k.quantize_act(rng.standard_normal(cols).astype(np.float32)))
             y, fn = k.module.alloc(4 * rows), k.export_name("qmatvec", quant)
             calls = [[*w.args, *act, y, rows, cols] for w in ws]
-            return measure_python(lambda: [k.call(fn, *a) for a in calls]).seconds
+            return Timer((_python(lambda: [k.call(fn, *a) for a in calls]),))
         w = k.pack(quant, _blocks(k, quant, rows, cols, rng))
         act = k.quantize_act(rng.standard_normal(cols).astype(np.float32))
         args = [*w.args, *k.put_act(act), k.module.alloc(4 * rows), rows, cols]
         if not threads:
             fn = variant_name(repeat_name("qmatvec"), quant, {})
-            return measure(lambda reps: k.call(fn, reps, *args)).seconds
-        return time_job(k, k.export_name("qmatvec", quant), args, threads, 16)[0]
-    return run
+            return Timer((lambda reps: k.call(fn, reps, *args),))
+        return Timer((_job(k, stack, k.export_name("qmatvec", quant), args, threads, 16),))
+    return prepare
 
 
-def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Callable[[Kernels], float]:
+def stream_pool(quant: str, rows: int, cols: int, threads: int) -> Prepare:
     """The streaming read of `quant`'s packed bytes on the pool on `threads`, the fastest of
     STREAM_WAYS streams per chunk."""
-    def run(k: Kernels) -> float:
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
         nbytes = _packed_bytes(k, quant, rows, cols)
         chunks = max(1, nbytes // STREAM_CHUNK)
         args = [_filled(k, chunks * STREAM_CHUNK), chunks * STREAM_CHUNK]
-        best = math.inf
-        with Pool(k, threads) as pool:
-            for ways in STREAM_WAYS:
-                export = stream_name(ways, pool=True)
-                call = job_call(k.manifest, export, args)
-                pool.call(export, args, 1)  # publishes the arguments
-                index = pool.job_index(call.job)
-                best = min(best, measure(lambda reps: k.call("bench_par_for", reps, index, call.count, 1)).seconds)
-        return best * nbytes / (chunks * STREAM_CHUNK)
-    return run
+        pool = stack.enter_context(Pool(k, threads))
+        batches = []
+        for ways in STREAM_WAYS:  # every way's job reads the same two argument words
+            export = stream_name(ways, pool=True)
+            call = job_call(k.manifest, export, args)
+            pool.call(export, args, 1)
+            batches.append(lambda reps, i=pool.job_index(call.job), n=call.count: k.call("bench_par_for", reps, i, n, 1))
+        return Timer(tuple(batches), scale=nbytes / (chunks * STREAM_CHUNK))
+    return prepare
 
 
-def seed(rows: int, cols: int) -> Callable[[Kernels], float]:
+def seed(rows: int, cols: int) -> Prepare:
     """The seed-style hand-written Q8_0 kernel (peer.py) on the planes qmatvec q8_0 reads, checked
     against numpy before it is timed."""
-    def run(k: Kernels) -> float:
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
         rng = np.random.default_rng(1)
         w = k.pack("q8_0", _blocks(k, "q8_0", rows, cols, rng))
         x = rng.standard_normal(cols).astype(np.float32)
         peer = SeedPeer.on(k)
         args, ref = peer.prepare(w, x)
         peer.check(args, ref)
-        return measure(peer.repeat(args)).seconds
-    return run
+        return Timer((peer.repeat(args),))
+    return prepare
 
 
-def roofline(op: str) -> Callable[[Kernels], float]:
+def roofline(op: str) -> Prepare:
     """The register-only loops of `op` ("idot" or "madd"): seconds per ROOF_ITERS x ROOF_OPS ops of
     the fastest accumulator count (timing.ROOF_ACCS)."""
     seed = 1 if op == "idot" else 1.0
 
-    def run(k: Kernels) -> float:
-        return min(measure(lambda reps: k.call(roof_name(op, accs), reps * ROOF_ITERS, seed)).seconds
-                   for accs in ROOF_ACCS)
-    return run
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
+        return Timer(tuple((lambda reps, a=accs: k.call(roof_name(op, a), reps * ROOF_ITERS, seed)) for accs in ROOF_ACCS))
+    return prepare
 
 
-def qmatmul(quant: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[Kernels], float]:
+def qmatmul(quant: str, m: int, n: int, kk: int, threads: int = 0) -> Prepare:
     """Y[m, n] = A[m, kk] W[n, kk]^T: the exported kernel, or (`threads` > 0) its job."""
-    def run(k: Kernels) -> float:
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
         rng = np.random.default_rng(4)
         w = k.pack(quant, _blocks(k, quant, n, kk, rng))
         act = k.quantize_act(rng.standard_normal((m, kk)).astype(np.float32))
-        aq, ad, y = *k.put_act(act), k.module.alloc(4 * m * n)
+        args = [*w.args, *k.put_act(act), k.module.alloc(4 * m * n), m, n, kk]
         if threads:
-            return time_job(k, k.export_name("qmatmul", quant), [*w.args, aq, ad, y, m, n, kk], threads)[0]
+            return Timer((_job(k, stack, k.export_name("qmatmul", quant), args, threads),))
         fn = variant_name(repeat_name("qmatmul"), quant, {})
-        return measure(lambda reps: k.call(fn, reps, *w.args, aq, ad, y, m, n, kk)).seconds
-    return run
+        return Timer((lambda reps: k.call(fn, reps, *args),))
+    return prepare
 
 
 def _f32_operands(form: str, m: int, n: int, kk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -269,34 +302,34 @@ def _f32_operands(form: str, m: int, n: int, kk: int) -> tuple[np.ndarray, np.nd
     return a, rng.standard_normal((n, kk) if form == "nt" else (kk, n)).astype(np.float32)
 
 
-def matmul_f32(form: str, m: int, n: int, kk: int, threads: int = 0) -> Callable[[Kernels], float]:
+def matmul_f32(form: str, m: int, n: int, kk: int, threads: int = 0) -> Prepare:
     """y[m, n] = a b^T (form "nt", scores) or a b ("nn", P V)."""
-    def run(k: Kernels) -> float:
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
         a, b = _f32_operands(form, m, n, kk)
-        pa, pb, py = k.module.put(a), k.module.put(b), k.module.alloc(4 * m * n)
+        args = [k.module.put(a), k.module.put(b), k.module.alloc(4 * m * n), m, n, kk]
         if threads:
-            return time_job(k, k.export_name(f"matmul_f32_{form}"), [pa, pb, py, m, n, kk], threads)[0]
-        return measure(lambda reps: k.call(repeat_name(f"matmul_f32_{form}"), reps, pa, pb, py, m, n, kk)).seconds
-    return run
+            return Timer((_job(k, stack, k.export_name(f"matmul_f32_{form}"), args, threads),))
+        return Timer((lambda reps: k.call(repeat_name(f"matmul_f32_{form}"), reps, *args),))
+    return prepare
 
 
-def numpy_matmul(form: str, m: int, n: int, kk: int) -> Callable[[None], float]:
+def numpy_matmul(form: str, m: int, n: int, kk: int) -> Prepare:
     """numpy's float32 matmul (its BLAS, on every core it uses) on the same shape."""
-    def run(_: None) -> float:
+    def prepare(_: None, stack: ExitStack) -> Timer:
         a, b = _f32_operands(form, m, n, kk)
         bt = b.T if form == "nt" else b
         y = np.empty((m, n), np.float32)
-        return measure_python(lambda: np.matmul(a, bt, out=y)).seconds
-    return run
+        return Timer((_python(lambda: np.matmul(a, bt, out=y)),))
+    return prepare
 
 
-def empty_job(threads: int) -> Callable[[Kernels], float]:
+def empty_job(threads: int) -> Prepare:
     """par_for over no items: the pool's dispatch cost."""
-    def run(k: Kernels) -> float:
-        with Pool(k, threads) as pool:
-            index = pool.job_index(k.manifest["exports"][k.export_name("qmatvec", "q8_0")]["parallel"]["job"])
-            return measure(lambda reps: k.call("bench_par_for", reps, index, 0, 1)).seconds
-    return run
+    def prepare(k: Kernels, stack: ExitStack) -> Timer:
+        pool = stack.enter_context(Pool(k, threads))
+        index = pool.job_index(k.manifest["exports"][k.export_name("qmatvec", "q8_0")]["parallel"]["job"])
+        return Timer((lambda reps: k.call("bench_par_for", reps, index, 0, 1),))
+    return prepare
 
 
 EXP_N = 1 << 20
@@ -311,25 +344,24 @@ def _softmax_input() -> np.ndarray:
     return padded_rows(np.random.default_rng(3).standard_normal((SOFTMAX_ROWS, SOFTMAX_COLS)).astype(np.float32))
 
 
-def exp_f32(k: Kernels) -> float:
+def exp_f32(k: Kernels, stack: ExitStack) -> Timer:
     x = _exp_input()
     px, py = k.module.put(x, pad=16), k.module.alloc(x.nbytes + 16)
-    return measure(lambda reps: k.call(repeat_name("exp_f32"), reps, px, py, x.size)).seconds
+    return Timer((lambda reps: k.call(repeat_name("exp_f32"), reps, px, py, x.size),))
 
 
-def numpy_exp(_: None) -> float:
+def numpy_exp(_: None, stack: ExitStack) -> Timer:
     x = _exp_input()
     y = np.empty_like(x)
-    return measure_python(lambda: np.exp(x, out=y)).seconds
+    return Timer((_python(lambda: np.exp(x, out=y)),))
 
 
-def softmax_f32(k: Kernels) -> float:
+def softmax_f32(k: Kernels, stack: ExitStack) -> Timer:
     ps = k.module.put(_softmax_input())
-    return measure(lambda reps: k.call(repeat_name("softmax_f32"), reps, ps, SOFTMAX_ROWS, SOFTMAX_COLS,
-                                        SOFTMAX_COLS)).seconds
+    return Timer((lambda reps: k.call(repeat_name("softmax_f32"), reps, ps, SOFTMAX_ROWS, SOFTMAX_COLS, SOFTMAX_COLS),))
 
 
-def numpy_softmax(_: None) -> float:
+def numpy_softmax(_: None, stack: ExitStack) -> Timer:
     """Row by row, as a caller with one row at a time would."""
     xs = _softmax_input()[:, :SOFTMAX_COLS]
 
@@ -337,7 +369,7 @@ def numpy_softmax(_: None) -> float:
         for row in xs:
             e = np.exp(row - row.max())
             e / e.sum()
-    return measure_python(rows).seconds
+    return Timer((_python(rows),))
 
 
 # ---- the tables ----------------------------------------------------------------------------------
@@ -374,9 +406,9 @@ def _matvec_cases() -> list[Case]:
     for threads in (1, 2):
         t = f"{threads} thread{'s' if threads > 1 else ''}"
         out += [Case(f"qmatvec q8_0 pool, {t}", shape, n, "weights", qmatvec("q8_0", r, c, threads),
-                     node=("qmatvec pool", "q8_0", BIG, threads), weights=("q8_0", r, c)),
+                     node=("qmatvec pool", "q8_0", BIG, threads), weights=("q8_0", r, c), alone=True),
                 Case(f"stream pool, {t}", shape, n, "weights", stream_pool("q8_0", r, c, threads),
-                     node=("stream", "q8_0", BIG, threads), weights=("q8_0", r, c))]
+                     node=("stream", "q8_0", BIG, threads), weights=("q8_0", r, c), alone=True)]
     return out
 
 
@@ -423,9 +455,9 @@ def dram_table(rows: int, cols: int, layers: int = 1, cores: int | None = None) 
         pool = f"pool, {cores} threads"
         stream_pool_row, pool_row = f"stream {pool} {shape}", lambda q: f"qmatvec {q} {pool} {shape}"
         cases += [Case(f"stream {pool}", shape, n, "weights", stream_pool("q8_0", layers * rows, cols, cores),
-                       weights=("q8_0", layers * rows, cols)),
+                       weights=("q8_0", layers * rows, cols), alone=True),
                   *(Case(f"qmatvec {q} {pool}", shape, n, "weights", qmatvec(q, layers * rows, cols, cores),
-                         weights=(q, layers * rows, cols)) for q in DRAM_TYPES)]
+                         weights=(q, layers * rows, cols), alone=True) for q in DRAM_TYPES)]
         ratios += [Ratio(pool_row("q8_0"), stream_pool_row), *versus_q8_0(pool_row, goals=False)]
     return cases, ratios
 
@@ -450,21 +482,23 @@ PREFILL_CASES: list[Case] = [
     Case("f32 madd roofline (registers)", "", ROOF_ITERS * ROOF_OPS * 4, "MACs", roofline("madd"),
          node=(ROOFLINE, "madd", (ROOF_ITERS,), 1)),
     *(Case(f"qmatmul {q}{label}", _mnk(m, n, kk), m * n * kk, "MACs", qmatmul(q, m, n, kk, threads),
-           node=("qmatmul" + (POOL if threads else ""), q, (m, n, kk), max(threads, 1)))
+           node=("qmatmul" + (POOL if threads else ""), q, (m, n, kk), max(threads, 1)), alone=threads > 0)
       for q in ("q8_0", "q4_0") for m, n, kk in PREFILL
       for label, threads in (("", 0), (" pool, 1 thread", 1), (" pool, 2 threads", 2))),
-    *(Case("numpy f32 matmul A W^T", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul("nt", m, n, kk), numpy=True)
+    *(Case("numpy f32 matmul A W^T", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul("nt", m, n, kk), numpy=True,
+         alone=True)
       for m, n, kk in PREFILL),
     *(Case(f"matmul_f32_{form}{label}", _mnk(m, n, kk), m * n * kk, "MACs", matmul_f32(form, m, n, kk, threads),
-           node=(f"matmul_f32_{form}" + (POOL if threads else ""), "", (m, n, kk), max(threads, 1)))
+           node=(f"matmul_f32_{form}" + (POOL if threads else ""), "", (m, n, kk), max(threads, 1)), alone=threads > 0)
       for (form, _), (m, n, kk) in ATTENTION.items() for label, threads in (("", 0), (" pool, 2 threads", 2))),
-    *(Case(f"numpy f32 matmul {form}", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul(form, m, n, kk), numpy=True)
+    *(Case(f"numpy f32 matmul {form}", _mnk(m, n, kk), m * n * kk, "MACs", numpy_matmul(form, m, n, kk), numpy=True,
+         alone=True)
       for (form, _), (m, n, kk) in ATTENTION.items()),
 ]
 
 CASES: list[Case] = [
     *_matvec_cases(),
-    Case("empty pool job, 2 threads", "", 1, "jobs", empty_job(2)),
+    Case("empty pool job, 2 threads", "", 1, "jobs", empty_job(2), alone=True),
     *PREFILL_CASES,
     Case("exp_f32", "2^20", EXP_N, "elements", exp_f32),
     Case("np.exp", "2^20", EXP_N, "elements", numpy_exp, numpy=True),
@@ -658,14 +692,14 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     for name, unit in FIGURES.items():  # (each quant type's row is added by the first run's build)
         for t in (("-",) if unit == "s" else targets):
             rows[(name, t)] = Row(name, t, Cell(), unit=unit, figure=True)
+    timed = [(c, t) for c in cases for t in _targets_of(c, wasm_targets)]
+    groups = _groups(timed, ratios, {*wasm_targets, NUMPY}, bench)
     for i in range(repeat):
-        for c in cases:
-            for t in _targets_of(c, wasm_targets):
-                progress(f"run {i + 1}/{repeat}: {c.key} {t}")
-                k = None if c.numpy else bench.kernels[t]
-                rows[(c.key, t)].value.samples.append(c.time(k))
-                if k is not None:
-                    k.reset()
+        for group in groups:
+            more = f" and {len(group) - 1} more in turn" if len(group) > 1 else ""
+            progress(f"run {i + 1}/{repeat}: {group[0][0].key} {group[0][1]}{more}")
+            for (c, t), seconds in zip(group, _time_group(group, bench)):
+                rows[(c.key, t)].value.samples.append(seconds)
         for t, (engine, target) in js_targets.items():
             progress(f"run {i + 1}/{repeat}: the mat-vec and GEMM cases in {t}")
             named, times = js_timings(bench.built[target], [c.node for c in node_cases], engine=engine)
@@ -702,6 +736,68 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
                 out_limits.append(LimitRow(_row(rows, lim.of, t), lim.at_most))
     machine["load"].append(round(os.getloadavg()[0], 2))
     return Report(list(rows.values()), out_ratios, out_limits, repeat, machine, budget)
+
+
+TOGETHER_BYTES = CASE_MAX_BYTES  # a group's weights in one module at most: larger groups are timed in parts
+
+
+def _groups(timed: list[tuple[Case, str]], ratios: list[Ratio], targets: set[str], bench: Bench) -> list[list[tuple[Case, str]]]:
+    """The (case, target)s of `timed` in groups whose batches are timed in turn: the rows each
+    ratio compares (on the benched `targets`) end in one group, so the drift of a shared host over
+    minutes falls on both alike. In the order of `timed`; a group whose weights pass TOGETHER_BYTES
+    in one module is timed in parts of at most that (its ratios across parts: one after another)."""
+    index = {(c.key, t): i for i, (c, t) in enumerate(timed)}
+    parent = list(range(len(timed)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for r in ratios:
+        for t in (sorted(targets - {NUMPY}) if r.target == EVERY else (r.target,)):
+            a, b = index.get((r.row, t)), index.get((r.versus, t if r.versus_target == SAME else r.versus_target))
+            if a is not None and b is not None:
+                parent[root(a)] = root(b)
+    whole: dict[int | tuple[int], list[tuple[Case, str]]] = {}
+    for i, member in enumerate(timed):
+        whole.setdefault((i,) if member[0].alone else root(i), []).append(member)
+    out = []
+    for members in whole.values():
+        used: dict[str, int] = {}
+        out.append([])
+        for c, t in members:
+            nbytes = _packed_bytes(bench.kernels[t], *c.weights) if c.weights and t != NUMPY else 0
+            if out[-1] and used.get(t, 0) + nbytes > TOGETHER_BYTES:
+                out.append([])
+                used = {}
+            used[t] = used.get(t, 0) + nbytes
+            out[-1].append((c, t))
+    return out
+
+
+def _time_group(group: list[tuple[Case, str]], bench: Bench) -> list[float]:
+    """Seconds per call of each (case, target) of `group`: every case prepared, then all their
+    batches timed in turn (timing.measure_together); the modules reset after."""
+    used = {bench.kernels[t] for c, t in group if not c.numpy}
+    try:
+        with ExitStack() as stack:
+            timers = [c.prepare(None if c.numpy else bench.kernels[t], stack) for c, t in group]
+            calls = [call if timer.timed else _stopwatch(call) for timer in timers for call in timer.calls]
+            timings = iter(measure_together(calls, timed_by_call=True))
+            return [min(next(timings).seconds for _ in timer.calls) * timer.scale for timer in timers]
+    finally:
+        for k in used:
+            k.reset()
+
+
+def _stopwatch(call: Callable[[int], Any]) -> Callable[[int], float]:
+    """call as a batch that returns its own seconds (the wall clock: a pool job's helpers count)."""
+    def timed(reps: int) -> float:
+        t0 = time.perf_counter()
+        call(reps)
+        return time.perf_counter() - t0
+    return timed
 
 
 def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,

@@ -16,7 +16,9 @@
 //
 // Every time is per call of the runtime's API (Kernels.bench: activations copied in, y copied out,
 // as a model runs it), except the peer's, which is called directly on a memory laid out as the
-// runtime's: its weights at the addresses the runtime packed them (seedPeer).
+// runtime's: its weights at the addresses the runtime packed them (seedPeer). The one-thread mat-vec
+// rows of all cases (qmatvec, stream, seed) are timed in turn (inTurn), as bench.py times the rows a
+// ratio compares.
 
 const STREAM_CHUNK = 1 << 16; // the streaming reads' item, bytes (kernelgen/tuning/timing.py)
 
@@ -115,16 +117,33 @@ async function seedPeer(wasmBytes, manifest, spec, w, blocks, x, packPlanes) {
   return { call: () => instance.exports.seed_qmatvec(...args), y };
 }
 
+/** Milliseconds per call of fn over calls for about ms. */
+function batchMs(fn, ms) {
+  const start = performance.now();
+  let n = 0, now = start;
+  while (n === 0 || now - start < ms) { fn(); n++; now = performance.now(); }
+  return (now - start) / n;
+}
+
 /** Milliseconds per call of fn: a warm-up, then calls for about minMs. */
 function timeIt(fn, minMs) {
-  const loop = (ms) => {
-    const start = performance.now();
-    let n = 0, now = start;
-    while (n === 0 || now - start < ms) { fn(); n++; now = performance.now(); }
-    return (now - start) / n;
-  };
-  loop(minMs / 4);
-  return loop(minMs);
+  batchMs(fn, minMs / 4);
+  return batchMs(fn, minMs);
+}
+
+/** Milliseconds per call of each of `timers` (timer(ms) -> ms per call over a batch of about ms), their
+ * batches taken in turn (timing.measure_together's protocol): a warm-up batch of each, then `rounds`
+ * rounds of one batch of minMs / rounds each, every round starting one timer later; each timer's median. */
+async function inTurn(timers, minMs, rounds = 5) {
+  for (const timer of timers) await timer(minMs / 4);
+  const samples = timers.map(() => []);
+  for (let r = 0; r < rounds; r++) {
+    for (let j = 0; j < timers.length; j++) {
+      const i = (r + j) % timers.length;
+      samples[i].push(await timers[i](minMs / rounds));
+    }
+  }
+  return samples.map((xs) => xs.sort((a, b) => a - b)[xs.length >> 1]);
 }
 
 /** The rows `config` asks for (see the top of this file), timed in this engine. */
@@ -137,6 +156,12 @@ export async function benchRows(config) {
   try {
     const rows = [];
     const row = (kernel, quant, shape, threads, seconds) => rows.push({ kernel, quant, shape: shape.join('x'), threads, seconds });
+    // Every case's weights packed first; then the one-thread rows (qmatvec, the streaming read and the
+    // seed-style peer of every case) timed in turn (inTurn), so a ratio of two of them shares the
+    // host's drift; then the pool's rows on one and two threads, one after another (batches on every
+    // core slow the one-thread batches taken in turn with them: bench.py's Case.alone).
+    const single = []; // {kernel, quant, shape, timers: [(ms) -> ms per call], scale}: the fastest timer counts
+    const pooled = [];
     for (const { quant, shape, twoThreads } of config.cases) {
       const spec = k.manifest.quants[quant];
       const [r, c] = shape;
@@ -145,22 +170,16 @@ export async function benchRows(config) {
       const x = normals(c, rand);
       const w = await k.pack(quant, blocks, r, c);
       const act = await k.quantizeAct(x);
-      await k.setThreads(1);
-      row('qmatvec', quant, shape, 1, (await k.bench('qmatvec', [w, act], { minMs })).msPerCall / 1e3);
+      const bench = (method, args) => async (ms) => (await k.bench(method, args, { minMs: ms, warmupMs: 0 })).msPerCall;
+      single.push({ kernel: 'qmatvec', quant, shape, timers: [bench('qmatvec', [w, act])], scale: 1 });
       const nbytes = Object.values(spec.planes).reduce((s, p) => s + p.bytes_per_block, 0) * r * (c / 32);
       if (nbytes < STREAM_CHUNK) throw new RangeError(`${quant} ${r}x${c}: the streaming read needs at least ${STREAM_CHUNK} bytes of planes`);
       const chunks = Math.floor(nbytes / STREAM_CHUNK);
-      const scale = nbytes / (chunks * STREAM_CHUNK); // the planes lie one after another from planes.q
-      const streamArgs = [Object.values(w.planes)[0], chunks * STREAM_CHUNK];
+      const streamArgs = [Object.values(w.planes)[0], chunks * STREAM_CHUNK]; // the planes lie one after another from planes.q
       // the fastest of the read's interleaved-stream counts (config.streams: one pool job each, timing.STREAM_WAYS)
-      const stream = async () => {
-        let best = Infinity;
-        for (const job of config.streams) {
-          best = Math.min(best, (await k.bench('run', [job, null, streamArgs, { threads: true, chunk: 1 }], { minMs })).msPerCall);
-        }
-        return best / 1e3 * scale;
-      };
-      row('stream', quant, shape, 1, await stream());
+      const stream = { kernel: 'stream', quant, shape, scale: nbytes / (chunks * STREAM_CHUNK),
+        timers: config.streams.map((job) => bench('run', [job, null, streamArgs, { threads: true, chunk: 1 }])) };
+      single.push(stream);
       if (quant === 'q8_0') {
         const peer = await seedPeer(seedWasm, k.manifest, spec, w, blocks, x, packPlanes);
         peer.call();
@@ -169,17 +188,27 @@ export async function benchRows(config) {
         let err = 0, mag = 0;
         for (let i = 0; i < r; i++) { err = Math.max(err, Math.abs(got[i] - want[i])); mag = Math.max(mag, Math.abs(want[i])); }
         if (!(err <= 0.03 * mag)) throw new Error(`seed-style peer differs from qmatvec at ${r}x${c}: ${err} of ${mag}`);
-        row('seed', quant, shape, 1, timeIt(peer.call, minMs) / 1e3);
+        single.push({ kernel: 'seed', quant, shape, timers: [async (ms) => batchMs(peer.call, ms)], scale: 1 });
       }
-      if (twoThreads) { // the pool's job on one thread, then on two
-        for (const threads of [1, 2]) {
-          await k.setThreads(threads);
-          row('qmatvec pool', quant, shape, threads, (await k.bench('qmatvec', [w, act, { threads: true, chunk: 16 }], { minMs })).msPerCall / 1e3);
-          row('stream', quant, shape, threads, await stream());
+      if (twoThreads) pooled.push({ quant, shape, w, act, stream });
+    }
+    await k.setThreads(1);
+    const times = await inTurn(single.flatMap((s) => s.timers), minMs);
+    for (const { kernel, quant, shape, timers, scale } of single) {
+      row(kernel, quant, shape, 1, Math.min(...times.splice(0, timers.length)) * scale / 1e3);
+    }
+    for (const { quant, shape, w, act, stream } of pooled) { // the pool's job on one thread, then on two
+      for (const threads of [1, 2]) {
+        await k.setThreads(threads);
+        row('qmatvec pool', quant, shape, threads, (await k.bench('qmatvec', [w, act, { threads: true, chunk: 16 }], { minMs })).msPerCall / 1e3);
+        if (threads > 1) { // (on one thread: the row timed in turn above)
+          const ways = [];
+          for (const timer of stream.timers) { await timer(minMs / 4); ways.push(await timer(minMs)); }
+          row('stream', quant, shape, threads, Math.min(...ways) * stream.scale / 1e3);
         }
       }
-      await k.reset();
     }
+    await k.reset();
     /** A timer of GEMM case `kernel` (qmatmul, matmul_f32_nt or matmul_f32_nn): opts -> seconds per API
      * call, its inputs made (and the weights packed) once. */
     async function gemmTimer(kernel, quant, [m, n, kk]) {

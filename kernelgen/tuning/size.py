@@ -126,6 +126,6 @@ def format_sizes(s: Sizes, top: int = 12) -> str:
     lines = [f"{s.target}: {s.wasm} bytes of wasm ({s.gzip} gzip -9, {s.brotli} brotli -q 11); function bodies:"
              f" {f[QUANT_CODE]} in quant-type kernels, {f[OTHER_CODE]} the rest",
              "  by quant type: " + ", ".join(f"{q} {n}" for q, n in s.by_quant().items() if q is not None),
-             f"  largest kernels (over all quant types): "
+             "  largest kernels (over all quant types): "
              + ", ".join(f"{k} {n}" for k, n in list(s.by_kernel().items())[:top])]
     return "\n".join(lines)

@@ -261,21 +261,3 @@ def open_job(k: Any, export: str, args: list, threads: int, chunk: int | None = 
     if layers:
         return pool, lambda reps: [pool.call(export, a, chunk) for _ in range(reps) for a in layers]
     return pool, lambda reps: k.call("bench_par_for", reps, index, call.count, chunk)
-
-
-def time_job(k: Any, export: str, args: list, threads: int, chunk: int | None = None,
-             verify: Callable[[], str | None] = lambda: None, min_batch: float = 0.02,
-             samples: int = 5, layers: list[list] | None = None) -> tuple[float | None, str | None]:
-    """open_job, then (seconds per run, None), or (None, the problem) when `verify` finds one in
-    the first run's output."""
-    pool, batch = open_job(k, export, args, threads, chunk, layers)
-    with pool:
-        problem = verify()
-        if problem:
-            return None, problem
-        return measure(batch, min_batch, samples).seconds, None
-
-
-def measure_python(fn: Any, min_batch: float = 0.02, samples: int = 5) -> Timing:
-    """The same protocol for a Python callable (numpy baselines)."""
-    return measure(lambda reps: [fn() for _ in range(reps)], min_batch, samples)
