@@ -1312,7 +1312,7 @@ def test_bench_times_the_rows_a_ratio_compares_in_turn() -> None:
     """The rows each ratio names, joined through the ratios, are one group: their batches are
     timed in turn, so a host slowing 10% per batch leaves identical cases within 25%; rows no
     ratio joins are timed apart, and so is a case `alone` (a pool, numpy's BLAS: on every core); a
-    group whose weights pass TOGETHER_BYTES is timed in parts."""
+    group whose weights pass GROUP_BYTES is timed in parts."""
     log: list[str] = []
     clock = [1.0]
 
@@ -1339,7 +1339,7 @@ def test_bench_times_the_rows_a_ratio_compares_in_turn() -> None:
     both = [(c, "simd128") for c in big]
     assert bench._groups(both, [Ratio("qmatvec q4_0 8x8", "qmatvec q8_0 8x8")], {"simd128"}, kernels) == [both]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "TOGETHER_BYTES", 20 << 20)  # 4096x4096 Q8_0 packs 18 MB, Q4_0 9 MB
+        mp.setattr(bench, "GROUP_BYTES", 20 << 20)  # 4096x4096 Q8_0 packs 18 MB, Q4_0 9 MB
         assert bench._groups(both, [Ratio("qmatvec q4_0 8x8", "qmatvec q8_0 8x8")], {"simd128"}, kernels) == [
             both[:1], both[1:]]
     pooled = [(dataclasses.replace(big[0], name="qmatvec q8_0 pool", alone=True), "simd128"), both[1]]

@@ -738,13 +738,13 @@ def run(source: str, targets: tuple[str, ...] = TARGET_NAMES, records: list[Reco
     return Report(list(rows.values()), out_ratios, out_limits, repeat, machine, budget)
 
 
-TOGETHER_BYTES = CASE_MAX_BYTES  # a group's weights in one module at most: larger groups are timed in parts
+GROUP_BYTES = CASE_MAX_BYTES  # a group's weights in one module at most: larger groups are timed in parts
 
 
 def _groups(timed: list[tuple[Case, str]], ratios: list[Ratio], targets: set[str], bench: Bench) -> list[list[tuple[Case, str]]]:
     """The (case, target)s of `timed` in groups whose batches are timed in turn: the rows each
     ratio compares (on the benched `targets`) end in one group, so the drift of a shared host over
-    minutes falls on both alike. In the order of `timed`; a group whose weights pass TOGETHER_BYTES
+    minutes falls on both alike. In the order of `timed`; a group whose weights pass GROUP_BYTES
     in one module is timed in parts of at most that (its ratios across parts: one after another)."""
     index = {(c.key, t): i for i, (c, t) in enumerate(timed)}
     parent = list(range(len(timed)))
@@ -768,7 +768,7 @@ def _groups(timed: list[tuple[Case, str]], ratios: list[Ratio], targets: set[str
         out.append([])
         for c, t in members:
             nbytes = _packed_bytes(bench.kernels[t], *c.weights) if c.weights and t != NUMPY else 0
-            if out[-1] and used.get(t, 0) + nbytes > TOGETHER_BYTES:
+            if out[-1] and used.get(t, 0) + nbytes > GROUP_BYTES:
                 out.append([])
                 used = {}
             used[t] = used.get(t, 0) + nbytes
