@@ -53,7 +53,8 @@ from .size import BROTLI, GZIP, OTHER_CODE, QUANT_CODE, WASM, sizes
 from .peer import wasm as peer_wasm
 from .timing import (ENGINES as ENGINE_SETS, COMPUTE_SOURCE, POOL_REPEAT, ROOF_ACCS, ROOF_ITERS,
                      ROOF_OPS, STREAM_ALIGN, STREAM_CHUNK, STREAM_SOURCE, STREAM_WAYS, CASE_MAX_BYTES,
-                     check_case_bytes, measure_together, open_job, repeat_name, repeat_source, roof_name, stream_name)
+                     check_case_bytes, measure_together, open_job, repeat_name, repeat_source, roof_name, stopwatch,
+                     stream_name)
 
 NUMPY = "numpy"  # the target column of a numpy baseline
 EVERY = "*"  # a ratio or limit that applies on every benched target
@@ -783,21 +784,12 @@ def _time_group(group: list[tuple[Case, str]], bench: Bench) -> list[float]:
     try:
         with ExitStack() as stack:
             timers = [c.prepare(None if c.numpy else bench.kernels[t], stack) for c, t in group]
-            calls = [call if timer.timed else _stopwatch(call) for timer in timers for call in timer.calls]
+            calls = [call if timer.timed else stopwatch(call) for timer in timers for call in timer.calls]
             timings = iter(measure_together(calls, timed_by_call=True))
             return [min(next(timings).seconds for _ in timer.calls) * timer.scale for timer in timers]
     finally:
         for k in used:
             k.reset()
-
-
-def _stopwatch(call: Callable[[int], Any]) -> Callable[[int], float]:
-    """call as a batch that returns its own seconds (the wall clock: a pool job's helpers count)."""
-    def timed(reps: int) -> float:
-        t0 = time.perf_counter()
-        call(reps)
-        return time.perf_counter() - t0
-    return timed
 
 
 def js_timings(built: Built, keys: list[NodeKey], min_ms: float = 300,

@@ -199,24 +199,30 @@ def measure(call: Any, min_batch: float = 0.02, samples: int = 5, thread_time: b
     return measure_together([call], min_batch, samples, thread_time, timed_by_call)[0]
 
 
+def stopwatch(call: Callable[[int], Any], now: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """`call` as a batch that returns the seconds it took by `now` (default: the wall clock, read
+    when timed), measure_together's timed_by_call form: calls timed by different clocks, or by
+    themselves, can then share a turn."""
+    def timed(reps: int) -> float:
+        clock = now or time.perf_counter
+        t0 = clock()
+        call(reps)
+        return clock() - t0
+    return timed
+
+
 def measure_together(calls: Sequence[Any], min_batch: float = 0.02, samples: int = 5, thread_time: bool = False,
                      timed_by_call: bool = False) -> list[Timing]:
     """measure() for several calls, their batches taken in turn: each round times every call once,
     the next round starting one call later. Why: a shared host's speed drifts by up to 1.3x over
     minutes (Zen 3, stop 63), so variants timed one after another compare the drift as much as the
     code, while variants timed in turn share it (the tuner's variants of one case)."""
-    now = time.thread_time if thread_time else time.perf_counter
-
-    def timed(call: Any, reps: int) -> float:
-        if timed_by_call:
-            return call(reps)
-        t0 = now()
-        call(reps)
-        return now() - t0
+    if not timed_by_call:
+        calls = [stopwatch(c, time.thread_time if thread_time else time.perf_counter) for c in calls]
 
     def sized(call: Any, reps: int) -> int:
         while True:
-            dt = timed(call, reps)
+            dt = call(reps)
             if dt >= min_batch or reps >= MAX_REPS:
                 return reps
             reps = min(MAX_REPS, max(reps * 2, int(reps * min_batch / max(dt, 1e-9) * 1.2)))
@@ -228,7 +234,7 @@ def measure_together(calls: Sequence[Any], min_batch: float = 0.02, samples: int
         times: list[list[float]] = [[] for _ in calls]
         for r in range(samples):
             for i in (j % len(calls) for j in range(r, r + len(calls))):
-                times[i].append(timed(calls[i], reps[i]))
+                times[i].append(calls[i](reps[i]))
         # A first batch slowed by what only it pays (V8 compiling the module under load) can end the
         # sizing at batches shorter than the clock resolves: Chromium's page clock read 0 s. Size again.
         short = [i for i, t in enumerate(times) if statistics.median(t) < min_batch / 2 and reps[i] < MAX_REPS]
